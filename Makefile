@@ -1,0 +1,55 @@
+# graphborrow: `make run` sets up and runs the main job, `make test` sets up and runs every test.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build is the default here; on a GPU machine use e.g. TORCH_SPEC='torch>=2.8'
+# with a CUDA wheel index, or point VENV at an environment that already has CUDA torch.
+TORCH_SPEC ?= torch==2.13.0
+export MPLBACKEND := Agg
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[notebooks,test]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+run: setup
+	$(PY) -m graphborrow run
+
+demo: setup
+	$(PY) -m graphborrow demo
+
+# Debian's Chromium for the browser test (Playwright drives it by executable path).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
+
+test: setup browser
+	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-notebooks
+
+test-core: setup
+	$(PY) -m pytest -q tests -m "not browser"
+
+test-notebooks: setup
+	rm -rf notebooks/results
+	$(PY) -m pytest -q -p no:python --nbval-lax --nbval-current-env \
+	  --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/
+	$(PY) scripts/check_notebook_results.py notebooks/results
+
+# On a CUDA machine: the GPU twins of the borrow tests.
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu tests
+
+strip:
+	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb
+
+clean:
+	rm -rf $(VENV) .pytest_cache notebooks/results runs test-artifacts

@@ -1,0 +1,208 @@
+"""One device API, two implementations: the real ``torch.cuda`` and the simulated device.
+
+Everything in graphborrow that touches device memory goes through a Backend, so the
+borrow state, the EAGLE sampler and the workload run unchanged on an H200 and on a
+CPU-only machine. The names mirror ``torch.cuda``; only what the project needs is here.
+
+Tensors are always created with ``device=backend.device`` (the string ``"cuda"``) or
+from existing tensors (``new_empty``, ``empty_like``, ops). On the simulated device a
+TorchFunctionMode maps ``"cuda"`` onto simulated memory, and simulated tensors report
+``device == cpu``; :func:`tensor_device` gives the device string to create more
+tensors next to a given one on either backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+from typing import Any, Iterator
+
+import torch
+
+from .arena import BumpArena
+
+CUDA = "cuda"
+SIM = "sim"
+
+
+class CudaBackend:
+    """The real device: thin wrappers over ``torch.cuda``."""
+
+    name = CUDA
+    device = "cuda"
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "CUDA backend requested but torch.cuda.is_available() is False; "
+                "use device='sim' (or 'auto') to run on the simulated device"
+            )
+        self.OutOfMemoryError = torch.cuda.OutOfMemoryError
+        self._index = torch.cuda.current_device()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+        delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
+        # private fast paths (a few µs per borrow); public API when a torch lacks them
+        self._raw_stream = (lambda: raw(self._index)) if raw else (lambda: torch.cuda.current_stream().cuda_stream)
+        if alloc and delete:
+            self._touch = lambda: delete(alloc(1, self._raw_stream()))
+        else:
+            self._touch = lambda: torch.empty(1, device="cuda")
+
+    # streams and synchronisation
+    def current_stream(self):
+        return torch.cuda.current_stream()
+
+    def current_stream_key(self) -> int:
+        """A cheap identity of the current stream (its raw handle)."""
+        return self._raw_stream()
+
+    def Stream(self):
+        return torch.cuda.Stream()
+
+    def stream(self, s):
+        return torch.cuda.stream(s)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def sleep(self, stream, microseconds: float) -> None:
+        """Keep ``stream`` busy for about ``microseconds`` (for deferred-free demos)."""
+        cycles = int(microseconds * torch.cuda.get_device_properties(0).clock_rate / 1e3)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(max(cycles, 1))
+
+    def touch(self) -> None:
+        """One small allocation outside any pool: lets the allocator process completed events."""
+        self._touch()
+
+    # pools
+    def graph_pool_handle(self):
+        return torch.cuda.graph_pool_handle()
+
+    def CUDAGraph(self):
+        return torch.cuda.CUDAGraph()
+
+    def graph(self, g, pool=None, stream=None):
+        return torch.cuda.graph(g, pool=pool, stream=stream)
+
+    def arena_pool(self, arena: BumpArena):
+        """A MemPool whose segments come from ``arena`` (torch's pluggable allocator)."""
+        return torch.cuda.MemPool(arena.allocator)
+
+    def use_mem_pool(self, pool):
+        return torch.cuda.use_mem_pool(pool)
+
+    def pool_id(self, pool) -> tuple[int, int]:
+        return tuple(pool.id)
+
+    def memory_snapshot(self, pool_id=None) -> list[dict]:
+        if pool_id is None:
+            return torch.cuda.memory_snapshot()
+        try:
+            return torch.cuda.memory_snapshot(mempool_id=pool_id, include_traces=False)
+        except TypeError:  # torch < 2.10 has no include_traces
+            return torch.cuda.memory_snapshot(mempool_id=pool_id)
+
+    def memory_stats(self) -> dict[str, Any]:
+        return torch.cuda.memory_stats()
+
+    def memory_reserved(self) -> int:
+        return torch.cuda.memory_reserved()
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def record_stream(self, tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+    def data_ptr(self, tensor) -> int:
+        return tensor.data_ptr()
+
+    def describe(self) -> str:
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+
+    def external_alloc(self, nbytes: int) -> "ExternalBuffer":
+        """Device memory from cudaMalloc itself, outside the caching allocator.
+
+        Static borrow runs must be storage the caching allocator does not track: its
+        block map is keyed by address, so a borrowed block starting where a live
+        caching-allocator block starts would clobber that block's entry.
+        """
+        cudart = _cudart()
+        ptr = ctypes.c_void_p()
+        err = cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        if err != 0:
+            raise self.OutOfMemoryError(f"cudaMalloc({nbytes}) failed with CUDA error {err}")
+        return ExternalBuffer(ptr.value, nbytes, lambda: cudart.cudaFree(ptr))
+
+
+class ExternalBuffer:
+    """Device memory the caching allocator knows nothing about (see external_alloc)."""
+
+    def __init__(self, address: int, nbytes: int, release):
+        self.address, self.nbytes, self._release = address, nbytes, release
+
+    def free(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+@functools.lru_cache(maxsize=None)
+def _cudart():
+    torch.cuda.init()  # loads the runtime torch links against, so its soname resolves
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError("could not load the CUDA runtime library (libcudart) for external_alloc")
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_backend() -> CudaBackend:
+    return CudaBackend()
+
+
+def get_backend(kind: str = "auto", **sim_options):
+    """Return the backend for ``"cuda"``, ``"sim"`` or ``"auto"`` (CUDA when present).
+
+    ``sim_options`` (capacity, backed, ...) create a fresh simulated device; the CUDA
+    backend is a per-process singleton, as the device is.
+    """
+    kind = (kind or "auto").lower()
+    if kind not in ("auto", CUDA, SIM):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'sim', got {kind!r}")
+    if kind == "auto":
+        kind = CUDA if cuda_available() else SIM
+    if kind == CUDA:
+        return _cuda_backend()
+    from .sim import SimBackend
+
+    return SimBackend(**sim_options)
+
+
+def tensor_device(t: torch.Tensor) -> str | torch.device:
+    """The device string that creates new tensors next to ``t`` on either backend."""
+    from .sim import is_sim_tensor
+
+    if is_sim_tensor(t):
+        return "cuda"
+    return t.device
+
+
+@contextlib.contextmanager
+def nullscope() -> Iterator[None]:
+    yield

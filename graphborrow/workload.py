@@ -1,0 +1,174 @@
+"""A serving-shaped workload: Llama-shaped MLP blocks, a prefill graph and a decode ladder.
+
+Serving engines capture one prefill graph and a ladder of decode graphs (one per batch
+size) into a single shared pool, largest first so smaller captures reuse the larger
+ones' blocks. Between replays much of that pool is idle: that is what we borrow.
+
+Weights are random (the memory story does not depend on them) and everything runs under
+``torch.inference_mode()``: without it autograd keeps activations alive in the pool and
+the free runs all but vanish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .borrow import BorrowState
+from .errors import ParameterError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    hidden: int = 4096
+    intermediate: int = 14336
+    layers: int = 2
+    vocab: int = 128256
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        for name in ("hidden", "intermediate", "layers", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ParameterError(f"ModelShape.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+LLAMA3_8B = ModelShape()
+TINY = ModelShape(hidden=128, intermediate=256, layers=2, vocab=2048, dtype=torch.float32)
+
+
+class LlamaMLP:
+    """RMSNorm → SwiGLU MLP blocks with residuals, then a final norm and the LM head."""
+
+    def __init__(self, shape: ModelShape, device: str = "cuda", seed: int = 0):
+        self.shape = shape
+        g = torch.Generator().manual_seed(seed)
+        h, m = shape.hidden, shape.intermediate
+
+        def weight(*size):
+            w = torch.empty(*size, dtype=shape.dtype, device=device)
+            w.copy_((torch.randn(*size, generator=g) * size[-1] ** -0.5).to(shape.dtype))
+            return w
+
+        self.layers = [
+            (weight(h).fill_(1.0), weight(2 * m, h), weight(h, m)) for _ in range(shape.layers)
+        ]
+        self.norm = weight(h).fill_(1.0)
+        self.head = weight(shape.vocab, h)
+
+    @staticmethod
+    def _rms_norm(x, w, eps=1e-5):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * w
+
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, gate_up, down in self.layers:
+            gu = F.linear(self._rms_norm(x, norm), gate_up)
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, down)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms_norm(x, self.norm), self.head).float()
+
+
+class GraphLadder:
+    """A prefill graph plus decode graphs for each batch size, in one shared pool.
+
+    Decode graphs take ``batch * draft_tokens`` tokens (EAGLE verifies every draft token)
+    and end in the full-vocabulary head, so their logits are the verification input.
+    """
+
+    def __init__(
+        self,
+        backend,
+        shape: ModelShape = LLAMA3_8B,
+        prefill_tokens: int = 8192,
+        decode_batches: Sequence[int] = (64, 32, 16, 8, 4, 2, 1),
+        draft_tokens: int = 8,
+        state: Optional[BorrowState] = None,
+        order: str = "largest_first",
+        seed: int = 0,
+    ):
+        if prefill_tokens < 0:
+            raise ParameterError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
+        if not decode_batches or min(decode_batches) < 1:
+            raise ParameterError(f"decode_batches must be positive batch sizes, got {list(decode_batches)}")
+        if draft_tokens < 1:
+            raise ParameterError(f"draft_tokens must be >= 1, got {draft_tokens}")
+        if order not in ("largest_first", "smallest_first"):
+            raise ParameterError(f"order must be 'largest_first' or 'smallest_first', got {order!r}")
+        self.backend = backend
+        self.shape = shape
+        self.prefill_tokens = prefill_tokens
+        self.draft_tokens = draft_tokens
+        self.decode_batches = sorted(set(decode_batches), reverse=(order == "largest_first"))
+        self.order = order
+        self.state = state if state is not None else BorrowState(backend, pool_id=backend.graph_pool_handle())
+        self.pool_id = self.state.pool_id
+        with torch.inference_mode():
+            self.model = LlamaMLP(shape, device=backend.device, seed=seed)
+        self.graphs: dict = {}
+        self.inputs: dict = {}
+        self.outputs: dict = {}
+
+    def _capture(self, key, tokens: int, with_head: bool) -> None:
+        b = self.backend
+        with torch.inference_mode():
+            x = torch.randn(tokens, self.shape.hidden, device=b.device).to(self.shape.dtype)
+            side = b.Stream()
+            with b.stream(side):  # warm-up outside the pool (library workspaces, autotuning)
+                y = self.model.blocks(x)
+                if with_head:
+                    y = self.model.logits(y[:1])
+                del y
+            b.synchronize()
+            g = b.CUDAGraph()
+            with self.state.capture_scope(), b.graph(g, pool=self.pool_id):
+                h = self.model.blocks(x)
+                out = self.model.logits(h) if with_head else h
+                del h
+        self.graphs[key], self.inputs[key], self.outputs[key] = g, x, out
+
+    def capture(self) -> "GraphLadder":
+        """Capture prefill (if any) and the decode ladder in the configured order."""
+        prefill = [("prefill", self.prefill_tokens, False)] if self.prefill_tokens else []
+        decode = [(("decode", bs), bs * self.draft_tokens, True) for bs in self.decode_batches]
+        plan = prefill + decode if self.order == "largest_first" else decode + prefill
+        for key, tokens, head in plan:
+            self._capture(key, tokens, head)
+        self.backend.synchronize()
+        return self
+
+    def graph_batch(self, batch: int) -> int:
+        """Smallest captured decode batch that holds ``batch`` requests (padding up)."""
+        fits = [bs for bs in self.decode_batches if bs >= batch]
+        if not fits:
+            raise ParameterError(
+                f"batch {batch} exceeds the largest captured decode batch {max(self.decode_batches)}; "
+                "capture a larger ladder or split the batch"
+            )
+        return min(fits)
+
+    def replay(self, key) -> torch.Tensor:
+        with self.state.replay_scope():
+            self.graphs[key].replay()
+        return self.outputs[key]
+
+    def decode(self, batch: int) -> torch.Tensor:
+        """Replay the decode graph for ``batch`` requests; returns its [bs*D, V] logits."""
+        bs = self.graph_batch(batch)
+        logits = self.replay(("decode", bs))
+        return logits[: batch * self.draft_tokens]
+
+    def prefill(self) -> torch.Tensor:
+        return self.replay("prefill")
+
+    def snapshot(self) -> list:
+        return self.backend.memory_snapshot(self.pool_id)

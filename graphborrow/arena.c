@@ -186,6 +186,13 @@ GB_QUERY(align, a->align)
 GB_QUERY(best_fit, (size_t)a->best_fit)
 GB_QUERY(num_extents, a->n)
 
+/* Address of the freed counter: callers poll it every step, a plain read is enough
+ * for "has anything been released since set_extents" (the counter only grows). */
+const size_t *gb_arena_freed_ptr(int slot) {
+    arena_t *a = slot_arena(slot);
+    return a ? &a->freed : NULL;
+}
+
 /* Per-extent cursor, for inspection and tests. */
 size_t gb_arena_extent_cursor(int slot, size_t i) {
     arena_t *a = slot_arena(slot);

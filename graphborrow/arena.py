@@ -106,6 +106,8 @@ def _library() -> ctypes.CDLL:
             fn = getattr(lib, f"gb_arena_{name}")
             fn.argtypes = [ctypes.c_int]
             fn.restype = ctypes.c_size_t
+        lib.gb_arena_freed_ptr.argtypes = [ctypes.c_int]
+        lib.gb_arena_freed_ptr.restype = ctypes.c_void_p
         lib.gb_arena_extent_cursor.argtypes = [ctypes.c_int, ctypes.c_size_t]
         lib.gb_arena_extent_cursor.restype = ctypes.c_size_t
         _lib = lib
@@ -138,6 +140,7 @@ class BumpArena:
                 "drop BumpArena instances (and their MemPools) you no longer need"
             )
         self._finalizer = weakref.finalize(self, self._lib.gb_arena_release, self.slot)
+        self._freed = ctypes.c_size_t.from_address(self._lib.gb_arena_freed_ptr(self.slot))
         self._extents: list[tuple[int, int]] = []
         self._allocator = None
 
@@ -203,7 +206,7 @@ class BumpArena:
 
     @property
     def freed_bytes(self) -> int:
-        return self._lib.gb_arena_freed(self.slot)
+        return self._freed.value  # read in place: checked on every borrow
 
     @property
     def best_fit(self) -> bool:

@@ -94,6 +94,16 @@ class CudaBackend:
     def use_mem_pool(self, pool):
         return torch.cuda.use_mem_pool(pool)
 
+    def route_to_pool(self, pool):
+        """``use_mem_pool`` outside graph capture, without its generator's overhead.
+
+        The borrow scope enters this every decode step (never during a capture: the
+        owner slot excludes that), so it calls the allocator's routing hooks directly.
+        """
+        if _ROUTING_HOOKS is None:
+            return torch.cuda.use_mem_pool(pool)
+        return _PoolRouting(self._index, pool.id)
+
     def pool_id(self, pool) -> tuple[int, int]:
         return tuple(pool.id)
 
@@ -129,6 +139,31 @@ class CudaBackend:
     def describe(self) -> str:
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
 
+    def MemPool(self, allocator=None, use_on_oom=False, no_split=False):
+        kwargs = {}
+        if use_on_oom:
+            kwargs["use_on_oom"] = True
+        if no_split:
+            kwargs["no_split"] = True
+        return torch.cuda.MemPool(allocator, **kwargs)
+
+    def Event(self, enable_timing: bool = False):
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    def record_memory_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
+        torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max_entries)
+
+    def full_snapshot(self) -> dict:
+        """segments, device traces and allocator settings, as memory_viz reads them."""
+        return torch.cuda.memory._snapshot()
+
+    def activated(self):
+        """The real device needs no activation; present so callers can treat backends alike."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Nothing to release: the CUDA device outlives any one user."""
+
     def external_alloc(self, nbytes: int) -> "ExternalBuffer":
         """Device memory from cudaMalloc itself, outside the caching allocator.
 
@@ -142,6 +177,32 @@ class CudaBackend:
         if err != 0:
             raise self.OutOfMemoryError(f"cudaMalloc({nbytes}) failed with CUDA error {err}")
         return ExternalBuffer(ptr.value, nbytes, lambda: cudart.cudaFree(ptr))
+
+
+def _routing_hooks():
+    names = ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool", "_cuda_releasePool")
+    hooks = tuple(getattr(torch._C, n, None) for n in names)
+    return hooks if all(hooks) else None
+
+
+_ROUTING_HOOKS = _routing_hooks()
+
+
+class _PoolRouting:
+    """What torch.cuda.use_mem_pool does outside a graph capture, as a plain class."""
+
+    __slots__ = ("device", "pool_id")
+
+    def __init__(self, device: int, pool_id):
+        self.device, self.pool_id = device, pool_id
+
+    def __enter__(self):
+        _ROUTING_HOOKS[0](self.device, self.pool_id)
+
+    def __exit__(self, *exc):
+        _ROUTING_HOOKS[1](self.device, self.pool_id)
+        _ROUTING_HOOKS[2](self.device, self.pool_id)
+        return False
 
 
 class ExternalBuffer:

@@ -27,7 +27,7 @@ import torch
 from .arena import BumpArena
 from .errors import BorrowLeakError, PoolBusyError, WrongStreamError
 from .runs import find_free_runs
-from .sizes import MB, allocation_size, round_size
+from .sizes import MB, allocation_size, is_small, round_size
 
 CAPTURE_USER = "CUDA graph capture"
 REPLAY_USER = "CUDA graph replay"
@@ -58,7 +58,7 @@ class BorrowState:
     mem_pool: Any = dataclasses.field(default=None, init=False)
     stream: Any = dataclasses.field(default=None, init=False)
     check_pending: bool = dataclasses.field(default=False, init=False)
-    high_water: int = dataclasses.field(default=0, init=False)
+    _high_water: int = dataclasses.field(default=0, init=False, repr=False)
     builds: int = dataclasses.field(default=0, init=False)
     stream_key: Any = dataclasses.field(default=None, init=False, repr=False)
     _runs: Optional[list] = dataclasses.field(default=None, init=False, repr=False)
@@ -66,6 +66,7 @@ class BorrowState:
     def __post_init__(self) -> None:
         # the cheapest stream identity the backend offers: checked on every borrow
         self._stream_key = getattr(self.backend, "current_stream_key", self.backend.current_stream)
+        self._route = getattr(self.backend, "route_to_pool", self.backend.use_mem_pool)
 
     # ------------------------------------------------------------------ switches
     @property
@@ -130,6 +131,11 @@ class BorrowState:
         self._retire()
         self.static_runs = None
 
+    @property
+    def high_water(self) -> int:
+        """Most arena bytes any borrow pool of this state has carved so far."""
+        return max(self._high_water, self.arena.cursor_bytes if self.arena else 0)
+
     # ------------------------------------------------------------------ capacity
     def free_runs(self) -> list[tuple[int, int]]:
         """The runs a new borrow pool would use, largest first (cached until retirement)."""
@@ -153,22 +159,33 @@ class BorrowState:
         return seed if seed >= self.precarve_min else 0
 
     def can_fit(self, nbytes: int) -> bool:
-        """Could one tensor of ``nbytes`` be borrowed from a fresh pool over these runs?
+        """Could one more tensor of ``nbytes`` be borrowed right now?
 
-        Applies the allocator's rounding: a request gets a 512-byte-rounded block, inside
-        a precarved segment or a new segment of 2 MiB, 20 MiB or a 2 MiB multiple.
+        Applies the allocator's rounding: a request gets a 512-byte-rounded block, from a
+        cached free block of the borrow pool (a precarved segment included), or in a new
+        segment of 2 MiB, 20 MiB or a 2 MiB multiple that the arena must still have room
+        for. Before the first borrow it answers for the pool that borrow would build.
         """
         if nbytes <= 0 or not self.enabled:
             return False
         size = round_size(nbytes)
         segment = allocation_size(size)
-        for _, run in self.free_runs():
-            seed = self._precarve_bytes(run)
-            if seed and size <= seed:
-                return True
-            if segment <= run - seed:
-                return True
-        return False
+        if self.mem_pool is None:
+            for _, run in self.free_runs():
+                seed = self._precarve_bytes(run)
+                if (seed and size <= seed) or segment <= run - seed:
+                    return True
+            return False
+        kind = "small" if is_small(size) else "large"  # the two pools never lend to each other
+        pool_segments = self.backend.memory_snapshot(self.backend.pool_id(self.mem_pool))
+        if any(
+            b["state"] == "inactive" and b["size"] >= size
+            for s in pool_segments if s.get("segment_type", kind) == kind
+            for b in s["blocks"]
+        ):
+            return True
+        rooms = (n - cursor for (_, n), cursor in zip(self.arena.extents, self.arena.extent_cursors()))
+        return any(room >= segment for room in rooms)
 
     # ------------------------------------------------------------------ scopes
     def _take_slot(self, user: str) -> None:
@@ -280,7 +297,7 @@ class BorrowState:
         # block is inactive before the pool and its segments go away
         self.backend.synchronize()
         self.backend.touch()
-        self.high_water = max(self.high_water, self.arena.cursor_bytes)
+        self._high_water = self.high_water
         self.mem_pool = None
         self.stream = self.stream_key = None
 
@@ -298,7 +315,7 @@ class BorrowState:
             "builds": self.builds,
             "cursor_bytes": self.arena.cursor_bytes if self.arena else 0,
             "freed_bytes": self.arena.freed_bytes if self.arena else 0,
-            "high_water": max(self.high_water, self.arena.cursor_bytes if self.arena else 0),
+            "high_water": self.high_water,
         }
 
 
@@ -331,7 +348,7 @@ class BorrowScope:
                     s._retire()
             if s.mem_pool is None:
                 s._build()
-            ctx = s.backend.use_mem_pool(s.mem_pool)
+            ctx = s._route(s.mem_pool)
             ctx.__enter__()
             self._pool_ctx = ctx
         except BaseException:

@@ -15,15 +15,18 @@ import torch
 from .backend import get_backend
 from .runs import find_free_runs, summarize
 from .sizes import MB
-from .workload import LLAMA3_8B, TINY, GraphLadder
+from .workload import LLAMA3_8B, GraphLadder, ModelShape
+
+# Small enough for a CPU, large enough that the probabilities need 20 MiB segments.
+SIM_SHAPE = ModelShape(hidden=256, intermediate=1024, layers=2, vocab=32000, dtype=torch.float32)
 
 
-def run_demo(device: str = "auto", batch: int = 4, draft_tokens: int = 4, out=print) -> dict:
+def run_demo(device: str = "auto", batch: int = 16, draft_tokens: int = 4, out=print) -> dict:
     backend = get_backend(device)
     cuda = backend.name == "cuda"
-    shape = LLAMA3_8B if cuda else TINY
-    prefill = 8192 if cuda else 512
-    batches = (64, 32, 16, 8, 4, 2, 1) if cuda else (8, 4, 2, 1)
+    shape = LLAMA3_8B if cuda else SIM_SHAPE
+    prefill = 8192 if cuda else 4096
+    batches = (64, 32, 16, 8, 4, 2, 1) if cuda else (16, 8, 4, 2, 1)
     out(f"device: {backend.describe()}")
     out(f"capturing a prefill graph ({prefill} tokens) and decode graphs for batch {list(batches)} "
         f"x {draft_tokens} draft tokens into one pool (hidden {shape.hidden}, vocab {shape.vocab})")
@@ -59,6 +62,9 @@ def run_demo(device: str = "auto", batch: int = 4, draft_tokens: int = 4, out=pr
         backend.synchronize()
         free_borrowed, _ = backend.mem_get_info()
         del held
+    backend.empty_cache()  # cached blocks would hide what a plain allocation costs
+    backend.synchronize()
+    free0, _ = backend.mem_get_info()
     plain = probability_set()
     backend.synchronize()
     free_plain, _ = backend.mem_get_info()
@@ -79,7 +85,7 @@ def run_demo(device: str = "auto", batch: int = 4, draft_tokens: int = 4, out=pr
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphborrow demo", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "sim"])
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--draft-tokens", type=int, default=4)
     args = p.parse_args(argv)
     run_demo(args.device, args.batch, args.draft_tokens)

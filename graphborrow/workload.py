@@ -47,14 +47,15 @@ TINY = ModelShape(hidden=128, intermediate=256, layers=2, vocab=2048, dtype=torc
 class LlamaMLP:
     """RMSNorm → SwiGLU MLP blocks with residuals, then a final norm and the LM head."""
 
-    def __init__(self, shape: ModelShape, device: str = "cuda", seed: int = 0):
+    def __init__(self, shape: ModelShape, device: str = "cuda", seed: int = 0, fill: bool = True):
         self.shape = shape
         g = torch.Generator().manual_seed(seed)
         h, m = shape.hidden, shape.intermediate
 
         def weight(*size):
             w = torch.empty(*size, dtype=shape.dtype, device=device)
-            w.copy_((torch.randn(*size, generator=g) * size[-1] ** -0.5).to(shape.dtype))
+            if fill:  # layout-only devices have no bytes to fill
+                w.copy_((torch.randn(*size, generator=g) * size[-1] ** -0.5).to(shape.dtype))
             return w
 
         self.layers = [
@@ -75,6 +76,7 @@ class LlamaMLP:
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits, as samplers read them."""
         return F.linear(self._rms_norm(x, self.norm), self.head).float()
 
 
@@ -113,7 +115,9 @@ class GraphLadder:
         self.state = state if state is not None else BorrowState(backend, pool_id=backend.graph_pool_handle())
         self.pool_id = self.state.pool_id
         with torch.inference_mode():
-            self.model = LlamaMLP(shape, device=backend.device, seed=seed)
+            self.model = LlamaMLP(shape, device=backend.device, seed=seed,
+                                  fill=getattr(backend, "backed", True))
+        self._warmup_stream = None  # one for all captures: each new stream costs a BLAS workspace
         self.graphs: dict = {}
         self.inputs: dict = {}
         self.outputs: dict = {}
@@ -122,8 +126,9 @@ class GraphLadder:
         b = self.backend
         with torch.inference_mode():
             x = torch.randn(tokens, self.shape.hidden, device=b.device).to(self.shape.dtype)
-            side = b.Stream()
-            with b.stream(side):  # warm-up outside the pool (library workspaces, autotuning)
+            if self._warmup_stream is None:
+                self._warmup_stream = b.Stream()
+            with b.stream(self._warmup_stream):  # warm-up outside the pool (library workspaces, autotuning)
                 y = self.model.blocks(x)
                 if with_head:
                     y = self.model.logits(y[:1])
@@ -145,6 +150,15 @@ class GraphLadder:
             self._capture(key, tokens, head)
         self.backend.synchronize()
         return self
+
+    def capture_decode(self, batch: int) -> torch.Tensor:
+        """Capture one more decode graph (e.g. a batch size added later) into the pool."""
+        if batch < 1:
+            raise ParameterError(f"batch must be >= 1, got {batch}")
+        self._capture(("decode", batch), batch * self.draft_tokens, True)
+        if batch not in self.decode_batches:
+            self.decode_batches.append(batch)
+        return self.outputs[("decode", batch)]
 
     def graph_batch(self, batch: int) -> int:
         """Smallest captured decode batch that holds ``batch`` requests (padding up)."""

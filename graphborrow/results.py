@@ -1,0 +1,124 @@
+"""Results files: what each notebook (or sweep point) measured, as JSON.
+
+Every notebook ends with ``save(name, results, OUTPUT_DIR, backend=backend)``. The file
+records how many device allocations the run made (``device_work``), so a guard can tell a
+notebook that really ran on the device from one that skipped its work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+SCHEMA = 1
+
+
+def device_allocations(backend) -> int:
+    """Allocations the backend's allocator has made so far (torch's cumulative counter)."""
+    stats = backend.memory_stats()
+    return int(stats.get("allocation.all.allocated", 0))
+
+
+def _plain(value: Any) -> Any:
+    """JSON-able copy: tuples to lists, tensors and numpy scalars to numbers, NaN to None."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return _plain(value.detach().cpu().tolist())
+    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (str, bytes)):
+        return _plain(value.item())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(
+        f"cannot store a {type(value).__name__} in a results file; convert it to a number, "
+        "string, list or dict first"
+    )
+
+
+def path_for(name: str, output_dir: str | Path = "results") -> Path:
+    return Path(output_dir) / f"{name}.json"
+
+
+def save(
+    name: str,
+    data: Mapping[str, Any],
+    output_dir: str | Path = "results",
+    *,
+    backend=None,
+    device_work: int | None = None,
+) -> Path:
+    """Write ``output_dir/<name>.json`` holding ``data`` plus run metadata.
+
+    Pass the ``backend`` the run used (its allocation counter becomes ``device_work``), or
+    ``device_work`` directly. A run that made no device allocation is refused here already.
+    """
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"results name must be a plain file stem like '01_free_runs', got {name!r}")
+    if device_work is None:
+        if backend is None:
+            raise ValueError(
+                "save() needs backend= (the backend the notebook used) or device_work= "
+                "(allocations made on the device) so the guard can tell the work ran"
+            )
+        device_work = device_allocations(backend)
+    if int(device_work) <= 0:
+        raise ValueError(
+            f"results {name!r} show no device work (device_work={device_work}); the run "
+            "skipped everything it was meant to measure"
+        )
+    record = {
+        "name": name,
+        "schema": SCHEMA,
+        "device_work": int(device_work),
+        "device": backend.describe() if backend is not None else None,
+        "backend": getattr(backend, "name", None),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "finished_at": time.time(),
+        "results": _plain(data),
+    }
+    path = path_for(name, output_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load(name_or_path: str | Path, output_dir: str | Path = "results") -> dict:
+    """Read a results file back (the whole record: metadata plus ``results``)."""
+    path = Path(name_or_path)
+    if path.suffix != ".json":
+        path = path_for(str(name_or_path), output_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"no results file at {path}; run the notebook that writes it first")
+    return json.loads(path.read_text())
+
+
+def load_all(output_dir: str | Path = "results") -> dict[str, dict]:
+    """Every results file in ``output_dir`` by name."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(output_dir).glob("*.json"))}
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Scalar leaves of nested dicts as ``a.b.c`` keys (lists are skipped): one CSV row."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        elif isinstance(value, (str, int, float, bool)) or value is None:
+            out[name] = value
+    return out

@@ -1,0 +1,1150 @@
+"""A model of PyTorch's CUDA caching allocator (one device), rule for rule.
+
+What it reproduces (see the behavioural spec this project follows): size rounding,
+small/large block pools per pool, best fit on the same stream with a single candidate,
+low-end splits where the old block becomes the remainder, merging with free neighbours,
+segment sizes, private pools with strict LIFO routing (graph capture by stream,
+``use_mem_pool`` by thread), pluggable-allocator pools, ``use_on_oom`` and ``no_split``
+pools, ``record_stream`` events and deferred frees, ``empty_cache``, out-of-memory
+handling, ``memory_stats``, and snapshots / trace entries in torch's own format.
+
+Streams are plain ints here (0 is the default stream); the :class:`Clockwork` turns
+them into simulated streams with clocks when events are recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from collections import deque
+from typing import Any, Callable
+
+import torch
+from sortedcontainers import SortedList
+
+from .memory import PhysicalMemory
+from .streams import Clockwork, Event
+
+MiB = 2**20
+K_MIN_BLOCK_SIZE = 512
+K_SMALL_SIZE = 1 * MiB
+K_SMALL_BUFFER = 2 * MiB
+K_MIN_LARGE_ALLOC = 10 * MiB
+K_LARGE_BUFFER = 20 * MiB
+K_ROUND_LARGE = 2 * MiB
+SIZE_MAX = 2**64 - 1
+ROUNDUP_INTERVALS = 16  # 1 MiB .. 32 GiB, one entry per power of two
+
+DEFAULT_POOL = (0, 0)
+STAT_TYPES = ("all", "small_pool", "large_pool")
+ARRAY_STATS = (
+    "allocation", "segment", "active", "inactive_split",
+    "allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes",
+)
+NO_STREAMS: frozenset[int] = frozenset()  # shared "no other stream used" value; record_stream replaces it
+COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+class AllocatorConfig:
+    """The PYTORCH_CUDA_ALLOC_CONF options the model understands (torch's defaults)."""
+
+    KEYS = (
+        "max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
+        "garbage_collection_threshold", "expandable_segments", "graph_capture_record_stream_reuse",
+    )
+
+    def __init__(self, config: dict | str | None = None) -> None:
+        self.max_split_size = SIZE_MAX
+        self.max_non_split_rounding_size = K_LARGE_BUFFER
+        self.roundup_power2_divisions = [0] * ROUNDUP_INTERVALS
+        self.garbage_collection_threshold = 0.0
+        self.source = config if isinstance(config, str) else ""
+        if isinstance(config, str):
+            config = self._parse_string(config)
+        for key, value in (config or {}).items():
+            self._set(key, value)
+        self.uses_power2_rounding = any(d > 1 for d in self.roundup_power2_divisions)
+
+    @staticmethod
+    def _parse_string(text: str) -> dict:
+        options: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in _split_top_level(text))):
+            key, sep, value = item.partition(":")
+            if not sep:
+                raise ValueError(f"allocator option {item!r} has no value; write it as key:value")
+            options[key.strip()] = value.strip()
+        return options
+
+    def _set(self, key: str, value: Any) -> None:
+        if key == "max_split_size_mb":
+            mb = int(value)
+            if mb < K_LARGE_BUFFER // MiB:
+                raise ValueError(f"max_split_size_mb={mb} is too small; it must be at least {K_LARGE_BUFFER // MiB}")
+            self.max_split_size = mb * MiB
+        elif key == "max_non_split_rounding_mb":
+            self.max_non_split_rounding_size = int(value) * MiB
+        elif key == "roundup_power2_divisions":
+            self.roundup_power2_divisions = _parse_divisions(value)
+        elif key == "garbage_collection_threshold":
+            threshold = float(value)
+            if not 0.0 <= threshold < 1.0:
+                raise ValueError(f"garbage_collection_threshold must be in [0, 1), got {threshold}")
+            self.garbage_collection_threshold = threshold  # recorded; the model has no memory fraction
+        elif key == "expandable_segments":
+            if _truthy(value):
+                raise NotImplementedError(
+                    "expandable_segments is not modelled by the simulated allocator; leave it off"
+                )
+        elif key == "graph_capture_record_stream_reuse":
+            if _truthy(value):
+                raise NotImplementedError(
+                    "graph_capture_record_stream_reuse is not modelled; leave it off (torch's default)"
+                )
+        else:
+            raise ValueError(f"unknown allocator option {key!r}; known options: {', '.join(self.KEYS)}")
+
+    def settings(self) -> dict:
+        """``allocator_settings`` as torch's ``_snapshot()`` reports them."""
+        return {
+            "PYTORCH_CUDA_ALLOC_CONF": self.source,
+            "max_split_size": _as_int64(self.max_split_size),
+            "garbage_collection_threshold": self.garbage_collection_threshold,
+            "expandable_segments": False,
+            "pinned_num_register_threads": 1,
+            "release_lock_on_cudamalloc": False,
+            "pinned_use_cuda_host_register": False,
+            "graph_capture_record_stream_reuse": False,
+            "roundup_power2_divisions": {
+                str(1 << i): d for i, d in enumerate(self.roundup_power2_divisions)
+            },
+        }
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return parts
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes")
+    return bool(value)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _parse_divisions(value: Any) -> list[int]:
+    """``N`` for every interval, or ``[64:8,256:4,>:1]`` / ``{64: 8, 256: 4, ">": 1}`` per MB interval."""
+    table = [0] * ROUNDUP_INTERVALS
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            pairs = [p.split(":") for p in text.strip("[]").split(",") if p.strip()]
+            value = {k.strip(): v.strip() for k, v in pairs}
+        else:
+            value = int(text)
+    if isinstance(value, int):
+        if value != 0 and not _is_power_of_two(value):
+            raise ValueError(f"roundup_power2_divisions must be a power of two, got {value}")
+        return [value] * ROUNDUP_INTERVALS
+    if not isinstance(value, dict):
+        raise ValueError(f"roundup_power2_divisions must be an int or a dict of MB -> divisions, got {value!r}")
+    first, last_index = True, 0
+    for key, divisions in value.items():
+        divisions = int(divisions)
+        if divisions != 0 and not _is_power_of_two(divisions):
+            raise ValueError(f"roundup_power2_divisions values must be powers of two, got {divisions}")
+        if str(key).strip() == ">":
+            for i in range(last_index + 1, ROUNDUP_INTERVALS):
+                table[i] = divisions
+            continue
+        mb = int(key)
+        if not _is_power_of_two(mb):
+            raise ValueError(f"roundup_power2_divisions intervals must be powers of two (MB), got {mb}")
+        index = min(mb.bit_length() - 1, ROUNDUP_INTERVALS - 1)
+        if first:
+            for i in range(index):
+                table[i] = divisions
+            first = False
+        table[index] = divisions
+        last_index = index
+    return table
+
+
+def _as_int64(n: int) -> int:
+    return n - 2**64 if n >= 2**63 else n
+
+
+# ----------------------------------------------------------------------------- size rules
+
+
+def round_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
+    """The block size a request of ``nbytes`` gets (multiples of 512, or power-of-two divisions)."""
+    if nbytes < K_MIN_BLOCK_SIZE:
+        return K_MIN_BLOCK_SIZE
+    if config is not None and config.uses_power2_rounding:
+        index = min(max(nbytes.bit_length() - 1 - 20, 0), ROUNDUP_INTERVALS - 1)
+        divisions = config.roundup_power2_divisions[index]
+        if divisions > 1 and nbytes > K_MIN_BLOCK_SIZE * divisions:
+            return _roundup_power2_next_division(nbytes, divisions)
+    return (nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE * K_MIN_BLOCK_SIZE
+
+
+def _roundup_power2_next_division(nbytes: int, divisions: int) -> int:
+    if _is_power_of_two(nbytes):
+        return nbytes
+    floor = 1 << (nbytes.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    return nbytes if nbytes % step == 0 else (nbytes // step + 1) * step
+
+
+def get_allocation_size(size: int) -> int:
+    """Segment size asked of cudaMalloc (or of a pluggable allocator) for a rounded ``size``."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
+
+
+def format_size(nbytes: int) -> str:
+    """Sizes as torch prints them in OOM messages."""
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    if nbytes <= MiB:
+        return f"{nbytes / 1024:.2f} KiB"
+    if nbytes <= 2**30:
+        return f"{nbytes / MiB:.2f} MiB"
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------- data model
+
+
+class Stat:
+    __slots__ = ("current", "peak", "allocated", "freed")
+
+    def __init__(self) -> None:
+        self.current = self.peak = self.allocated = self.freed = 0
+
+    def as_dict(self) -> dict:
+        return {"current": self.current, "peak": self.peak, "allocated": self.allocated, "freed": self.freed}
+
+
+def _up(pair: tuple[Stat, Stat], n: int) -> None:
+    for s in pair:
+        c = s.current + n
+        s.current = c
+        if c > s.peak:
+            s.peak = c
+        s.allocated += n
+
+
+def _down(pair: tuple[Stat, Stat], n: int) -> None:
+    for s in pair:
+        s.current -= n
+        s.freed += n
+
+
+class Segment:
+    """One cudaMalloc (or pluggable raw_alloc) range; ``head`` is its lowest block."""
+
+    __slots__ = ("address", "size", "stream", "pool", "head")
+
+    def __init__(self, address: int, size: int, stream: int, pool: "BlockPool") -> None:
+        self.address = address
+        self.size = size
+        self.stream = stream
+        self.pool = pool
+        self.head: Block | None = None
+
+    def blocks(self):
+        block = self.head
+        while block is not None:
+            yield block
+            block = block.next
+
+
+class Block:
+    """A range of one segment: allocated, pending free (events outstanding) or free in its pool."""
+
+    __slots__ = (
+        "ptr", "size", "requested_size", "stream", "allocated", "prev", "next", "pool",
+        "event_count", "stream_uses", "segment", "key",
+    )
+
+    def __init__(self, ptr: int, size: int, stream: int, pool: "BlockPool", segment: Segment) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.requested_size = 0
+        self.stream = stream
+        self.allocated = False
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.pool = pool
+        self.event_count = 0
+        self.stream_uses: set[int] | frozenset[int] = NO_STREAMS
+        self.segment = segment
+        self.key: tuple | None = None  # (stream, size, ptr, block) while in pool.blocks
+
+    @property
+    def state(self) -> str:
+        if self.allocated:
+            return "active_allocated"
+        if self.event_count > 0 or self.stream_uses:
+            return "active_pending_free"
+        return "inactive"
+
+    @property
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def __repr__(self) -> str:
+        return f"Block(ptr={self.ptr:#x}, size={self.size}, stream={self.stream}, {self.state})"
+
+
+class BlockPool:
+    """Free blocks of one size class of one pool, ordered by (stream, size, ptr).
+
+    The set is a SortedList of ``(stream, size, ptr, block)`` keys. The best-fit lookup
+    reads SortedList's two-level layout directly (``_maxes`` / ``_lists``), so finding and
+    then removing the candidate costs two C-level bisections instead of four.
+    """
+
+    def __init__(self, is_small: bool, owner: "PrivatePool | None", stats: dict[str, list[Stat]]) -> None:
+        self.is_small = is_small
+        self.owner = owner
+        self.blocks = SortedList()
+        self._found = (0, 0)
+        kind = 1 if is_small else 2
+        for name in ARRAY_STATS:
+            setattr(self, "st_" + name, (stats[name][0], stats[name][kind]))
+        self.st_count_on_alloc = self.st_allocation + self.st_active
+        self.st_bytes_on_alloc = self.st_allocated_bytes + self.st_active_bytes
+
+    def first_at_least(self, probe: tuple) -> tuple | None:
+        """The smallest key >= probe (remembered for remove_found), or None."""
+        blocks = self.blocks
+        maxes = blocks._maxes
+        pos = bisect_left(maxes, probe)
+        if pos == len(maxes):
+            return None
+        sub = blocks._lists[pos]
+        idx = bisect_left(sub, probe)
+        self._found = (pos, idx)
+        return sub[idx]
+
+    def remove_found(self) -> None:
+        """Remove the key first_at_least returned."""
+        self.blocks._delete(*self._found)
+
+    def rekey_found(self, new_key: tuple) -> None:
+        """Replace the key first_at_least returned by a smaller one (a split's remainder)."""
+        pos, idx = self._found
+        blocks = self.blocks
+        sub = blocks._lists[pos]
+        if (sub[idx - 1] < new_key) if idx else (pos == 0 or blocks._maxes[pos - 1] < new_key):
+            sub[idx] = new_key  # still in order: keep the slot
+            if idx == len(sub) - 1:
+                blocks._maxes[pos] = new_key
+        else:
+            blocks._delete(pos, idx)
+            blocks.add(new_key)
+
+    def rekey(self, old_key: tuple, new_key: tuple) -> None:
+        """Replace ``old_key`` by ``new_key`` (a merge), in place when the order allows it."""
+        blocks = self.blocks
+        maxes, lists = blocks._maxes, blocks._lists
+        pos = bisect_left(maxes, old_key)
+        sub = lists[pos]
+        idx = bisect_left(sub, old_key)
+        last = len(sub) - 1
+        lower_ok = (sub[idx - 1] < new_key) if idx else (pos == 0 or maxes[pos - 1] < new_key)
+        upper_ok = (new_key < sub[idx + 1]) if idx < last else (pos == len(maxes) - 1 or new_key < lists[pos + 1][0])
+        if lower_ok and upper_ok:
+            sub[idx] = new_key
+            if idx == last:
+                maxes[pos] = new_key
+        else:
+            blocks._delete(pos, idx)
+            blocks.add(new_key)
+
+    def insert(self, block: Block) -> None:
+        key = (block.stream, block.size, block.ptr, block)
+        block.key = key
+        self.blocks.add(key)
+
+    def remove(self, block: Block) -> None:
+        self.blocks.remove(block.key)
+        block.key = None
+
+    @property
+    def owner_id(self) -> tuple[int, int]:
+        return DEFAULT_POOL if self.owner is None else self.owner.id
+
+
+class PrivatePool:
+    """A graph pool / MemPool: its own small and large block pools, optional raw allocator."""
+
+    def __init__(self, pool_id: tuple[int, int], allocator: Any, stats: dict[str, list[Stat]]) -> None:
+        self.id = pool_id
+        self.use_count = 1
+        self.cudaMalloc_count = 0
+        self.allocator = allocator
+        self.use_on_oom = False
+        self.no_split = False
+        self.small_blocks = BlockPool(True, self, stats)
+        self.large_blocks = BlockPool(False, self, stats)
+
+    def __repr__(self) -> str:
+        return f"PrivatePool(id={self.id}, use_count={self.use_count}, segments={self.cudaMalloc_count})"
+
+
+# ----------------------------------------------------------------------------- the allocator
+
+
+class CachingAllocator:
+    """The device caching allocator: ``malloc`` / ``free`` of Blocks, pools, stats, snapshots."""
+
+    def __init__(self, memory: PhysicalMemory, clockwork: Clockwork, config: dict | str | None = None) -> None:
+        self.memory = memory
+        self.clockwork = clockwork
+        self.config = AllocatorConfig(config)
+        self.device = 0
+        self._stats = {name: [Stat(), Stat(), Stat()] for name in ARRAY_STATS}
+        self._oversize_allocations = Stat()
+        self._oversize_segments = Stat()
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self.small_blocks = BlockPool(True, None, self._stats)
+        self.large_blocks = BlockPool(False, None, self._stats)
+        self.graph_pools: dict[tuple[int, int], PrivatePool] = {}
+        self.graph_pools_freeable: dict[tuple[int, int], PrivatePool] = {}
+        self.captures_underway: list[tuple[tuple[int, int], Callable[[int, int], bool]]] = []
+        self.total_allocated_memory = 0
+        self._segments: dict[Segment, None] = {}
+        self._active: dict[int, Block] = {}  # ptr -> active block (allocated or pending)
+        self._active_shadowed: list[Block] = []  # active blocks sharing a ptr (nested pools)
+        self._cuda_events: dict[int, deque] = {}
+        self._deferred: list[Block] = []
+        self._capture_stream_uses: dict[Block, set[int]] = {}
+        self._use_on_oom: dict[tuple[int, int], None] = {}
+        self._history: deque | None = None
+        self._next_capture_id = 1
+        self._next_mempool_id = 1
+        self._exact_rounding = not self.config.uses_power2_rounding
+        self._max_split = self.config.max_split_size
+
+    # ------------------------------------------------------------------ malloc / free
+
+    def malloc(self, nbytes: int, stream: int = 0, thread: int | None = None) -> Block:
+        """Allocate a block for ``nbytes`` on ``stream`` (an int); raises torch.OutOfMemoryError."""
+        if nbytes <= 0:
+            raise ValueError(
+                f"malloc({nbytes}): the caching allocator only sees positive sizes; "
+                "a 0-byte tensor needs no block (torch gives it data_ptr 0)"
+            )
+        captures = self.captures_underway
+        if not captures:
+            if self._cuda_events or self._deferred:
+                self.process_events()
+        if self._exact_rounding:
+            size = 512 if nbytes < 512 else (nbytes + 511) & ~511
+        else:
+            size = round_size(nbytes, self.config)
+        if captures:
+            pool = self._get_pool(size, stream, threading.get_ident() if thread is None else thread)
+        else:
+            pool = self.small_blocks if size <= K_SMALL_SIZE else self.large_blocks
+        # best fit, inlined from _get_free_block for the default config (the hot path)
+        block = None
+        if self._max_split == SIZE_MAX:
+            probe = (stream, size, 0)
+            blocks = pool.blocks
+            maxes = blocks._maxes
+            pos = bisect_left(maxes, probe)
+            if pos != len(maxes):
+                sub = blocks._lists[pos]
+                idx = bisect_left(sub, probe)
+                key = sub[idx]
+                if key[0] == stream:
+                    pool._found = (pos, idx)
+                    block = key[3]
+        else:
+            block = self._get_free_block(pool, size, stream)
+        if block is None:
+            block = self._malloc_slow(pool, size, stream)
+        return self._alloc_found_block(block, nbytes, size)
+
+    def _malloc_slow(self, pool: BlockPool, size: int, stream: int) -> Block:
+        alloc_size = get_allocation_size(size)
+        block = (
+            self._alloc_block(pool, alloc_size, stream, retry=False)
+            or self._try_mempool_fallback(size, stream)
+            or (self._release_available_cached_blocks(pool, size, stream)
+                and self._alloc_block(pool, alloc_size, stream, retry=False))
+            or (not self.captures_underway
+                and self.release_cached_blocks(DEFAULT_POOL)
+                and self._alloc_block(pool, alloc_size, stream, retry=True))
+        )
+        if not block:
+            self._raise_oom(pool, size, alloc_size, stream)
+        return block
+
+    def free(self, block: Block) -> None:
+        """Return ``block``; completes now unless it was used on other streams (record_stream)."""
+        if not block.allocated:
+            raise ValueError(f"free({block!r}): the block is not allocated (double free?)")
+        block.allocated = False
+        pool = block.pool
+        size = block.size
+        for s in pool.st_allocation:
+            s.current -= 1
+            s.freed += 1
+        for s in pool.st_allocated_bytes:
+            s.current -= size
+            s.freed += size
+        if self._history is not None:
+            self._trace("free_requested", block.ptr, block.requested_size, block.stream)
+        if block.size >= self._max_split:
+            _down((self._oversize_allocations,), 1)
+        if block.stream_uses:
+            if self.captures_underway:
+                self._deferred.append(block)
+            else:
+                self._insert_events(block)
+        else:
+            self._free_block(block)
+
+    def record_stream(self, block: Block, stream: int) -> None:
+        """Mark ``block`` as used on ``stream``; its free then waits for that stream's work."""
+        if stream == block.stream:
+            return
+        if block.stream_uses:
+            block.stream_uses.add(stream)
+        else:
+            block.stream_uses = {stream}
+        if self.captures_underway:
+            self._capture_stream_uses.setdefault(block, set()).add(stream)
+
+    def block_at(self, address: int) -> Block | None:
+        """The active block (allocated or pending free) starting at ``address``."""
+        return self._active.get(address)
+
+    # ------------------------------------------------------------------ search, split, merge
+
+    def _get_pool(self, size: int, stream: int, thread: int) -> BlockPool:
+        for pool_id, route in reversed(self.captures_underway):
+            if route(stream, thread):
+                private = self.graph_pools[pool_id]
+                return private.small_blocks if size <= K_SMALL_SIZE else private.large_blocks
+        return self.small_blocks if size <= K_SMALL_SIZE else self.large_blocks
+
+    def _get_free_block(self, pool: BlockPool, size: int, stream: int) -> Block | None:
+        """Best fit on the same stream: the single smallest block >= size, lowest address on ties.
+
+        The block stays in the pool's set until _alloc_found_block re-keys or removes it.
+        """
+        key = pool.first_at_least((stream, size, 0))
+        if key is None or key[0] != stream:
+            return None
+        max_split = self._max_split
+        if size < max_split and key[1] >= max_split:
+            return None
+        if size >= max_split and key[1] >= size + self.config.max_non_split_rounding_size:
+            return None
+        return key[3]
+
+    def _alloc_found_block(self, block: Block, orig: int, size: int) -> Block:
+        pool = block.pool
+        found = block.key is not None  # a cached block (still keyed in its pool), not a new segment
+        already_split = block.prev is not None or block.next is not None
+        remaining_size = block.size - size
+        if pool.owner is not None and pool.owner.no_split:
+            split = False
+        elif pool.is_small:
+            split = remaining_size >= K_MIN_BLOCK_SIZE
+        else:
+            split = size < self._max_split and remaining_size > K_SMALL_SIZE
+        if split:
+            # the caller gets a new block at the low end; the old block object is the remainder
+            remaining = block
+            block = Block(remaining.ptr, size, remaining.stream, pool, remaining.segment)
+            prev = remaining.prev
+            block.prev = prev
+            if prev is None:
+                remaining.segment.head = block
+            else:
+                prev.next = block
+            block.next = remaining
+            remaining.prev = block
+            remaining.ptr += size
+            remaining.size = remaining_size
+            key = (remaining.stream, remaining_size, remaining.ptr, remaining)
+            if found:
+                pool.rekey_found(key)
+            else:
+                pool.blocks.add(key)
+            remaining.key = key
+            if already_split:
+                _down(pool.st_inactive_split_bytes, size)
+            else:
+                for s in pool.st_inactive_split:
+                    c = s.current + 1
+                    s.current = c
+                    if c > s.peak:
+                        s.peak = c
+                    s.allocated += 1
+                for s in pool.st_inactive_split_bytes:
+                    c = s.current + remaining_size
+                    s.current = c
+                    if c > s.peak:
+                        s.peak = c
+                    s.allocated += remaining_size
+        else:
+            if found:
+                pool.remove_found()
+                block.key = None
+            if already_split:
+                _down(pool.st_inactive_split_bytes, block.size)
+                _down(pool.st_inactive_split, 1)
+        block.allocated = True
+        block.requested_size = orig
+        ptr = block.ptr
+        active = self._active
+        if ptr in active:
+            self._active_shadowed.append(active[ptr])
+        active[ptr] = block
+        for s in pool.st_count_on_alloc:  # allocation and active: all + this pool kind
+            c = s.current + 1
+            s.current = c
+            if c > s.peak:
+                s.peak = c
+            s.allocated += 1
+        size = block.size
+        for s in pool.st_bytes_on_alloc:  # allocated_bytes and active_bytes
+            c = s.current + size
+            s.current = c
+            if c > s.peak:
+                s.peak = c
+            s.allocated += size
+        for s in pool.st_requested_bytes:
+            c = s.current + orig
+            s.current = c
+            if c > s.peak:
+                s.peak = c
+            s.allocated += orig
+        if size >= self._max_split:
+            _up((self._oversize_allocations,), 1)
+        if self._history is not None:
+            self._trace("alloc", ptr, orig, block.stream)
+        return block
+
+    def _free_block(self, block: Block) -> None:
+        if self._history is not None:
+            self._trace("free_completed", block.ptr, block.requested_size, block.stream)
+        active = self._active
+        if active.get(block.ptr) is block and not self._active_shadowed:
+            del active[block.ptr]
+        else:
+            self._deactivate(block)
+        original_size = block.size
+        requested = block.requested_size
+        pool = block.pool
+        net_blocks = net_bytes = 0
+        reused_key = None  # an absorbed neighbour's slot in the sorted set, re-keyed for the merged block
+        prev = block.prev
+        if prev is not None and not prev.allocated and prev.event_count == 0 and not prev.stream_uses:
+            reused_key, prev.key = prev.key, None
+            block.ptr = prev.ptr
+            block.size += prev.size
+            block.prev = prev.prev
+            if block.prev is None:
+                block.segment.head = block
+            else:
+                block.prev.next = block
+            net_blocks -= 1
+            net_bytes -= prev.size
+        nxt = block.next
+        if nxt is not None and not nxt.allocated and nxt.event_count == 0 and not nxt.stream_uses:
+            if reused_key is None:
+                reused_key = nxt.key
+            else:
+                pool.blocks.remove(nxt.key)
+            nxt.key = None
+            block.size += nxt.size
+            block.next = nxt.next
+            if block.next is not None:
+                block.next.prev = block
+            net_blocks -= 1
+            net_bytes -= nxt.size
+        key = (block.stream, block.size, block.ptr, block)
+        if reused_key is None:
+            pool.blocks.add(key)
+        else:
+            pool.rekey(reused_key, key)
+        block.key = key
+        if block.prev is not None or block.next is not None:
+            net_blocks += 1
+            net_bytes += block.size
+        if net_blocks > 0:
+            _up(pool.st_inactive_split, net_blocks)
+        elif net_blocks < 0:
+            for s in pool.st_inactive_split:
+                s.current += net_blocks
+                s.freed -= net_blocks
+        if net_bytes > 0:
+            _up(pool.st_inactive_split_bytes, net_bytes)
+        elif net_bytes < 0:
+            for s in pool.st_inactive_split_bytes:
+                s.current += net_bytes
+                s.freed -= net_bytes
+        for s in pool.st_active:
+            s.current -= 1
+            s.freed += 1
+        for s in pool.st_active_bytes:
+            s.current -= original_size
+            s.freed += original_size
+        for s in pool.st_requested_bytes:
+            s.current -= requested
+            s.freed += requested
+
+    def _deactivate(self, block: Block) -> None:
+        ptr = block.ptr
+        if self._active.get(ptr) is block:
+            del self._active[ptr]
+            for i, other in enumerate(self._active_shadowed):
+                if other.ptr == ptr:
+                    self._active[ptr] = self._active_shadowed.pop(i)
+                    break
+        else:
+            self._active_shadowed.remove(block)
+
+    # ------------------------------------------------------------------ segments
+
+    def _alloc_block(self, pool: BlockPool, alloc_size: int, stream: int, retry: bool) -> Block | None:
+        if retry:
+            self._counters["num_alloc_retries"] += 1
+        owner = pool.owner
+        if owner is not None and owner.allocator is not None:
+            ptr = owner.allocator.raw_alloc(alloc_size, stream)
+        else:
+            ptr = self.memory.cuda_malloc(alloc_size)
+        if not ptr:
+            return None
+        if owner is not None:
+            owner.cudaMalloc_count += 1
+        self.total_allocated_memory += alloc_size
+        segment = Segment(ptr, alloc_size, stream, pool)
+        block = Block(ptr, alloc_size, stream, pool, segment)
+        segment.head = block
+        self._segments[segment] = None
+        _up(pool.st_segment, 1)
+        _up(pool.st_reserved_bytes, alloc_size)
+        if alloc_size >= self._max_split:
+            _up((self._oversize_segments,), 1)
+        self._counters["num_device_alloc"] += 1
+        if self._history is not None:
+            self._trace("segment_alloc", ptr, alloc_size, stream)
+        return block
+
+    def _release_block(self, block: Block) -> None:
+        self._counters["num_device_free"] += 1
+        if self._history is not None:
+            self._trace("segment_free", block.ptr, block.size, block.stream)
+        pool = block.pool
+        owner = pool.owner
+        if owner is not None and owner.allocator is not None:
+            owner.allocator.raw_delete(block.ptr, block.size, block.stream)
+        else:
+            self.memory.cuda_free(block.ptr)
+        self.total_allocated_memory -= block.size
+        if owner is not None:
+            owner.cudaMalloc_count -= 1
+        _down(pool.st_segment, 1)
+        _down(pool.st_reserved_bytes, block.size)
+        if block.size >= self._max_split:
+            _down((self._oversize_segments,), 1)
+        pool.remove(block)
+        del self._segments[block.segment]
+
+    def _release_blocks(self, pool: BlockPool) -> None:
+        for key in list(pool.blocks):
+            block = key[3]
+            if block.prev is None and block.next is None:
+                self._release_block(block)
+
+    def _release_available_cached_blocks(self, pool: BlockPool, size: int, stream: int) -> bool:
+        max_split = self._max_split
+        if max_split == SIZE_MAX:
+            return False
+        target = max(size, max_split)
+        blocks = pool.blocks
+        i = blocks.bisect_left((stream, target, 0))
+        if i < len(blocks) and blocks[i][0] == stream:
+            self._release_block(blocks[i][3])
+            return True
+        released = 0
+        i -= 1
+        while released < target and i >= 0:
+            key = blocks[i]
+            if key[0] != stream or key[1] < max_split:
+                break
+            released += key[1]
+            self._release_block(key[3])
+            i -= 1
+        return released >= target
+
+    def release_cached_blocks(self, pool_id: tuple[int, int] = DEFAULT_POOL) -> bool:
+        """empty_cache's work: whole free segments of the default pool and of freeable pools."""
+        pool_id = tuple(pool_id)
+        if pool_id == DEFAULT_POOL and not self.captures_underway:
+            self.synchronize_and_free_events()
+            self._release_blocks(self.large_blocks)
+            self._release_blocks(self.small_blocks)
+        for freeable_id, private in list(self.graph_pools_freeable.items()):
+            if pool_id != DEFAULT_POOL:
+                if freeable_id != pool_id:
+                    continue
+                self.synchronize_and_free_events(private)
+            self._release_blocks(private.small_blocks)
+            self._release_blocks(private.large_blocks)
+            if private.cudaMalloc_count == 0:
+                del self.graph_pools[freeable_id]
+                del self.graph_pools_freeable[freeable_id]
+        return True
+
+    def empty_cache(self, pool_id: tuple[int, int] | None = None) -> None:
+        """``torch.cuda.empty_cache()`` (pool_id None) or the MemPool destructor's ``emptyCache(id)``."""
+        self.release_cached_blocks(DEFAULT_POOL if pool_id is None else pool_id)
+
+    # ------------------------------------------------------------------ events
+
+    def _insert_events(self, block: Block) -> None:
+        streams = block.stream_uses
+        block.stream_uses = NO_STREAMS
+        for stream_id in streams:
+            event = Event()
+            event.record(self.clockwork.stream(stream_id))
+            block.event_count += 1
+            queue = self._cuda_events.get(stream_id)
+            if queue is None:
+                queue = self._cuda_events[stream_id] = deque()
+            queue.append((event, block))
+
+    def _insert_deferred_events(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for block in deferred:
+            captured = self._capture_stream_uses.pop(block, None)
+            if captured:
+                block.stream_uses = {s for s in block.stream_uses if s not in captured}
+            self._insert_events(block)
+            if block.event_count == 0:
+                self._free_block(block)
+
+    def process_events(self) -> None:
+        """Free blocks whose events completed (FIFO per stream); runs at malloc when no capture is underway."""
+        if self._deferred:
+            self._insert_deferred_events()
+        for stream_id, queue in list(self._cuda_events.items()):
+            while queue:
+                event, block = queue[0]
+                if not event.query():
+                    break
+                queue.popleft()
+                block.event_count -= 1
+                if block.event_count == 0:
+                    self._free_block(block)
+            if not queue:
+                del self._cuda_events[stream_id]
+
+    def synchronize_and_free_events(self, private: PrivatePool | None = None) -> None:
+        """Wait for outstanding events (of one pool, or all) and free their blocks."""
+        self._counters["num_sync_all_streams"] += 1
+        if self.captures_underway:
+            raise RuntimeError(
+                "cannot synchronize allocator events while a capture or use_mem_pool is active "
+                f"(routing to {[pid for pid, _ in self.captures_underway]}); leave those contexts first"
+            )
+        if self._deferred:
+            self._insert_deferred_events()
+        for stream_id, queue in list(self._cuda_events.items()):
+            kept = deque()
+            for event, block in queue:
+                if private is not None and block.pool.owner is not private:
+                    kept.append((event, block))
+                    continue
+                event.synchronize()
+                block.event_count -= 1
+                if block.event_count == 0:
+                    self._free_block(block)
+            if kept:
+                self._cuda_events[stream_id] = kept
+            else:
+                del self._cuda_events[stream_id]
+
+    # ------------------------------------------------------------------ private pools
+
+    def new_pool_id(self, kind: str = "handle") -> tuple[int, int]:
+        """A fresh pool id: ``"graph"`` -> (n, 0) as a capture without pool; ``"handle"`` -> (0, n)
+        as ``graph_pool_handle()`` / ``MemPool``."""
+        if kind == "graph":
+            pool_id = (self._next_capture_id, 0)
+            self._next_capture_id += 1
+        elif kind in ("handle", "mempool"):
+            pool_id = (0, self._next_mempool_id)
+            self._next_mempool_id += 1
+        else:
+            raise ValueError(f"pool id kind must be 'graph', 'handle' or 'mempool', got {kind!r}")
+        return pool_id
+
+    def create_or_incref_pool(self, pool_id, allocator=None, use_on_oom: bool = False, no_split: bool = False) -> None:
+        """Create the private pool (use_count 1) or add a user to an existing, not yet released one."""
+        pool_id = _pool_id(pool_id)
+        if pool_id == DEFAULT_POOL:
+            raise ValueError("(0, 0) is the default pool; private pools need another id (see new_pool_id)")
+        private = self.graph_pools.get(pool_id)
+        if private is None:
+            if allocator is not None and not (hasattr(allocator, "raw_alloc") and hasattr(allocator, "raw_delete")):
+                raise TypeError("a pool allocator needs raw_alloc(nbytes, stream) and raw_delete(address, nbytes, stream)")
+            private = self.graph_pools[pool_id] = PrivatePool(pool_id, allocator, self._stats)
+        else:
+            if private.use_count <= 0:
+                raise RuntimeError(
+                    f"pool {pool_id} was released (use_count 0) and cannot be used again; "
+                    "create a new pool (a fresh graph_pool_handle() or MemPool)"
+                )
+            if allocator is not None:
+                raise RuntimeError(f"pool {pool_id} already exists; its allocator can only be given at creation")
+            private.use_count += 1
+        if use_on_oom:
+            self.set_use_on_oom(pool_id, True)
+        if no_split:
+            private.no_split = True
+
+    def set_use_on_oom(self, pool_id, enabled: bool) -> None:
+        pool_id = _pool_id(pool_id)
+        private = self._private(pool_id)
+        private.use_on_oom = bool(enabled)
+        if enabled:
+            self._use_on_oom[pool_id] = None
+        else:
+            self._use_on_oom.pop(pool_id, None)
+
+    def set_no_split(self, pool_id, enabled: bool = True) -> None:
+        self._private(_pool_id(pool_id)).no_split = bool(enabled)
+
+    def begin_allocate_to_pool(self, pool_id, filter: Callable[[int, int], bool]) -> None:
+        """Route allocations for which ``filter(stream, thread)`` holds into the private pool."""
+        pool_id = _pool_id(pool_id)
+        self.create_or_incref_pool(pool_id)
+        for routed_id, _ in self.captures_underway:
+            if routed_id == pool_id:
+                raise RuntimeError(
+                    f"beginAllocateToPool: already recording to mempool_id {pool_id}; "
+                    "end the current capture/use_mem_pool of this pool before starting another"
+                )
+        self.captures_underway.append((pool_id, filter))
+
+    def end_allocate_to_pool(self, pool_id) -> None:
+        pool_id = _pool_id(pool_id)
+        for i, (routed_id, _) in enumerate(self.captures_underway):
+            if routed_id == pool_id:
+                del self.captures_underway[i]
+                return
+        raise RuntimeError(f"endAllocateToPool: not currently recording to mempool_id {pool_id}")
+
+    def release_pool(self, pool_id) -> None:
+        """Drop one user; at use_count 0 the pool's free segments become releasable by empty_cache."""
+        pool_id = _pool_id(pool_id)
+        private = self._private(pool_id)
+        if private.use_count <= 0:
+            raise RuntimeError(f"release_pool({pool_id}): the pool was already released")
+        private.use_count -= 1
+        if private.use_count == 0:
+            self.graph_pools_freeable[pool_id] = private
+
+    def _private(self, pool_id: tuple[int, int]) -> PrivatePool:
+        private = self.graph_pools.get(pool_id)
+        if private is None:
+            raise KeyError(f"no private pool {pool_id}; create it with create_or_incref_pool first")
+        return private
+
+    def _try_mempool_fallback(self, size: int, stream: int) -> Block | None:
+        for pool_id in self._use_on_oom:
+            private = self.graph_pools.get(pool_id)
+            if private is None:
+                continue
+            pool = private.small_blocks if size <= K_SMALL_SIZE else private.large_blocks
+            block = self._get_free_block(pool, size, stream)
+            if block is not None:
+                return block
+        return None
+
+    # ------------------------------------------------------------------ out of memory
+
+    def _raise_oom(self, pool: BlockPool, size: int, alloc_size: int, stream: int) -> None:
+        device_free, device_total = self.memory.mem_get_info()
+        if self._history is not None:
+            self._trace("oom", device_free, size, stream)
+        self._counters["num_ooms"] += 1
+        allocated = self._stats["allocated_bytes"][0].current
+        reserved = self._stats["reserved_bytes"][0].current
+        in_private = sum(
+            key[1] for private in self.graph_pools.values()
+            for bp in (private.large_blocks, private.small_blocks) for key in bp.blocks
+        )
+        private_msg = (
+            f"with {format_size(in_private)} allocated in private pools (e.g., CUDA Graphs), " if in_private else ""
+        )
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {format_size(alloc_size)}. GPU {self.device} has a total "
+            f"capacity of {format_size(device_total)} of which {format_size(device_free)} is free. "
+            f"Including non-PyTorch memory, this process has {format_size(self.memory.used)} memory in use. "
+            f"Of the allocated memory {format_size(allocated + in_private)} is allocated by PyTorch, "
+            f"{private_msg}and {format_size(reserved - allocated - in_private)} is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+            "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+        )
+
+    # ------------------------------------------------------------------ history and snapshots
+
+    def record_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
+        """Start (or stop and clear) recording trace entries, keeping the newest ``max_entries``."""
+        if not enabled:
+            self._history = None
+            return
+        if max_entries <= 0:
+            raise ValueError(f"max_entries must be positive, got {max_entries}")
+        self._history = deque(self._history or (), maxlen=max_entries)
+
+    def _trace(self, action: str, addr: int, size: int, stream: int) -> None:
+        self._history.append({
+            "action": action,
+            "device_free" if action == "oom" else "addr": addr,
+            "size": size,
+            "stream": stream,
+            "time_us": int(self.clockwork.now_us),
+            "compile_context": "N/A",
+            "user_metadata": "",
+        })
+
+    def segments(self) -> list[Segment]:
+        """Live segments sorted by address (nested pluggable segments after their host)."""
+        return sorted(self._segments, key=lambda s: (s.address, -s.size))
+
+    def snapshot(self, pool_id=None) -> list[dict]:
+        """``torch.cuda.memory_snapshot(mempool_id)``: segments in torch's format, by address."""
+        only = None
+        if pool_id is not None and _pool_id(pool_id) != DEFAULT_POOL:
+            only = self.graph_pools.get(_pool_id(pool_id))
+        result = []
+        total_active = 0
+        for segment in self.segments():
+            pool = segment.head.pool
+            if only is not None and pool.owner is not only:
+                continue
+            blocks, address = [], segment.address
+            allocated_size = active_size = requested_size = 0
+            for block in segment.blocks():
+                state = block.state
+                blocks.append({
+                    "address": address, "size": block.size, "requested_size": block.requested_size,
+                    "state": state, "frames": [],
+                })
+                address += block.size
+                if state == "active_allocated":
+                    allocated_size += block.size
+                if state != "inactive":
+                    active_size += block.size
+                    requested_size += block.requested_size
+            total_active += active_size
+            result.append({
+                "device": self.device,
+                "address": segment.address,
+                "total_size": segment.size,
+                "allocated_size": allocated_size,
+                "active_size": active_size,
+                "requested_size": requested_size,
+                "stream": segment.head.stream,
+                "segment_type": "small" if pool.is_small else "large",
+                "segment_pool_id": pool.owner_id,
+                "is_expandable": False,
+                "frames": [],
+                "blocks": blocks,
+            })
+        if self._history is not None:
+            self._trace("snapshot", 0, total_active, 0)
+        return result
+
+    def full_snapshot(self) -> dict:
+        """``torch.cuda.memory._snapshot()``: segments, device traces, settings."""
+        segments = self.snapshot()
+        return {
+            "segments": segments,
+            "device_traces": [list(self._history or ())],
+            "allocator_settings": self.config.settings(),
+            "external_annotations": [],
+        }
+
+    # ------------------------------------------------------------------ statistics
+
+    def memory_stats(self) -> dict[str, int]:
+        """``torch.cuda.memory_stats()``: flat, sorted keys such as ``reserved_bytes.all.current``."""
+        flat: dict[str, int] = {}
+        for name, array in self._stats.items():
+            for stat_type, stat in zip(STAT_TYPES, array):
+                for field, value in stat.as_dict().items():
+                    flat[f"{name}.{stat_type}.{field}"] = value
+        for name, stat in (("oversize_allocations", self._oversize_allocations),
+                           ("oversize_segments", self._oversize_segments)):
+            for field, value in stat.as_dict().items():
+                flat[f"{name}.{field}"] = value
+        flat.update(self._counters)
+        flat["max_split_size"] = _as_int64(self._max_split)
+        return dict(sorted(flat.items()))
+
+    def memory_reserved(self) -> int:
+        return self._stats["reserved_bytes"][0].current
+
+    def memory_allocated(self) -> int:
+        return self._stats["allocated_bytes"][0].current
+
+    def reset_peak_memory_stats(self) -> None:
+        for array in self._stats.values():
+            for stat in array:
+                stat.peak = stat.current
+        for stat in (self._oversize_allocations, self._oversize_segments):
+            stat.peak = stat.current
+
+    def reset_accumulated_memory_stats(self) -> None:
+        for array in self._stats.values():
+            for stat in array:
+                stat.allocated = stat.freed = 0
+        for stat in (self._oversize_allocations, self._oversize_segments):
+            stat.allocated = stat.freed = 0
+        self._counters = dict.fromkeys(COUNTERS, 0)
+
+
+def _pool_id(pool_id) -> tuple[int, int]:
+    try:
+        first, second = pool_id
+        return (int(first), int(second))
+    except (TypeError, ValueError):
+        raise ValueError(f"a pool id is a pair of ints like (0, 1), got {pool_id!r}") from None

@@ -1,0 +1,495 @@
+"""The simulated CUDA device: ``SimBackend`` mirrors :class:`graphborrow.backend.CudaBackend`.
+
+One SimBackend is one device: physical memory, streams with clocks, a caching
+allocator that behaves like PyTorch's, tensors that are views of its bytes and CUDA
+graphs that replay into the same addresses. Several may exist; each tensor remembers
+its own. While a backend is *active* on a thread, ``device="cuda"`` in factory calls
+means this device (a TorchFunctionMode is pushed; see :mod:`graphborrow.sim.tensor`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+
+from . import graphs
+from .allocator import CachingAllocator
+from .memory import PhysicalMemory
+from .streams import Clockwork, Event, Stream
+from .tensor import SimCaptureError, SimFunctionMode, SimStorage, SimTensor, is_sim_tensor
+
+GiB = 2**30
+
+_active = threading.local()  # .backend: the SimBackend active on this thread
+
+
+class SimEvent:
+    """``torch.cuda.Event`` on the simulated device (records on the current stream by default)."""
+
+    def __init__(self, backend: "SimBackend") -> None:
+        self._backend = backend
+        self._event = Event()
+
+    def record(self, stream: Stream | None = None) -> None:
+        self._event.record(stream if stream is not None else self._backend.current_stream())
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+    def wait(self, stream: Stream | None = None) -> None:
+        (stream if stream is not None else self._backend.current_stream()).wait_event(self._event)
+
+
+class ArenaRawAllocator:
+    """Adapts a :class:`graphborrow.arena.BumpArena` to the allocator's raw_alloc/raw_delete.
+
+    The arena's host calls run the same compiled C as torch's pluggable allocator on CUDA.
+    """
+
+    def __init__(self, arena) -> None:
+        self.arena = arena
+
+    def raw_alloc(self, nbytes: int, stream: int) -> int:
+        return int(self.arena.malloc(nbytes) or 0)
+
+    def raw_delete(self, address: int, nbytes: int, stream: int) -> None:
+        self.arena.free(address, nbytes)
+
+
+class MemPool:
+    """``torch.cuda.MemPool`` on the simulated device: a private pool with an id.
+
+    ``allocator`` is ``None`` (segments from device memory) or an object with
+    ``raw_alloc(nbytes, stream) -> address`` and ``raw_delete(address, nbytes, stream)``.
+    """
+
+    def __init__(self, backend: "SimBackend", allocator=None, use_on_oom: bool = False, no_split: bool = False) -> None:
+        if allocator is not None and not (hasattr(allocator, "raw_alloc") and hasattr(allocator, "raw_delete")):
+            raise TypeError(
+                "MemPool allocator must have raw_alloc(nbytes, stream) and raw_delete(address, nbytes, "
+                f"stream); got {type(allocator).__name__}. Use backend.arena_pool(arena) for a BumpArena."
+            )
+        self._backend = backend
+        self.allocator = allocator
+        self._id = backend._new_pool_id(graph=False)
+        self._closed = False
+        with backend._allocator_call():
+            backend.allocator.create_or_incref_pool(self._id, allocator, use_on_oom, no_split)
+
+    @property
+    def id(self) -> tuple[int, int]:
+        return self._id
+
+    def snapshot(self, include_traces: bool = True) -> list[dict]:
+        return self._backend.memory_snapshot(self._id)
+
+    def close(self) -> None:
+        """What the destructor of torch's MemPool does: release the pool and empty its cache."""
+        if self._closed:
+            return
+        self._closed = True
+        backend = self._backend
+        if backend._closed:
+            return
+        with backend._allocator_call():
+            backend.allocator.release_pool(self._id)
+            backend.allocator.empty_cache(self._id)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown or a device already gone
+            pass
+
+    def __repr__(self) -> str:
+        kind = "device" if self.allocator is None else type(self.allocator).__name__
+        return f"MemPool(id={self._id}, segments from {kind})"
+
+
+class _StreamContext:
+    __slots__ = ("backend", "stream", "saved")
+
+    def __init__(self, backend: "SimBackend", stream: Stream | None) -> None:
+        self.backend = backend
+        self.stream = stream
+
+    def __enter__(self):
+        tls = self.backend._tls
+        self.saved = getattr(tls, "stream", None)
+        if self.stream is not None:
+            tls.stream = self.stream
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        self.backend._tls.stream = self.saved
+
+
+class SimBackend:
+    """A simulated CUDA device with the method names of :class:`CudaBackend`.
+
+    ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM).
+    ``backed``: real bytes behind every segment; ``False`` is layout-only (META tensors:
+    exact shapes and allocator state, no arithmetic; for big sweeps).
+    ``config``: allocator settings (e.g. ``{"roundup_power2_divisions": 4}``).
+    ``activate``: make ``device="cuda"`` mean this device on the calling thread.
+    ``blas_workspace``: bytes of the cuBLAS workspace the first matmul on each stream
+    allocates and keeps (32 MiB, as torch 2.11 on an H200); 0 leaves it out.
+    """
+
+    name = "sim"
+    device = "cuda"
+    OutOfMemoryError = torch.OutOfMemoryError
+
+    def __init__(
+        self,
+        capacity: int = 80 * GiB,
+        backed: bool = True,
+        config: dict | None = None,
+        activate: bool = True,
+        blas_workspace: int = 32 * 2**20,
+    ) -> None:
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive number of bytes, got {capacity!r}")
+        self.capacity = capacity
+        self.backed = bool(backed)
+        self.memory = PhysicalMemory(capacity=capacity, backed=self.backed)
+        self.clock = Clockwork()
+        self.allocator = CachingAllocator(self.memory, self.clock, config)
+        self._lock = threading.RLock()
+        self._depth = 0  # > 0 while inside an allocator call (frees then wait in _pending)
+        self._pending: list = []
+        self._tls = threading.local()
+        self._captures: dict[int, graphs.CUDAGraph] = {}  # capturing stream id -> graph
+        self._capture_stream: Stream | None = None
+        self._mode = SimFunctionMode(self)
+        self._active_threads: set[int] = set()
+        self.blas_workspace = int(blas_workspace)
+        self._blas_workspaces: dict[int, SimStorage] = {}  # stream id -> workspace
+        self._generator_state: list[SimStorage] | None = None
+        self._closed = False
+        if activate:
+            self.activate()
+
+    # ------------------------------------------------------------------ activation
+    def activate(self) -> "SimBackend":
+        """Make ``device="cuda"`` mean this device on the calling thread (replacing another sim)."""
+        self._check_open()
+        current = getattr(_active, "backend", None)
+        if current is self:
+            return self
+        if current is not None:
+            current.deactivate()
+        self._mode.__enter__()
+        _active.backend = self
+        self._active_threads.add(threading.get_ident())
+        return self
+
+    def deactivate(self) -> None:
+        """Stop mapping ``device="cuda"`` onto this device on the calling thread."""
+        if getattr(_active, "backend", None) is not self:
+            return
+        top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+        if top is not self._mode:
+            raise RuntimeError(
+                "cannot deactivate the simulated device: another TorchFunctionMode was entered after "
+                f"it and is still active ({type(top).__name__}); exit that mode first"
+            )
+        self._mode.__exit__(None, None, None)
+        _active.backend = None
+        self._active_threads.discard(threading.get_ident())
+
+    @contextlib.contextmanager
+    def activated(self) -> Iterator["SimBackend"]:
+        """Active for the duration of the block (e.g. in a worker thread), then restored."""
+        previous = getattr(_active, "backend", None)
+        self.activate()
+        try:
+            yield self
+        finally:
+            self.deactivate()
+            if previous is not None and previous is not self and not previous._closed:
+                previous.activate()
+
+    @property
+    def is_active(self) -> bool:
+        return getattr(_active, "backend", None) is self
+
+    def close(self) -> None:
+        """Deactivate on this thread and stop serving frees; tensors still alive become inert."""
+        if self._closed:
+            return
+        self.deactivate()
+        self._closed = True
+
+    def __enter__(self) -> "SimBackend":
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this simulated device was closed; create a new SimBackend")
+
+    # ------------------------------------------------------------- streams and sync
+    def current_stream(self) -> Stream:
+        return getattr(self._tls, "stream", None) or self.clock.default_stream
+
+    def current_stream_key(self) -> int:
+        """A cheap identity of the current stream (its id)."""
+        return self.current_stream().id
+
+    def Stream(self, priority: int = 0) -> Stream:
+        return self.clock.new_stream(priority=priority)
+
+    def stream(self, s: Stream | None) -> _StreamContext:
+        if s is not None and not isinstance(s, Stream):
+            raise TypeError(f"expected a simulated Stream from backend.Stream(), got {type(s).__name__}")
+        return _StreamContext(self, s)
+
+    def Event(self, enable_timing: bool = False) -> SimEvent:
+        return SimEvent(self)
+
+    def synchronize(self) -> None:
+        if self._captures and self._capture_for_current_stream() is not None:
+            raise SimCaptureError(
+                "synchronize() is not permitted while a stream is capturing a CUDA graph; "
+                "synchronise before entering or after leaving the capture"
+            )
+        self.clock.synchronize()
+
+    def sleep(self, stream: Stream, microseconds: float) -> None:
+        """Keep ``stream`` busy for ``microseconds`` (like ``torch.cuda._sleep``)."""
+        stream.enqueue(microseconds)
+
+    def touch(self) -> None:
+        """One small allocation: lets the allocator process completed events."""
+        storage = self._new_storage(4)
+        del storage
+
+    # ------------------------------------------------------------------- pools, graphs
+    def graph_pool_handle(self) -> tuple[int, int]:
+        return self._new_pool_id(graph=False)
+
+    def CUDAGraph(self) -> graphs.CUDAGraph:
+        return graphs.CUDAGraph(self)
+
+    def graph(self, g, pool=None, stream=None) -> graphs.graph:
+        return graphs.graph(g, pool=pool, stream=stream)
+
+    def MemPool(self, allocator=None, use_on_oom: bool = False, no_split: bool = False) -> MemPool:
+        return MemPool(self, allocator, use_on_oom, no_split)
+
+    def arena_pool(self, arena) -> MemPool:
+        """A MemPool whose segments come from ``arena`` (host calls into the C bump arena)."""
+        raw = arena if hasattr(arena, "raw_alloc") else ArenaRawAllocator(arena)
+        return MemPool(self, raw)
+
+    @contextlib.contextmanager
+    def use_mem_pool(self, pool) -> Iterator[None]:
+        """Route this thread's allocations to ``pool`` (no stream filter, as in torch 2.8+)."""
+        pool_id = self.pool_id(pool)
+        thread = threading.get_ident()
+        with self._allocator_call():
+            self.allocator.begin_allocate_to_pool(pool_id, lambda stream, t: t == thread)
+        try:
+            yield
+        finally:
+            with self._allocator_call():
+                self.allocator.end_allocate_to_pool(pool_id)
+                self.allocator.release_pool(pool_id)
+
+    def pool_id(self, pool) -> tuple[int, int]:
+        return tuple(pool.id) if hasattr(pool, "id") else tuple(pool)
+
+    def _new_pool_id(self, graph: bool) -> tuple[int, int]:
+        """``(uid, 0)`` for a capture without a pool, ``(0, uuid)`` for handles and MemPools."""
+        with self._lock:
+            return self.allocator.new_pool_id("graph" if graph else "handle")
+
+    def _default_capture_stream(self) -> Stream:
+        if self._capture_stream is None:
+            self._capture_stream = self.Stream()
+        return self._capture_stream
+
+    def _capture_for_current_stream(self):
+        return self._captures.get(self.current_stream().id)
+
+    # ----------------------------------------------------------------- introspection
+    def memory_snapshot(self, pool_id=None) -> list[dict]:
+        with self._allocator_call():
+            return self.allocator.snapshot(None if pool_id is None else tuple(pool_id))
+
+    def memory_stats(self) -> dict[str, Any]:
+        return self.allocator.memory_stats()
+
+    def memory_reserved(self) -> int:
+        return self.allocator.memory_reserved()
+
+    def memory_allocated(self) -> int:
+        return self.allocator.memory_allocated()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.memory.mem_get_info()
+
+    def empty_cache(self) -> None:
+        with self._allocator_call():
+            self.allocator.empty_cache()
+
+    def record_memory_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
+        """Like ``torch.cuda.memory._record_memory_history`` (no stack frames are kept)."""
+        self.allocator.record_history(enabled, max_entries)
+
+    def full_snapshot(self) -> dict:
+        """Like ``torch.cuda.memory._snapshot()``: segments, device traces, settings."""
+        with self._allocator_call():
+            return self.allocator.full_snapshot()
+
+    def record_stream(self, tensor, stream: Stream) -> None:
+        storage = self._storage_of(tensor)
+        if storage is not None:
+            with self._allocator_call():
+                self.allocator.record_stream(storage.block, stream.id)
+
+    def data_ptr(self, tensor) -> int:
+        """The simulated device address of ``tensor``'s first element."""
+        storage = self._storage_of(tensor)
+        if storage is None:
+            return 0
+        inner = tensor._inner
+        if self.backed:
+            return storage.block.ptr + (inner.data_ptr() - storage.host_ptr)
+        return storage.block.ptr + inner.storage_offset() * inner.element_size()
+
+    def external_alloc(self, nbytes: int):
+        """Device memory from cudaMalloc itself, outside the caching allocator (static runs)."""
+        from ..backend import ExternalBuffer
+
+        if nbytes <= 0:
+            raise ValueError(f"external_alloc needs a positive size, got {nbytes}")
+        with self._lock:
+            address = self.memory.cuda_malloc(nbytes)
+        if not address:
+            free, total = self.memory.mem_get_info()
+            raise self.OutOfMemoryError(
+                f"cudaMalloc({nbytes}) failed: out of memory ({free} of {total} bytes free on the simulated device)"
+            )
+        return ExternalBuffer(address, nbytes, lambda: self.memory.cuda_free(address))
+
+    def describe(self) -> str:
+        kind = "backed" if self.backed else "layout only"
+        return f"simulated CUDA device ({self.capacity / GiB:g} GiB, {kind}; torch {torch.__version__})"
+
+    def __repr__(self) -> str:
+        return f"SimBackend(capacity={self.capacity}, backed={self.backed}, active={self.is_active})"
+
+    def _storage_of(self, tensor) -> SimStorage | None:
+        if not is_sim_tensor(tensor):
+            raise TypeError(
+                f"expected a tensor on the simulated device, got a plain {tensor.device} tensor; "
+                "create it with device='cuda' while the SimBackend is active"
+            )
+        if tensor._backend is not self:
+            raise ValueError("this tensor lives on another simulated device")
+        return tensor._sim
+
+    # ------------------------------------------------------ allocation (for tensors)
+    @contextlib.contextmanager
+    def _allocator_call(self) -> Iterator[None]:
+        """Serialise allocator calls; frees arriving meanwhile (GC, other threads) wait."""
+        with self._lock:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            if self._pending and not self._depth:
+                self._drain()
+
+    def _new_storage(self, nbytes: int) -> SimStorage:
+        self._check_open()
+        with self._lock:
+            self._depth += 1
+            try:
+                block = self.allocator.malloc(nbytes, self.current_stream().id, threading.get_ident())
+            finally:
+                self._depth -= 1
+            if self._pending and not self._depth:
+                self._drain()
+        if self.backed:
+            host = self.memory.host_view(block.ptr, nbytes)
+            return _BackedStorage(self, block, host, nbytes)
+        return SimStorage(self, block, 0, nbytes, 0)
+
+    def _ensure_blas_workspace(self) -> None:
+        stream = self.current_stream().id
+        if stream not in self._blas_workspaces:
+            self._blas_workspaces[stream] = self._new_storage(self.blas_workspace)
+
+    def _register_generator(self) -> None:
+        """The first capture makes the RNG's graph-safe seed and offset (two int64 tensors)."""
+        if self._generator_state is None:
+            self._generator_state = [self._new_storage(8), self._new_storage(8)]
+
+    def _release(self, block) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            if self._depth:
+                self._pending.append(block)
+                return
+            self._depth += 1
+            try:
+                self.allocator.free(block)
+            finally:
+                self._depth -= 1
+            if self._pending:
+                self._drain()
+
+    def _drain(self) -> None:
+        self._depth += 1
+        try:
+            while self._pending:
+                self.allocator.free(self._pending.pop(0))
+        finally:
+            self._depth -= 1
+
+    def _place(self, src: torch.Tensor, copy: bool = True) -> SimTensor:
+        """A new device tensor with ``src``'s layout (its storage size, strides, offset)."""
+        nbytes = src.untyped_storage().nbytes()
+        if nbytes == 0:
+            return SimTensor(src, None, self)
+        storage = self._new_storage(nbytes)
+        if not self.backed:
+            storage.key = src.untyped_storage()._cdata
+            return SimTensor(src, storage, self)
+        inner = storage.host.view(src.dtype).as_strided(
+            src.size(), src.stride(), storage.host.storage_offset() // src.element_size() + src.storage_offset()
+        )
+        if copy:
+            inner.copy_(src)
+        return SimTensor(inner, storage, self)
+
+    def _from_host(self, host: torch.Tensor) -> SimTensor:
+        """Copy a plain CPU tensor onto the device (``.to("cuda")``)."""
+        if is_sim_tensor(host):
+            return host
+        layout = torch.empty_like(host, device="meta")
+        placed = self._place(layout, copy=False)
+        if self.backed:
+            placed._inner.copy_(host)
+        return placed
+
+
+class _BackedStorage(SimStorage):
+    __slots__ = ("host",)
+
+    def __init__(self, backend, block, host: torch.Tensor, nbytes: int) -> None:
+        super().__init__(backend, block, host.data_ptr(), nbytes, 0)
+        self.host = host

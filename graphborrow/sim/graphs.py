@@ -1,0 +1,161 @@
+"""CUDA graphs on the simulated device: capture records ops, replay re-runs them in place.
+
+Capture follows ``torch.cuda.graph``: synchronise, empty the cache, switch to a side
+stream, route that stream's allocations to the graph's private pool
+(``begin_allocate_to_pool`` with a stream filter). Every op run on the capturing stream
+is recorded with the CPU views of the memory it reads and writes; ``replay()`` runs the
+ops again and copies fresh results into the recorded output addresses. Nothing keeps
+the captured tensors alive, just as on CUDA: a tensor later placed in a freed block of
+the pool really is overwritten by the next replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_REPLAY_SKIPS: dict = {}  # op -> True when it neither writes memory nor makes fresh outputs
+
+
+class CUDAGraph:
+    """``torch.cuda.CUDAGraph`` for a :class:`SimBackend`; create with ``backend.CUDAGraph()``."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        self._ops: list[tuple] = []
+        self._pool: tuple[int, int] | None = None
+        self._stream = None
+        self._capturing = False
+        self._captured = False
+        self._holds_pool = False
+
+    def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
+        backend = self._backend
+        if self._captured or self._capturing:
+            raise RuntimeError(
+                "This CUDAGraph instance already owns a captured graph. To capture a new graph, "
+                "create a new instance or call reset() first."
+            )
+        stream = backend.current_stream()
+        if stream.id == 0:
+            raise RuntimeError(
+                "CUDA graphs must be captured on a non-default stream. (However, after capture, "
+                "it's ok to replay them on the default stream.) Use backend.graph(g) or "
+                "`with backend.stream(backend.Stream()):`."
+            )
+        if stream.id in backend._captures:
+            raise RuntimeError(f"stream {stream.id} is already capturing another graph; end that capture first")
+        pool_id = backend._new_pool_id(graph=True) if pool is None else backend.pool_id(pool)
+        sid = stream.id
+        backend._register_generator()  # before routing starts: lands in the default pool
+        with backend._allocator_call():
+            backend.allocator.begin_allocate_to_pool(pool_id, lambda s, thread: s == sid)
+        self._pool = pool_id
+        self._holds_pool = True
+        self._stream = stream
+        self._capturing = True
+        backend._captures[sid] = self
+
+    def capture_end(self) -> None:
+        backend = self._backend
+        if not self._capturing:
+            raise RuntimeError("capture_end() without a matching capture_begin()")
+        if backend.current_stream() is not self._stream:
+            raise RuntimeError(
+                f"Capture must end on the same stream it began on (began on stream {self._stream.id}, "
+                f"current stream is {backend.current_stream().id})"
+            )
+        backend._captures.pop(self._stream.id, None)
+        self._capturing = False
+        with backend._allocator_call():
+            backend.allocator.end_allocate_to_pool(self._pool)
+        self._captured = True
+
+    def replay(self) -> None:
+        """Re-run the captured ops, writing into the addresses captured."""
+        if not self._captured:
+            raise RuntimeError("Called CUDAGraph.replay() without a preceding successful capture.")
+        backend = self._backend
+        if backend._captures and backend._capture_for_current_stream() is not None:
+            raise RuntimeError("cannot replay a graph while the current stream is capturing another one")
+        with torch._C.DisableTorchFunction(), torch.inference_mode():
+            for func, args, kwargs, fresh in self._ops:
+                out = func(*args, **kwargs)
+                for index, view in fresh:
+                    view.copy_(out if index < 0 else out[index])
+
+    def reset(self) -> None:
+        """Drop the recorded work and release the pool (``releasePool``), like torch."""
+        if self._capturing:
+            raise RuntimeError("cannot reset() a graph while it is capturing; leave the capture first")
+        self._ops = []
+        self._captured = False
+        if self._holds_pool:
+            self._holds_pool = False
+            backend = self._backend
+            if not backend._closed:
+                with backend._allocator_call():
+                    backend.allocator.release_pool(self._pool)
+
+    def pool(self) -> tuple[int, int]:
+        """The private pool id, to share with later captures (``pool=g.pool()``)."""
+        if self._pool is None:
+            raise RuntimeError("Called CUDAGraph.pool() without a preceding capture_begin().")
+        return self._pool
+
+    @property
+    def num_ops(self) -> int:
+        return len(self._ops)
+
+    def _record(self, func, args, kwargs, fresh: list) -> None:
+        if not fresh:
+            skip = _REPLAY_SKIPS.get(func)
+            if skip is None:
+                schema = getattr(func, "_schema", None)
+                skip = schema is not None and not schema.is_mutable
+                _REPLAY_SKIPS[func] = skip
+            if skip:
+                return
+        self._ops.append((func, args, kwargs, fresh))
+
+    def __del__(self) -> None:
+        try:
+            if not self._capturing:
+                self.reset()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        state = "capturing" if self._capturing else "captured" if self._captured else "empty"
+        return f"CUDAGraph({state}, pool={self._pool}, ops={len(self._ops)})"
+
+
+class graph:
+    """``torch.cuda.graph`` for the simulated device (``backend.graph(g, pool, stream)``)."""
+
+    def __init__(self, cuda_graph: CUDAGraph, pool=None, stream=None, capture_error_mode: str = "global") -> None:
+        if not isinstance(cuda_graph, CUDAGraph):
+            raise TypeError(
+                f"expected a simulated CUDAGraph from backend.CUDAGraph(), got {type(cuda_graph).__name__}"
+            )
+        backend = cuda_graph._backend
+        self.cuda_graph = cuda_graph
+        self.pool = pool
+        self.capture_stream = stream if stream is not None else backend._default_capture_stream()
+        self._stream_ctx = backend.stream(self.capture_stream)
+
+    def __enter__(self) -> None:
+        backend = self.cuda_graph._backend
+        backend.synchronize()
+        backend.empty_cache()
+        self._stream_ctx.__enter__()
+        try:
+            self.cuda_graph.capture_begin(self.pool)
+        except BaseException:
+            self._stream_ctx.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.cuda_graph.capture_end()
+        finally:
+            self._stream_ctx.__exit__(*exc)

@@ -1,0 +1,120 @@
+"""Simulated physical device memory: what cudaMalloc / cudaFree / cudaMemGetInfo see.
+
+Ranges are handed out at 2 MiB aligned addresses, reusing the lowest freed gap that fits
+(as the driver tends to). With ``backed=True`` every range owns real host bytes, so device
+tensors can be views of them; ``backed=False`` keeps only the layout (fast, for sweeps).
+"""
+
+from __future__ import annotations
+
+import torch
+from sortedcontainers import SortedDict
+
+GRANULE = 2 * 2**20  # cudaMalloc's address and size granularity
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class PhysicalMemory:
+    """Device memory of a given capacity; counts only cudaMalloc'd bytes as used."""
+
+    def __init__(self, capacity: int = 80 * 2**30, backed: bool = True, base: int = 0x7F0000000000) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be a positive number of bytes, got {capacity}")
+        if base % GRANULE:
+            raise ValueError(f"base address {base:#x} must be 2 MiB aligned")
+        self.capacity = int(capacity)
+        self.backed = bool(backed)
+        self.base = int(base)
+        self.used = 0
+        self._ranges = SortedDict()  # address -> reserved bytes (2 MiB multiple)
+        self._sizes: dict[int, int] = {}  # address -> bytes asked for
+        self._backing: dict[int, torch.Tensor] = {}
+        self._expected: int | None = None
+
+    def cuda_malloc(self, nbytes: int) -> int:
+        """Reserve ``nbytes``; returns the address, or 0 when it would exceed the capacity."""
+        if nbytes <= 0:
+            raise ValueError(f"cuda_malloc needs a positive size, got {nbytes}")
+        reserved = _round_up(nbytes, GRANULE)
+        if self.used + reserved > self.capacity:
+            self._expected = None
+            return 0
+        if self._expected is not None:
+            address, self._expected = self._expected, None
+            if self._overlaps(address, reserved):
+                raise ValueError(
+                    f"dictated address {address:#x} (+{reserved} bytes) overlaps a live cudaMalloc range; "
+                    "free that range first or dictate another address"
+                )
+        else:
+            address = self._lowest_fit(reserved)
+        self._ranges[address] = reserved
+        self._sizes[address] = nbytes
+        self.used += reserved
+        if self.backed:
+            self._backing[address] = torch.empty(reserved, dtype=torch.uint8)
+        return address
+
+    def cuda_free(self, address: int) -> None:
+        reserved = self._ranges.pop(address, None)
+        if reserved is None:
+            raise ValueError(f"cuda_free({address:#x}): no cudaMalloc range starts at this address")
+        del self._sizes[address]
+        self._backing.pop(address, None)
+        self.used -= reserved
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) as cudaMemGetInfo reports them, counting cudaMalloc'd bytes only."""
+        return self.capacity - self.used, self.capacity
+
+    def expect_next_address(self, address: int | None) -> None:
+        """Make the next successful cuda_malloc return exactly ``address`` (None cancels)."""
+        self._expected = None if address is None else int(address)
+
+    def range_of(self, address: int) -> tuple[int, int] | None:
+        """(start, reserved bytes) of the cudaMalloc range containing ``address``, if any."""
+        i = self._ranges.bisect_right(address) - 1
+        if i < 0:
+            return None
+        start, reserved = self._ranges.peekitem(i)
+        return (start, reserved) if address < start + reserved else None
+
+    def host_view(self, address: int, nbytes: int) -> torch.Tensor:
+        """A uint8 CPU tensor aliasing device bytes [address, address + nbytes)."""
+        if not self.backed:
+            raise RuntimeError(
+                "this PhysicalMemory was created with backed=False and keeps no bytes; "
+                "create the simulated device with backed=True to read or write tensor data"
+            )
+        found = self.range_of(address)
+        if found is None or address + nbytes > found[0] + found[1]:
+            raise ValueError(
+                f"[{address:#x}, {address + nbytes:#x}) does not lie inside one cudaMalloc'd range; "
+                "views must stay within the segment they were allocated from"
+            )
+        start = found[0]
+        return self._backing[start][address - start : address - start + nbytes]
+
+    def _overlaps(self, address: int, nbytes: int) -> bool:
+        i = self._ranges.bisect_left(address + nbytes) - 1
+        if i < 0:
+            return False
+        start, reserved = self._ranges.peekitem(i)
+        return start + reserved > address
+
+    def _lowest_fit(self, nbytes: int) -> int:
+        cursor = self.base
+        for start, reserved in self._ranges.items():
+            if start >= cursor + nbytes:
+                return cursor
+            cursor = max(cursor, start + reserved)
+        return cursor
+
+    def __repr__(self) -> str:
+        return (
+            f"PhysicalMemory(used={self.used}, capacity={self.capacity}, ranges={len(self._ranges)}, "
+            f"backed={self.backed})"
+        )

@@ -1,0 +1,129 @@
+"""JupyterLab in headless Chromium: open the explorer, run it, move a slider, see it redraw.
+
+Needs Debian's chromium at /usr/bin/chromium (CI: ``apt-get install -y chromium``).
+Screenshots land in test-artifacts/ at the repository root.
+"""
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+EXPLORER = ROOT / "notebooks" / "07_explorer.ipynb"
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on 127.0.0.1 with a token, rooted in a temp dir holding the explorer."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not found; install Debian's chromium (apt-get install -y chromium)")
+    pytest.importorskip("playwright.sync_api")
+    if not EXPLORER.exists():
+        pytest.fail(f"{EXPLORER.name} is missing from notebooks/")
+    root = tmp_path / "lab"
+    root.mkdir()
+    shutil.copy(EXPLORER, root / EXPLORER.name)
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "MPLBACKEND": "Agg"}
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--ServerApp.port_retries=0",
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"]
+        + (["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
+            time.sleep(0.5)
+        yield url, token
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _image_bytes(image) -> bytes:
+    return image.screenshot()
+
+
+def test_explorer_redraws_when_a_slider_moves(lab):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    url, token = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        try:
+            page.goto(f"{url}/lab/tree/{EXPLORER.name}?token={token}")
+            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+            select = page.locator(".jp-Dialog").get_by_role("button", name="Select", exact=True)
+            try:  # JupyterLab may ask which kernel to start; python3 is preselected
+                select.wait_for(state="visible", timeout=15_000)
+                select.click()
+            except PlaywrightTimeout:
+                pass
+            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
+                timeout=60_000)
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+            image = page.locator("img.widget-image").first
+            image.wait_for(state="visible", timeout=120_000)
+            image.scroll_into_view_if_needed()
+            page.wait_for_timeout(1000)
+            before = _image_bytes(image)
+            ARTIFACTS.joinpath("explorer_before.png").write_bytes(before)
+            page.screenshot(path=str(ARTIFACTS / "explorer_page_before.png"))
+
+            slider = page.locator(".widget-slider", has_text="batch size").first
+            handle = slider.locator(".noUi-handle").first
+            handle.focus()
+            handle.press("End")
+            after, deadline = before, time.time() + 120
+            while after == before and time.time() < deadline:
+                page.wait_for_timeout(1000)
+                after = _image_bytes(image)
+            ARTIFACTS.joinpath("explorer_after.png").write_bytes(after)
+            page.screenshot(path=str(ARTIFACTS / "explorer_page_after.png"))
+            readout = slider.locator(".widget-readout").first.inner_text()
+            assert readout.strip() == "32", f"slider readout is {readout!r}, expected the ladder's top 32"
+            assert after != before, "the explorer figure did not change after moving the batch-size slider"
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "explorer_page_final.png"))
+            browser.close()

@@ -1,0 +1,211 @@
+"""Trace replay: round trips through the simulator's own traces and hand-built traces."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+
+import pytest
+
+from graphborrow.errors import SnapshotFormatError
+from graphborrow.sim.allocator import CachingAllocator
+from graphborrow.sim.memory import PhysicalMemory
+from graphborrow.sim.replay import ReplayReport, replay_trace
+from graphborrow.sim.streams import Clockwork
+
+KiB, MiB = 2**10, 2**20
+A = 0x7F0000000000
+B = A + 2 * MiB
+
+
+def make():
+    clockwork = Clockwork()
+    alloc = CachingAllocator(PhysicalMemory(backed=False), clockwork)
+    alloc.record_history()
+    return alloc, clockwork
+
+
+class RunArena:
+    """Bump allocator over free runs of another pool (what a borrow pool's arena does)."""
+
+    def __init__(self, runs):
+        self.runs = [[start, start + size] for start, size in runs]
+
+    def raw_alloc(self, nbytes, stream):
+        for run in self.runs:
+            if run[1] - run[0] >= nbytes:
+                run[0] += nbytes
+                return run[0] - nbytes
+        return 0
+
+    def raw_delete(self, address, nbytes, stream):
+        pass
+
+
+def free_runs(alloc, pool_id):
+    runs = []
+    for segment in alloc.snapshot(pool_id):
+        for block in segment["blocks"]:
+            if block["state"] == "inactive":
+                runs.append((block["address"], block["size"]))
+    return sorted(runs, key=lambda r: -r[1])
+
+
+def entry(action, addr, size, stream=0):
+    return {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": 0,
+            "compile_context": "N/A", "user_metadata": ""}
+
+
+def snapshot_of(entries, segments=()):
+    return {"segments": list(segments), "device_traces": [entries], "allocator_settings": {},
+            "external_annotations": []}
+
+
+def segment(address, blocks):
+    return {"device": 0, "address": address, "total_size": sum(size for size, _ in blocks),
+            "segment_pool_id": (0, 0), "blocks": [{"size": size, "state": state} for size, state in blocks]}
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+def test_round_trip_default_pool_churn_with_streams_and_empty_cache():
+    alloc, clockwork = make()
+    side = clockwork.new_stream()
+    rng = random.Random(7)
+    live = []
+    for _ in range(1500):
+        r = rng.random()
+        if r < 0.5 or not live:
+            size = rng.choice([rng.randrange(1, 8 * KiB), rng.randrange(1, MiB), rng.randrange(MiB, 40 * MiB)])
+            live.append(alloc.malloc(size, rng.choice([0, 0, side.id])))
+        elif r < 0.9:
+            block = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.25:
+                side.enqueue(rng.random() * 10)
+                alloc.record_stream(block, side.id if block.stream == 0 else 0)
+            alloc.free(block)
+        elif r < 0.98:
+            clockwork.advance(rng.random() * 4)
+        else:
+            alloc.empty_cache()
+    report = replay_trace(alloc.full_snapshot())
+    assert isinstance(report, ReplayReport)
+    assert report.agreement == 1.0, report
+    assert report.checks > 1000 and report.events == len(alloc.full_snapshot()["device_traces"][0]) - 1
+
+
+def test_round_trip_graph_pool_and_borrow_cycles_through_pluggable_pools(tmp_path):
+    alloc, clockwork = make()
+    capture = clockwork.new_stream()
+    graph_pool = alloc.new_pool_id("handle")
+    alloc.create_or_incref_pool(graph_pool)
+    kept = []
+    for tokens in (64, 16, 4, 1):  # largest first, one shared pool
+        alloc.begin_allocate_to_pool(graph_pool, lambda s, t: s == capture.id)
+        scratch = [alloc.malloc(tokens * size, capture.id) for size in (40 * KiB, 600 * KiB, 90 * KiB)]
+        kept.append(alloc.malloc(tokens * 8 * KiB, capture.id))
+        for block in scratch:
+            alloc.free(block)
+        alloc.end_allocate_to_pool(graph_pool)
+    me = threading.get_ident()
+    borrowed = None
+    for cycle in range(3):
+        pool = alloc.new_pool_id("mempool")
+        alloc.create_or_incref_pool(pool, allocator=RunArena(free_runs(alloc, graph_pool)))
+        alloc.begin_allocate_to_pool(pool, lambda s, t: t == me)
+        blocks = [alloc.malloc(size, 0) for size in (300 * KiB, 700 * KiB, 5 * KiB)]
+        alloc.end_allocate_to_pool(pool)
+        alloc.release_pool(pool)
+        if cycle < 2:
+            for block in blocks:
+                alloc.free(block)
+            alloc.release_pool(pool)
+            alloc.empty_cache(pool)
+        else:
+            borrowed = blocks
+        alloc.free(alloc.malloc(3 * MiB, 0))  # eager work in between
+    assert borrowed and any(s["segment_pool_id"] == pool for s in alloc.snapshot())
+    path = tmp_path / "trace.pickle"
+    path.write_bytes(pickle.dumps(alloc.full_snapshot()))
+    report = replay_trace(str(path))
+    assert report.agreement == 1.0, report
+    assert report.checks >= 2 * 30
+
+
+# ----------------------------------------------------------------------------- hand-built traces
+
+
+def test_hand_built_trace_with_known_outcome():
+    entries = [
+        entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 4096), entry("alloc", A + 4096, 1000),
+        entry("free_requested", A, 4096), entry("free_completed", A, 4096), entry("alloc", A, 2048),
+    ]
+    final = [segment(A, [(2048, "active_allocated"), (2048, "inactive"), (1024, "active_allocated"),
+                         (2 * MiB - 5120, "inactive")])]
+    report = replay_trace(snapshot_of(entries, final))
+    assert (report.agreement, report.checks, report.events, report.mismatches) == (1.0, 7, 6, [])
+
+
+def test_wrong_block_choice_is_detected():
+    entries = [
+        entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 4096), entry("alloc", A + 4096, 1000),
+        entry("free_requested", A, 4096), entry("free_completed", A, 4096),
+        entry("alloc", A + 5120, 2048),  # a real allocator would take the 4 KiB hole at A
+    ]
+    report = replay_trace(snapshot_of(entries))
+    assert report.agreement < 1.0
+    assert len(report.mismatches) == 1 and report.mismatches[0].startswith("event 5 alloc")
+    assert f"expected block at {A + 5120:#x}, simulated {A:#x}" in report.mismatches[0]
+
+
+def test_unexpected_new_segment_is_detected():
+    entries = [
+        entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 4096),
+        entry("free_requested", A, 4096), entry("free_completed", A, 4096),
+        entry("segment_alloc", B, 2 * MiB), entry("alloc", B, 4096),  # the cached block would be reused
+    ]
+    report = replay_trace(snapshot_of(entries))
+    assert report.checks == 4 and len(report.mismatches) == 2
+    assert "expected new segment 2097152 B at" in report.mismatches[0] and "simulated none" in report.mismatches[0]
+
+
+def test_cross_stream_free_stays_pending_until_completed():
+    entries = [
+        entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 4096),
+        entry("free_requested", A, 4096),
+        entry("alloc", A + 4096, 4096),  # A is still pending: the tail is used
+        entry("free_completed", A, 4096),
+        entry("alloc", A, 4096),
+    ]
+    report = replay_trace(snapshot_of(entries))
+    assert report.agreement == 1.0 and report.checks == 7  # 3 allocs x 2 + the pending check
+    early = [dict(e) for e in entries]
+    early[3]["addr"] = A  # claims reuse before the event completed
+    early[5]["addr"] = A + 4096
+    bad = replay_trace(snapshot_of(early))
+    assert bad.agreement < 1.0 and any("event 3 alloc" in m for m in bad.mismatches)
+
+
+def test_empty_cache_release_set_is_compared():
+    entries = [
+        entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 4096),
+        entry("segment_alloc", B, 20 * MiB), entry("alloc", B, 4 * MiB),
+        entry("free_requested", B, 4 * MiB), entry("free_completed", B, 4 * MiB),
+        entry("segment_free", B, 20 * MiB), entry("segment_free", A, 2 * MiB),  # A still holds a block
+    ]
+    report = replay_trace(snapshot_of(entries))
+    assert report.agreement < 1.0
+    assert "events 6..7 empty_cache" in report.mismatches[0] and f"simulated {{20971520 B at {B:#x}}}" in report.mismatches[0]
+
+
+def test_truncated_or_foreign_traces_are_rejected():
+    with pytest.raises(ValueError, match="does not start at an empty allocator"):
+        replay_trace(snapshot_of([entry("free_requested", A, 4096), entry("free_completed", A, 4096)]))
+    with pytest.raises(ValueError, match="max_entries"):
+        replay_trace(snapshot_of([], [segment(A, [(2 * MiB, "inactive")])]))
+    with pytest.raises(ValueError, match="expandable"):
+        replay_trace(snapshot_of([entry("segment_map", A, 2 * MiB)]))
+    with pytest.raises(SnapshotFormatError, match="_record_memory_history"):
+        replay_trace({"segments": []})

@@ -16,9 +16,8 @@ Per point and mode it records:
   recorded (reserved_growth) for comparison;
 - peak_allocated_bytes (max_memory_allocated growth, every pool) next to verify_bytes,
   the planner's bound (chunked: for the chunk size it picks from the free runs);
-  fits_plan (verify_bytes within the largest free run, and state.can_fit for the largest
-  tensor, as chunked mode sizes its chunks) and whether it ran (an OOM is recorded as
-  failed and the sweep goes on);
+  fits_plan (state.can_fit(verify_bytes), the rule chunked mode sizes its chunks by) and
+  whether it ran (an OOM is recorded as failed and the sweep goes on);
 - device_ms: CUDA-event time of one step, median over --iters steps after warm-up, and its
   ratio to one torch.softmax pass over the same logits; host_ms: the Python call's wall
   time (launch-bound steps show it); agrees: same tokens as standard for the same coins.
@@ -121,8 +120,7 @@ def run_point(bs, d, vocab, state, args, budget_end) -> list[dict]:
                 row["chunk_error"] = str(exc)
         plan = verify_bytes(bs, d, vocab, mode, bool(top_k), bool(top_p), chunk_rows=chunk_rows)
         row["verify_bytes"] = plan
-        matrix = 4 * (chunk_rows or bs * d) * vocab  # the largest single tensor of the step
-        row["fits_plan"] = (plan <= state.largest_run() and bool(state.can_fit(matrix))) if borrowing else None
+        row["fits_plan"] = bool(state.can_fit(plan)) if borrowing else None
         if time.monotonic() > budget_end:
             row.update(ok=False, error="skipped: time budget spent")
             rows.append(row)

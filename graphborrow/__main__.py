@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from .errors import ParameterError
 
 
@@ -42,11 +44,14 @@ def _suite(args: argparse.Namespace) -> int:
     if not notebooks:
         print(f"error: no numbered notebooks in {sw.NOTEBOOKS}", file=sys.stderr)
         return 2
+    extra = sw.validate({name: yaml.safe_load(value) for name, value in (getattr(args, "param", None) or [])})
     params = sw.validate({"DEVICE": args.device, "OUTPUT_DIR": str(results)})
     failed = 0
     for nb in notebooks:
         start = time.time()
-        code, log, output_nb = sw.run_notebook(nb, out, params, timeout=args.timeout)
+        declared = sw.declared_parameters(nb)  # each notebook gets the overrides it declares
+        nb_params = {**params, **{k: v for k, v in extra.items() if k in declared}}
+        code, log, output_nb = sw.run_notebook(nb, out, nb_params, timeout=args.timeout)
         status = "ok" if code == 0 else "FAILED"
         print(f"{status:6} {nb.stem:28} {time.time() - start:6.1f} s  {output_nb}", flush=True)
         if code != 0:
@@ -64,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     run_demo(args.device)
     print("\n== notebook suite ==", flush=True)
     suite_args = argparse.Namespace(out=str(Path(args.out) / "suite"), device=args.device, only=None,
-                                    timeout=args.timeout)
+                                    timeout=args.timeout, param=None)
     failed = _suite(suite_args)
     print("\n== example sweep ==", flush=True)
     sweep_args = argparse.Namespace(grid=str(Path(__file__).resolve().parents[1] / "notebooks" / "sweep_example.yaml"),
@@ -108,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--device", default="auto", help="auto, cuda or sim")
     suite.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 01 02")
     suite.add_argument("--timeout", type=float, default=None)
+    suite.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                       help="override a parameter in every notebook that declares it, e.g. -p VOCAB 128256")
     suite.set_defaults(func=_suite)
     return parser
 

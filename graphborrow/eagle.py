@@ -375,10 +375,10 @@ def _target_probs(logits, temps, top_k, top_p) -> torch.Tensor:
 
 def requests_per_chunk(bs: int, d: int, vocab: int, top_k: bool, top_p: bool, borrow=None,
                        chunk_rows: int | None = None) -> int:
-    """Requests per chunk in chunked mode: from ``chunk_rows``; else the most whose step's
-    bytes (:func:`verify_bytes`) fit the largest free run and whose largest tensor, the
-    probability matrix, passes ``borrow.can_fit`` (allocator rounding); else, without an
-    enabled borrow, the whole batch."""
+    """Requests per chunk in chunked mode: from ``chunk_rows``; else the most whose step
+    (:func:`verify_bytes`) ``borrow.can_fit`` as one block, allocator rounding included;
+    a step too small for that rounding (it asks for a 20 MiB segment) is sized by bytes
+    instead. Without an enabled borrow: the whole batch."""
     if chunk_rows is not None:
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < d:
             raise BorrowCapacityError(
@@ -389,18 +389,12 @@ def requests_per_chunk(bs: int, d: int, vocab: int, top_k: bool, top_p: bool, bo
         return bs  # nothing to size from: one chunk
     largest = borrow.largest_run()
 
-    def fits_runs(n: int) -> bool:
-        step = verify_bytes(bs, d, vocab, "chunked", top_k, top_p, chunk_rows=n * d)
-        return step <= largest and borrow.can_fit(4 * n * d * vocab)
+    def step(n: int) -> int:
+        return verify_bytes(bs, d, vocab, "chunked", top_k, top_p, chunk_rows=n * d)
 
-    fits = 0
-    lo, hi = 1, bs
-    while lo <= hi:  # largest number of requests whose step fits the free runs
-        mid = (lo + hi) // 2
-        if fits_runs(mid):
-            fits, lo = mid, mid + 1
-        else:
-            hi = mid - 1
+    fits = _largest_passing(bs, lambda n: borrow.can_fit(step(n)))
+    if fits == 0:
+        fits = _largest_passing(bs, lambda n: step(n) <= largest and borrow.can_fit(4 * n * d * vocab))
     if fits == 0:
         need = verify_bytes(bs, d, vocab, "chunked", top_k, top_p, chunk_rows=d)
         raise BorrowCapacityError(
@@ -408,6 +402,18 @@ def requests_per_chunk(bs: int, d: int, vocab: int, top_k: bool, top_p: bool, bo
             f"{largest / 2**20:.1f} MiB; use mode='lean', or verify without borrowing"
         )
     return fits
+
+
+def _largest_passing(most: int, passes) -> int:
+    """Largest n in [1, most] with passes(n) (monotone), or 0."""
+    found, lo, hi = 0, 1, most
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            found, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return found
 
 
 # ---------------------------------------------------------------------------------

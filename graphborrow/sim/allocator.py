@@ -238,28 +238,66 @@ def format_size(nbytes: int) -> str:
 
 
 class Stat:
+    """One scalar stat (the oversize counters): current, peak, allocated, freed."""
+
     __slots__ = ("current", "peak", "allocated", "freed")
 
     def __init__(self) -> None:
         self.current = self.peak = self.allocated = self.freed = 0
 
+    def increase(self, n: int) -> None:
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        self.allocated += n
+
+    def decrease(self, n: int) -> None:
+        self.current -= n
+        self.freed += n
+
     def as_dict(self) -> dict:
         return {"current": self.current, "peak": self.peak, "allocated": self.allocated, "freed": self.freed}
 
 
-def _up(pair: tuple[Stat, Stat], n: int) -> None:
-    for s in pair:
-        c = s.current + n
-        s.current = c
-        if c > s.peak:
-            s.peak = c
-        s.allocated += n
+class StatCounters:
+    """The array stats of one pool kind ("small_pool" or "large_pool") as flat int slots.
+
+    For a stat ``x``, slot ``x`` is the current value and ``x_peak`` its peak; ``x_total`` is
+    the sum of increases since the last reset (torch's "allocated") and ``x_base`` the current
+    value at that reset, so "freed" = total - (current - base) and a decrease touches only ``x``.
+    Active blocks and bytes only ever grow together with allocations, so their totals are
+    ``allocation_total`` / ``allocated_bytes_total``. The "all" stat type needs only peaks
+    (``x_peak`` of a third StatCounters): its current value is the two kinds' sum. The hot
+    path updates the slots inline; everything else uses :func:`_increase` / :func:`_decrease`.
+    """
+
+    __slots__ = tuple(f"{name}{suffix}" for name in ARRAY_STATS for suffix in ("", "_peak", "_total", "_base"))
+
+    def __init__(self) -> None:
+        for slot in self.__slots__:
+            setattr(self, slot, 0)
+
+    def as_rows(self, name: str) -> tuple[int, int, int, int]:
+        """(current, peak, allocated, freed) of stat ``name`` for this pool kind."""
+        total_name = {"active": "allocation", "active_bytes": "allocated_bytes"}.get(name, name) + "_total"
+        current, total = getattr(self, name), getattr(self, total_name)
+        return (current, getattr(self, name + "_peak"), total, total - current + getattr(self, name + "_base"))
 
 
-def _down(pair: tuple[Stat, Stat], n: int) -> None:
-    for s in pair:
-        s.current -= n
-        s.freed += n
+def _increase(pool: "BlockPool", name: str, n: int) -> None:
+    """Raise stat ``name`` by ``n`` for the pool's kind and for "all" (off the hot path)."""
+    kind, every = pool.stats, pool.all_stats
+    current = getattr(kind, name) + n
+    setattr(kind, name, current)
+    setattr(kind, name + "_total", getattr(kind, name + "_total") + n)
+    if current > getattr(kind, name + "_peak"):
+        setattr(kind, name + "_peak", current)
+    current += getattr(pool.other_stats, name)
+    if current > getattr(every, name + "_peak"):
+        setattr(every, name + "_peak", current)
+
+
+def _decrease(pool: "BlockPool", name: str, n: int) -> None:
+    setattr(pool.stats, name, getattr(pool.stats, name) - n)
 
 
 class Segment:
@@ -289,14 +327,15 @@ class Block:
         "event_count", "stream_uses", "segment", "key",
     )
 
-    def __init__(self, ptr: int, size: int, stream: int, pool: "BlockPool", segment: Segment) -> None:
+    def __init__(self, ptr: int, size: int, stream: int, pool: "BlockPool", segment: Segment,
+                 prev: "Block | None" = None, next: "Block | None" = None) -> None:
         self.ptr = ptr
         self.size = size
         self.requested_size = 0
         self.stream = stream
         self.allocated = False
-        self.prev: Block | None = None
-        self.next: Block | None = None
+        self.prev = prev
+        self.next = next
         self.pool = pool
         self.event_count = 0
         self.stream_uses: set[int] | frozenset[int] = NO_STREAMS
@@ -322,68 +361,59 @@ class Block:
 class BlockPool:
     """Free blocks of one size class of one pool, ordered by (stream, size, ptr).
 
-    The set is a SortedList of ``(stream, size, ptr, block)`` keys. The best-fit lookup
-    reads SortedList's two-level layout directly (``_maxes`` / ``_lists``), so finding and
-    then removing the candidate costs two C-level bisections instead of four.
+    The set is a SortedList of ``(stream, size, ptr, block)`` keys. The hot path reads its
+    two-level layout (``_maxes`` / ``_lists``) directly: one pair of C-level bisections finds
+    a key's slot, and a changed key keeps its slot whenever the order allows it.
     """
 
-    def __init__(self, is_small: bool, owner: "PrivatePool | None", stats: dict[str, list[Stat]]) -> None:
+    __slots__ = ("is_small", "owner", "blocks", "stats", "other_stats", "all_stats", "min_remainder")
+
+    def __init__(self, is_small: bool, owner: "PrivatePool | None", counters: tuple[StatCounters, ...]) -> None:
         self.is_small = is_small
         self.owner = owner
         self.blocks = SortedList()
-        self._found = (0, 0)
-        kind = 1 if is_small else 2
-        for name in ARRAY_STATS:
-            setattr(self, "st_" + name, (stats[name][0], stats[name][kind]))
-        self.st_count_on_alloc = self.st_allocation + self.st_active
-        self.st_bytes_on_alloc = self.st_allocated_bytes + self.st_active_bytes
+        self.min_remainder = 0  # a block splits when the rest would be at least this (set by set_split_rule)
+        self.set_split_rule(no_split=False)
+        every, small, large = counters
+        self.all_stats = every  # peaks of "all"; every pool of the allocator shares these three
+        self.stats, self.other_stats = (small, large) if is_small else (large, small)
 
-    def first_at_least(self, probe: tuple) -> tuple | None:
-        """The smallest key >= probe (remembered for remove_found), or None."""
+    def set_split_rule(self, no_split: bool) -> None:
+        """Small blocks split when >= 512 B would remain, large ones when > 1 MiB would; never in no_split pools."""
+        if no_split:
+            self.min_remainder = SIZE_MAX + 1
+        else:
+            self.min_remainder = K_MIN_BLOCK_SIZE if self.is_small else K_SMALL_SIZE + 1
+
+    def locate(self, probe: tuple) -> tuple[int, int]:
+        """(sublist, index) of the smallest key >= probe; sublist == len(_maxes) when there is none."""
         blocks = self.blocks
         maxes = blocks._maxes
         pos = bisect_left(maxes, probe)
         if pos == len(maxes):
-            return None
-        sub = blocks._lists[pos]
-        idx = bisect_left(sub, probe)
-        self._found = (pos, idx)
-        return sub[idx]
+            return pos, 0
+        return pos, bisect_left(blocks._lists[pos], probe)
 
-    def remove_found(self) -> None:
-        """Remove the key first_at_least returned."""
-        self.blocks._delete(*self._found)
-
-    def rekey_found(self, new_key: tuple) -> None:
-        """Replace the key first_at_least returned by a smaller one (a split's remainder)."""
-        pos, idx = self._found
-        blocks = self.blocks
-        sub = blocks._lists[pos]
-        if (sub[idx - 1] < new_key) if idx else (pos == 0 or blocks._maxes[pos - 1] < new_key):
-            sub[idx] = new_key  # still in order: keep the slot
-            if idx == len(sub) - 1:
-                blocks._maxes[pos] = new_key
-        else:
-            blocks._delete(pos, idx)
-            blocks.add(new_key)
-
-    def rekey(self, old_key: tuple, new_key: tuple) -> None:
-        """Replace ``old_key`` by ``new_key`` (a merge), in place when the order allows it."""
+    def replace_at(self, pos: int, idx: int, new_key: tuple) -> None:
+        """Put ``new_key`` in place of the key at (pos, idx): in its slot when still in order."""
         blocks = self.blocks
         maxes, lists = blocks._maxes, blocks._lists
-        pos = bisect_left(maxes, old_key)
         sub = lists[pos]
-        idx = bisect_left(sub, old_key)
         last = len(sub) - 1
-        lower_ok = (sub[idx - 1] < new_key) if idx else (pos == 0 or maxes[pos - 1] < new_key)
-        upper_ok = (new_key < sub[idx + 1]) if idx < last else (pos == len(maxes) - 1 or new_key < lists[pos + 1][0])
-        if lower_ok and upper_ok:
+        if ((sub[idx - 1] < new_key) if idx else (pos == 0 or maxes[pos - 1] < new_key)) and (
+            (new_key < sub[idx + 1]) if idx < last else (pos == len(maxes) - 1 or new_key < lists[pos + 1][0])
+        ):
             sub[idx] = new_key
             if idx == last:
                 maxes[pos] = new_key
         else:
             blocks._delete(pos, idx)
             blocks.add(new_key)
+
+    def rekey(self, old_key: tuple, new_key: tuple) -> None:
+        """Replace ``old_key`` by ``new_key`` (a merge)."""
+        pos, idx = self.locate(old_key)
+        self.replace_at(pos, idx, new_key)
 
     def insert(self, block: Block) -> None:
         key = (block.stream, block.size, block.ptr, block)
@@ -402,15 +432,25 @@ class BlockPool:
 class PrivatePool:
     """A graph pool / MemPool: its own small and large block pools, optional raw allocator."""
 
-    def __init__(self, pool_id: tuple[int, int], allocator: Any, stats: dict[str, list[Stat]]) -> None:
+    def __init__(self, pool_id: tuple[int, int], allocator: Any, counters: tuple[StatCounters, ...]) -> None:
         self.id = pool_id
         self.use_count = 1
         self.cudaMalloc_count = 0
         self.allocator = allocator
         self.use_on_oom = False
+        self.small_blocks = BlockPool(True, self, counters)
+        self.large_blocks = BlockPool(False, self, counters)
         self.no_split = False
-        self.small_blocks = BlockPool(True, self, stats)
-        self.large_blocks = BlockPool(False, self, stats)
+
+    @property
+    def no_split(self) -> bool:
+        return self._no_split
+
+    @no_split.setter
+    def no_split(self, enabled: bool) -> None:
+        self._no_split = bool(enabled)
+        self.small_blocks.set_split_rule(self._no_split)
+        self.large_blocks.set_split_rule(self._no_split)
 
     def __repr__(self) -> str:
         return f"PrivatePool(id={self.id}, use_count={self.use_count}, segments={self.cudaMalloc_count})"
@@ -427,12 +467,15 @@ class CachingAllocator:
         self.clockwork = clockwork
         self.config = AllocatorConfig(config)
         self.device = 0
-        self._stats = {name: [Stat(), Stat(), Stat()] for name in ARRAY_STATS}
+        self._counters_all = StatCounters()
+        self._counters_by_kind = (StatCounters(), StatCounters())  # small_pool, large_pool
+        stat_counters = (self._counters_all, *self._counters_by_kind)
+        self._stat_counters = stat_counters
         self._oversize_allocations = Stat()
         self._oversize_segments = Stat()
         self._counters = dict.fromkeys(COUNTERS, 0)
-        self.small_blocks = BlockPool(True, None, self._stats)
-        self.large_blocks = BlockPool(False, None, self._stats)
+        self.small_blocks = BlockPool(True, None, stat_counters)
+        self.large_blocks = BlockPool(False, None, stat_counters)
         self.graph_pools: dict[tuple[int, int], PrivatePool] = {}
         self.graph_pools_freeable: dict[tuple[int, int], PrivatePool] = {}
         self.captures_underway: list[tuple[tuple[int, int], Callable[[int, int], bool]]] = []
@@ -447,8 +490,9 @@ class CachingAllocator:
         self._history: deque | None = None
         self._next_capture_id = 1
         self._next_mempool_id = 1
-        self._exact_rounding = not self.config.uses_power2_rounding
         self._max_split = self.config.max_split_size
+        # torch's defaults (512 B rounding, no split limit) let malloc take its short path
+        self._default_rules = not self.config.uses_power2_rounding and self._max_split == SIZE_MAX
 
     # ------------------------------------------------------------------ malloc / free
 
@@ -459,52 +503,59 @@ class CachingAllocator:
                 f"malloc({nbytes}): the caching allocator only sees positive sizes; "
                 "a 0-byte tensor needs no block (torch gives it data_ptr 0)"
             )
+        if self.captures_underway or self._cuda_events or self._deferred or not self._default_rules:
+            return self._malloc_general(nbytes, stream, thread)
+        # the hot path: default rules, nothing pending, no private pool routing
+        size = 512 if nbytes < 512 else (nbytes + 511) & ~511
+        pool = self.small_blocks if size <= K_SMALL_SIZE else self.large_blocks
+        # best fit: the first key >= (stream, size), found in SortedList's two levels
+        probe = (stream, size, 0)
+        blocks = pool.blocks
+        maxes = blocks._maxes
+        pos = bisect_left(maxes, probe)
+        if pos != len(maxes):
+            sub = blocks._lists[pos]
+            idx = bisect_left(sub, probe)
+            key = sub[idx]
+            if key[0] == stream:
+                return self._alloc_found_block(key[3], pos, idx, nbytes, size)
+        return self._alloc_found_block(*self._malloc_slow(pool, size, stream), nbytes, size)
+
+    def _malloc_general(self, nbytes: int, stream: int, thread: int | None) -> Block:
+        """malloc with everything: pending events, routing to private pools, configured rounding and split limits."""
         captures = self.captures_underway
-        if not captures:
-            if self._cuda_events or self._deferred:
-                self.process_events()
-        if self._exact_rounding:
-            size = 512 if nbytes < 512 else (nbytes + 511) & ~511
-        else:
-            size = round_size(nbytes, self.config)
+        if not captures and (self._cuda_events or self._deferred):
+            self.process_events()
+        size = round_size(nbytes, self.config)
         if captures:
             pool = self._get_pool(size, stream, threading.get_ident() if thread is None else thread)
         else:
             pool = self.small_blocks if size <= K_SMALL_SIZE else self.large_blocks
-        # best fit, inlined from _get_free_block for the default config (the hot path)
-        block = None
-        if self._max_split == SIZE_MAX:
-            probe = (stream, size, 0)
-            blocks = pool.blocks
-            maxes = blocks._maxes
-            pos = bisect_left(maxes, probe)
-            if pos != len(maxes):
-                sub = blocks._lists[pos]
-                idx = bisect_left(sub, probe)
-                key = sub[idx]
-                if key[0] == stream:
-                    pool._found = (pos, idx)
-                    block = key[3]
-        else:
-            block = self._get_free_block(pool, size, stream)
-        if block is None:
-            block = self._malloc_slow(pool, size, stream)
-        return self._alloc_found_block(block, nbytes, size)
+        found = self._get_free_block(pool, size, stream)
+        if found is None:
+            found = self._malloc_slow(pool, size, stream)
+        block, pos, idx = found
+        return self._alloc_found_block(block, pos, idx, nbytes, size)
 
-    def _malloc_slow(self, pool: BlockPool, size: int, stream: int) -> Block:
+    def _malloc_slow(self, pool: BlockPool, size: int, stream: int) -> tuple[Block, int, int]:
+        """No cached block fits: new segment, mempool fallback, release cached and retry, or OOM."""
         alloc_size = get_allocation_size(size)
+        block = self._alloc_block(pool, alloc_size, stream, retry=False)
+        if block is not None:
+            return (block, -1, 0)
+        found = self._try_mempool_fallback(size, stream)
+        if found is not None:
+            return found
         block = (
-            self._alloc_block(pool, alloc_size, stream, retry=False)
-            or self._try_mempool_fallback(size, stream)
-            or (self._release_available_cached_blocks(pool, size, stream)
-                and self._alloc_block(pool, alloc_size, stream, retry=False))
+            (self._release_available_cached_blocks(pool, size, stream)
+             and self._alloc_block(pool, alloc_size, stream, retry=False))
             or (not self.captures_underway
                 and self.release_cached_blocks(DEFAULT_POOL)
                 and self._alloc_block(pool, alloc_size, stream, retry=True))
         )
         if not block:
             self._raise_oom(pool, size, alloc_size, stream)
-        return block
+        return (block, -1, 0)
 
     def free(self, block: Block) -> None:
         """Return ``block``; completes now unless it was used on other streams (record_stream)."""
@@ -513,16 +564,13 @@ class CachingAllocator:
         block.allocated = False
         pool = block.pool
         size = block.size
-        for s in pool.st_allocation:
-            s.current -= 1
-            s.freed += 1
-        for s in pool.st_allocated_bytes:
-            s.current -= size
-            s.freed += size
+        kind = pool.stats
+        kind.allocation -= 1
+        kind.allocated_bytes -= size
         if self._history is not None:
             self._trace("free_requested", block.ptr, block.requested_size, block.stream)
-        if block.size >= self._max_split:
-            _down((self._oversize_allocations,), 1)
+        if size >= self._max_split:
+            self._oversize_allocations.decrease(1)
         if block.stream_uses:
             if self.captures_underway:
                 self._deferred.append(block)
@@ -555,74 +603,86 @@ class CachingAllocator:
                 return private.small_blocks if size <= K_SMALL_SIZE else private.large_blocks
         return self.small_blocks if size <= K_SMALL_SIZE else self.large_blocks
 
-    def _get_free_block(self, pool: BlockPool, size: int, stream: int) -> Block | None:
+    def _get_free_block(self, pool: BlockPool, size: int, stream: int) -> tuple[Block, int, int] | None:
         """Best fit on the same stream: the single smallest block >= size, lowest address on ties.
 
-        The block stays in the pool's set until _alloc_found_block re-keys or removes it.
+        Returns the block and its slot in the pool's set; it stays there until
+        _alloc_found_block re-keys or removes it.
         """
-        key = pool.first_at_least((stream, size, 0))
-        if key is None or key[0] != stream:
+        pos, idx = pool.locate((stream, size, 0))
+        if pos == len(pool.blocks._maxes):
+            return None
+        key = pool.blocks._lists[pos][idx]
+        if key[0] != stream:
             return None
         max_split = self._max_split
         if size < max_split and key[1] >= max_split:
             return None
         if size >= max_split and key[1] >= size + self.config.max_non_split_rounding_size:
             return None
-        return key[3]
+        return (key[3], pos, idx)
 
-    def _alloc_found_block(self, block: Block, orig: int, size: int) -> Block:
+    def _alloc_found_block(self, block: Block, pos: int, idx: int, orig: int, size: int) -> Block:
+        """Hand out ``block`` (split if the rules say so); (pos, idx) is its slot in the pool's
+        set, or pos -1 for a new segment's block, which is in no set yet."""
         pool = block.pool
-        found = block.key is not None  # a cached block (still keyed in its pool), not a new segment
         already_split = block.prev is not None or block.next is not None
         remaining_size = block.size - size
-        if pool.owner is not None and pool.owner.no_split:
-            split = False
-        elif pool.is_small:
-            split = remaining_size >= K_MIN_BLOCK_SIZE
-        else:
-            split = size < self._max_split and remaining_size > K_SMALL_SIZE
-        if split:
+        kind, other, every = pool.stats, pool.other_stats, pool.all_stats
+        if remaining_size >= pool.min_remainder and size < self._max_split:
             # the caller gets a new block at the low end; the old block object is the remainder
             remaining = block
-            block = Block(remaining.ptr, size, remaining.stream, pool, remaining.segment)
             prev = remaining.prev
-            block.prev = prev
+            block = Block(remaining.ptr, size, remaining.stream, pool, remaining.segment, prev, remaining)
             if prev is None:
                 remaining.segment.head = block
             else:
                 prev.next = block
-            block.next = remaining
             remaining.prev = block
-            remaining.ptr += size
+            remaining_ptr = remaining.ptr + size
+            remaining.ptr = remaining_ptr
             remaining.size = remaining_size
-            key = (remaining.stream, remaining_size, remaining.ptr, remaining)
-            if found:
-                pool.rekey_found(key)
-            else:
-                pool.blocks.add(key)
+            key = (remaining.stream, remaining_size, remaining_ptr, remaining)
             remaining.key = key
-            if already_split:
-                _down(pool.st_inactive_split_bytes, size)
+            blocks = pool.blocks
+            if pos < 0:
+                blocks.add(key)
             else:
-                for s in pool.st_inactive_split:
-                    c = s.current + 1
-                    s.current = c
-                    if c > s.peak:
-                        s.peak = c
-                    s.allocated += 1
-                for s in pool.st_inactive_split_bytes:
-                    c = s.current + remaining_size
-                    s.current = c
-                    if c > s.peak:
-                        s.peak = c
-                    s.allocated += remaining_size
+                # the remainder's key is smaller than the old one: only the lower neighbour can be out of order
+                sub = blocks._lists[pos]
+                if (sub[idx - 1] < key) if idx else (pos == 0 or blocks._maxes[pos - 1] < key):
+                    sub[idx] = key
+                    if idx == len(sub) - 1:
+                        blocks._maxes[pos] = key
+                else:
+                    blocks._delete(pos, idx)
+                    blocks.add(key)
+            if already_split:
+                kind.inactive_split_bytes -= size
+            else:
+                c = kind.inactive_split + 1
+                kind.inactive_split = c
+                kind.inactive_split_total += 1
+                if c > kind.inactive_split_peak:
+                    kind.inactive_split_peak = c
+                c += other.inactive_split  # "all"
+                if c > every.inactive_split_peak:
+                    every.inactive_split_peak = c
+                c = kind.inactive_split_bytes + remaining_size
+                kind.inactive_split_bytes = c
+                kind.inactive_split_bytes_total += remaining_size
+                if c > kind.inactive_split_bytes_peak:
+                    kind.inactive_split_bytes_peak = c
+                c += other.inactive_split_bytes  # "all"
+                if c > every.inactive_split_bytes_peak:
+                    every.inactive_split_bytes_peak = c
         else:
-            if found:
-                pool.remove_found()
+            if pos >= 0:
+                pool.blocks._delete(pos, idx)
                 block.key = None
             if already_split:
-                _down(pool.st_inactive_split_bytes, block.size)
-                _down(pool.st_inactive_split, 1)
+                kind.inactive_split_bytes -= block.size
+                kind.inactive_split -= 1
         block.allocated = True
         block.requested_size = orig
         ptr = block.ptr
@@ -630,36 +690,58 @@ class CachingAllocator:
         if ptr in active:
             self._active_shadowed.append(active[ptr])
         active[ptr] = block
-        for s in pool.st_count_on_alloc:  # allocation and active: all + this pool kind
-            c = s.current + 1
-            s.current = c
-            if c > s.peak:
-                s.peak = c
-            s.allocated += 1
         size = block.size
-        for s in pool.st_bytes_on_alloc:  # allocated_bytes and active_bytes
-            c = s.current + size
-            s.current = c
-            if c > s.peak:
-                s.peak = c
-            s.allocated += size
-        for s in pool.st_requested_bytes:
-            c = s.current + orig
-            s.current = c
-            if c > s.peak:
-                s.peak = c
-            s.allocated += orig
+        # allocation and active +1, allocated_bytes and active_bytes +size, requested_bytes +orig
+        c = kind.allocation + 1
+        kind.allocation = c
+        kind.allocation_total += 1
+        if c > kind.allocation_peak:
+            kind.allocation_peak = c
+        c += other.allocation  # "all"
+        if c > every.allocation_peak:
+            every.allocation_peak = c
+        c = kind.active + 1
+        kind.active = c
+        if c > kind.active_peak:
+            kind.active_peak = c
+        c += other.active  # "all"
+        if c > every.active_peak:
+            every.active_peak = c
+        c = kind.allocated_bytes + size
+        kind.allocated_bytes = c
+        kind.allocated_bytes_total += size
+        if c > kind.allocated_bytes_peak:
+            kind.allocated_bytes_peak = c
+        c += other.allocated_bytes  # "all"
+        if c > every.allocated_bytes_peak:
+            every.allocated_bytes_peak = c
+        c = kind.active_bytes + size
+        kind.active_bytes = c
+        if c > kind.active_bytes_peak:
+            kind.active_bytes_peak = c
+        c += other.active_bytes  # "all"
+        if c > every.active_bytes_peak:
+            every.active_bytes_peak = c
+        c = kind.requested_bytes + orig
+        kind.requested_bytes = c
+        kind.requested_bytes_total += orig
+        if c > kind.requested_bytes_peak:
+            kind.requested_bytes_peak = c
+        c += other.requested_bytes  # "all"
+        if c > every.requested_bytes_peak:
+            every.requested_bytes_peak = c
         if size >= self._max_split:
-            _up((self._oversize_allocations,), 1)
+            self._oversize_allocations.increase(1)
         if self._history is not None:
             self._trace("alloc", ptr, orig, block.stream)
         return block
 
     def _free_block(self, block: Block) -> None:
+        """Complete a free: merge with free neighbours and put the result in its pool's set."""
         if self._history is not None:
             self._trace("free_completed", block.ptr, block.requested_size, block.stream)
         active = self._active
-        if active.get(block.ptr) is block and not self._active_shadowed:
+        if not self._active_shadowed and active.get(block.ptr) is block:
             del active[block.ptr]
         else:
             self._deactivate(block)
@@ -673,13 +755,13 @@ class CachingAllocator:
             reused_key, prev.key = prev.key, None
             block.ptr = prev.ptr
             block.size += prev.size
-            block.prev = prev.prev
-            if block.prev is None:
-                block.segment.head = block
-            else:
-                block.prev.next = block
             net_blocks -= 1
             net_bytes -= prev.size
+            prev = block.prev = prev.prev
+            if prev is None:
+                block.segment.head = block
+            else:
+                prev.next = block
         nxt = block.next
         if nxt is not None and not nxt.allocated and nxt.event_count == 0 and not nxt.stream_uses:
             if reused_key is None:
@@ -688,41 +770,61 @@ class CachingAllocator:
                 pool.blocks.remove(nxt.key)
             nxt.key = None
             block.size += nxt.size
-            block.next = nxt.next
-            if block.next is not None:
-                block.next.prev = block
             net_blocks -= 1
             net_bytes -= nxt.size
-        key = (block.stream, block.size, block.ptr, block)
+            nxt = block.next = nxt.next
+            if nxt is not None:
+                nxt.prev = block
+        size = block.size
+        key = (block.stream, size, block.ptr, block)
         if reused_key is None:
             pool.blocks.add(key)
         else:
-            pool.rekey(reused_key, key)
+            blocks = pool.blocks
+            maxes, lists = blocks._maxes, blocks._lists
+            pos = bisect_left(maxes, reused_key)
+            sub = lists[pos]
+            idx = bisect_left(sub, reused_key)
+            last = len(sub) - 1
+            if ((sub[idx - 1] < key) if idx else (pos == 0 or maxes[pos - 1] < key)) and (
+                (key < sub[idx + 1]) if idx < last else (pos == len(maxes) - 1 or key < lists[pos + 1][0])
+            ):
+                sub[idx] = key  # still in order: keep the slot
+                if idx == last:
+                    maxes[pos] = key
+            else:
+                blocks._delete(pos, idx)
+                blocks.add(key)
         block.key = key
-        if block.prev is not None or block.next is not None:
+        if prev is not None or nxt is not None:
             net_blocks += 1
-            net_bytes += block.size
+            net_bytes += size
+        kind, other, every = pool.stats, pool.other_stats, pool.all_stats
         if net_blocks > 0:
-            _up(pool.st_inactive_split, net_blocks)
+            c = kind.inactive_split + net_blocks
+            kind.inactive_split = c
+            kind.inactive_split_total += net_blocks
+            if c > kind.inactive_split_peak:
+                kind.inactive_split_peak = c
+            c += other.inactive_split  # "all"
+            if c > every.inactive_split_peak:
+                every.inactive_split_peak = c
         elif net_blocks < 0:
-            for s in pool.st_inactive_split:
-                s.current += net_blocks
-                s.freed -= net_blocks
+            kind.inactive_split += net_blocks
         if net_bytes > 0:
-            _up(pool.st_inactive_split_bytes, net_bytes)
+            c = kind.inactive_split_bytes + net_bytes
+            kind.inactive_split_bytes = c
+            kind.inactive_split_bytes_total += net_bytes
+            if c > kind.inactive_split_bytes_peak:
+                kind.inactive_split_bytes_peak = c
+            c += other.inactive_split_bytes  # "all"
+            if c > every.inactive_split_bytes_peak:
+                every.inactive_split_bytes_peak = c
         elif net_bytes < 0:
-            for s in pool.st_inactive_split_bytes:
-                s.current += net_bytes
-                s.freed -= net_bytes
-        for s in pool.st_active:
-            s.current -= 1
-            s.freed += 1
-        for s in pool.st_active_bytes:
-            s.current -= original_size
-            s.freed += original_size
-        for s in pool.st_requested_bytes:
-            s.current -= requested
-            s.freed += requested
+            kind.inactive_split_bytes += net_bytes
+        kind.active -= 1
+        kind.active_bytes -= original_size
+        kind.requested_bytes -= requested
 
     def _deactivate(self, block: Block) -> None:
         ptr = block.ptr
@@ -754,10 +856,10 @@ class CachingAllocator:
         block = Block(ptr, alloc_size, stream, pool, segment)
         segment.head = block
         self._segments[segment] = None
-        _up(pool.st_segment, 1)
-        _up(pool.st_reserved_bytes, alloc_size)
+        _increase(pool, "segment", 1)
+        _increase(pool, "reserved_bytes", alloc_size)
         if alloc_size >= self._max_split:
-            _up((self._oversize_segments,), 1)
+            self._oversize_segments.increase(1)
         self._counters["num_device_alloc"] += 1
         if self._history is not None:
             self._trace("segment_alloc", ptr, alloc_size, stream)
@@ -776,10 +878,10 @@ class CachingAllocator:
         self.total_allocated_memory -= block.size
         if owner is not None:
             owner.cudaMalloc_count -= 1
-        _down(pool.st_segment, 1)
-        _down(pool.st_reserved_bytes, block.size)
+        _decrease(pool, "segment", 1)
+        _decrease(pool, "reserved_bytes", block.size)
         if block.size >= self._max_split:
-            _down((self._oversize_segments,), 1)
+            self._oversize_segments.decrease(1)
         pool.remove(block)
         del self._segments[block.segment]
 
@@ -922,7 +1024,7 @@ class CachingAllocator:
         if private is None:
             if allocator is not None and not (hasattr(allocator, "raw_alloc") and hasattr(allocator, "raw_delete")):
                 raise TypeError("a pool allocator needs raw_alloc(nbytes, stream) and raw_delete(address, nbytes, stream)")
-            private = self.graph_pools[pool_id] = PrivatePool(pool_id, allocator, self._stats)
+            private = self.graph_pools[pool_id] = PrivatePool(pool_id, allocator, self._stat_counters)
         else:
             if private.use_count <= 0:
                 raise RuntimeError(
@@ -985,15 +1087,15 @@ class CachingAllocator:
             raise KeyError(f"no private pool {pool_id}; create it with create_or_incref_pool first")
         return private
 
-    def _try_mempool_fallback(self, size: int, stream: int) -> Block | None:
+    def _try_mempool_fallback(self, size: int, stream: int) -> tuple[Block, int, int] | None:
         for pool_id in self._use_on_oom:
             private = self.graph_pools.get(pool_id)
             if private is None:
                 continue
             pool = private.small_blocks if size <= K_SMALL_SIZE else private.large_blocks
-            block = self._get_free_block(pool, size, stream)
-            if block is not None:
-                return block
+            found = self._get_free_block(pool, size, stream)
+            if found is not None:
+                return found
         return None
 
     # ------------------------------------------------------------------ out of memory
@@ -1003,8 +1105,8 @@ class CachingAllocator:
         if self._history is not None:
             self._trace("oom", device_free, size, stream)
         self._counters["num_ooms"] += 1
-        allocated = self._stats["allocated_bytes"][0].current
-        reserved = self._stats["reserved_bytes"][0].current
+        allocated = self.memory_allocated()
+        reserved = self.memory_reserved()
         in_private = sum(
             key[1] for private in self.graph_pools.values()
             for bp in (private.large_blocks, private.small_blocks) for key in bp.blocks
@@ -1108,9 +1210,12 @@ class CachingAllocator:
     def memory_stats(self) -> dict[str, int]:
         """``torch.cuda.memory_stats()``: flat, sorted keys such as ``reserved_bytes.all.current``."""
         flat: dict[str, int] = {}
-        for name, array in self._stats.items():
-            for stat_type, stat in zip(STAT_TYPES, array):
-                for field, value in stat.as_dict().items():
+        fields = ("current", "peak", "allocated", "freed")
+        for name in ARRAY_STATS:
+            small, large = (counters.as_rows(name) for counters in self._counters_by_kind)
+            every = (small[0] + large[0], getattr(self._counters_all, name + "_peak"), small[2] + large[2], small[3] + large[3])
+            for stat_type, row in zip(STAT_TYPES, (every, small, large)):
+                for field, value in zip(fields, row):
                     flat[f"{name}.{stat_type}.{field}"] = value
         for name, stat in (("oversize_allocations", self._oversize_allocations),
                            ("oversize_segments", self._oversize_segments)):
@@ -1121,22 +1226,27 @@ class CachingAllocator:
         return dict(sorted(flat.items()))
 
     def memory_reserved(self) -> int:
-        return self._stats["reserved_bytes"][0].current
+        small, large = self._counters_by_kind
+        return small.reserved_bytes + large.reserved_bytes
 
     def memory_allocated(self) -> int:
-        return self._stats["allocated_bytes"][0].current
+        small, large = self._counters_by_kind
+        return small.allocated_bytes + large.allocated_bytes
 
     def reset_peak_memory_stats(self) -> None:
-        for array in self._stats.values():
-            for stat in array:
-                stat.peak = stat.current
+        small, large = self._counters_by_kind
+        for name in ARRAY_STATS:
+            setattr(small, name + "_peak", getattr(small, name))
+            setattr(large, name + "_peak", getattr(large, name))
+            setattr(self._counters_all, name + "_peak", getattr(small, name) + getattr(large, name))
         for stat in (self._oversize_allocations, self._oversize_segments):
             stat.peak = stat.current
 
     def reset_accumulated_memory_stats(self) -> None:
-        for array in self._stats.values():
-            for stat in array:
-                stat.allocated = stat.freed = 0
+        for counters in self._counters_by_kind:
+            for name in ARRAY_STATS:
+                setattr(counters, name + "_total", 0)
+                setattr(counters, name + "_base", getattr(counters, name))
         for stat in (self._oversize_allocations, self._oversize_segments):
             stat.allocated = stat.freed = 0
         self._counters = dict.fromkeys(COUNTERS, 0)

@@ -7,6 +7,8 @@ tensors can be views of them; ``backed=False`` keeps only the layout (fast, for 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from sortedcontainers import SortedDict
 
@@ -30,6 +32,7 @@ class PhysicalMemory:
         self.base = int(base)
         self.used = 0
         self._ranges = SortedDict()  # address -> reserved bytes (2 MiB multiple)
+        self._gaps = SortedDict({self.base: math.inf})  # start -> end of the free space at or above base
         self._sizes: dict[int, int] = {}  # address -> bytes asked for
         self._backing: dict[int, torch.Tensor] = {}
         self._expected: int | None = None
@@ -52,6 +55,7 @@ class PhysicalMemory:
         else:
             address = self._lowest_fit(reserved)
         self._ranges[address] = reserved
+        self._take_gap(address, address + reserved)
         self._sizes[address] = nbytes
         self.used += reserved
         if self.backed:
@@ -63,6 +67,7 @@ class PhysicalMemory:
         if reserved is None:
             raise ValueError(f"cuda_free({address:#x}): no cudaMalloc range starts at this address")
         del self._sizes[address]
+        self._return_gap(address, address + reserved)
         self._backing.pop(address, None)
         self.used -= reserved
 
@@ -106,12 +111,40 @@ class PhysicalMemory:
         return start + reserved > address
 
     def _lowest_fit(self, nbytes: int) -> int:
-        cursor = self.base
-        for start, reserved in self._ranges.items():
-            if start >= cursor + nbytes:
-                return cursor
-            cursor = max(cursor, start + reserved)
-        return cursor
+        """The lowest address >= base with ``nbytes`` free: the first free gap that is big enough."""
+        for start, end in self._gaps.items():
+            if end - start >= nbytes:
+                return start
+        raise AssertionError("the free space above the last range is unbounded")
+
+    def _take_gap(self, start: int, end: int) -> None:
+        """Mark [start, end) (a range that overlaps nothing live) as used in the gap map."""
+        start = max(start, self.base)
+        if start >= end:
+            return
+        gaps = self._gaps
+        gap_start, gap_end = gaps.peekitem(gaps.bisect_right(start) - 1)
+        del gaps[gap_start]
+        if gap_start < start:
+            gaps[gap_start] = start
+        if end < gap_end:
+            gaps[end] = gap_end
+
+    def _return_gap(self, start: int, end: int) -> None:
+        """Mark [start, end) free again, merging with the gaps on either side."""
+        start = max(start, self.base)
+        if start >= end:
+            return
+        gaps = self._gaps
+        following_end = gaps.pop(end, None)
+        if following_end is not None:
+            end = following_end
+        i = gaps.bisect_left(start) - 1
+        if i >= 0:
+            before_start, before_end = gaps.peekitem(i)
+            if before_end == start:
+                start = before_start
+        gaps[start] = end
 
     def __repr__(self) -> str:
         return (

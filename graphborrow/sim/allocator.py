@@ -366,17 +366,18 @@ class BlockPool:
     a key's slot, and a changed key keeps its slot whenever the order allows it.
     """
 
-    __slots__ = ("is_small", "owner", "blocks", "stats", "other_stats", "all_stats", "min_remainder")
+    __slots__ = ("is_small", "owner", "blocks", "stats", "other_stats", "all_stats", "counters", "min_remainder")
 
     def __init__(self, is_small: bool, owner: "PrivatePool | None", counters: tuple[StatCounters, ...]) -> None:
         self.is_small = is_small
         self.owner = owner
         self.blocks = SortedList()
-        self.min_remainder = 0  # a block splits when the rest would be at least this (set by set_split_rule)
+        self.min_remainder = 0  # a block splits when the rest would be at least this
         self.set_split_rule(no_split=False)
         every, small, large = counters
         self.all_stats = every  # peaks of "all"; every pool of the allocator shares these three
         self.stats, self.other_stats = (small, large) if is_small else (large, small)
+        self.counters = (self.stats, self.other_stats, every)  # unpacked in one go on the hot path
 
     def set_split_rule(self, no_split: bool) -> None:
         """Small blocks split when >= 512 B would remain, large ones when > 1 MiB would; never in no_split pools."""
@@ -393,27 +394,6 @@ class BlockPool:
         if pos == len(maxes):
             return pos, 0
         return pos, bisect_left(blocks._lists[pos], probe)
-
-    def replace_at(self, pos: int, idx: int, new_key: tuple) -> None:
-        """Put ``new_key`` in place of the key at (pos, idx): in its slot when still in order."""
-        blocks = self.blocks
-        maxes, lists = blocks._maxes, blocks._lists
-        sub = lists[pos]
-        last = len(sub) - 1
-        if ((sub[idx - 1] < new_key) if idx else (pos == 0 or maxes[pos - 1] < new_key)) and (
-            (new_key < sub[idx + 1]) if idx < last else (pos == len(maxes) - 1 or new_key < lists[pos + 1][0])
-        ):
-            sub[idx] = new_key
-            if idx == last:
-                maxes[pos] = new_key
-        else:
-            blocks._delete(pos, idx)
-            blocks.add(new_key)
-
-    def rekey(self, old_key: tuple, new_key: tuple) -> None:
-        """Replace ``old_key`` by ``new_key`` (a merge)."""
-        pos, idx = self.locate(old_key)
-        self.replace_at(pos, idx, new_key)
 
     def insert(self, block: Block) -> None:
         key = (block.stream, block.size, block.ptr, block)
@@ -628,7 +608,7 @@ class CachingAllocator:
         pool = block.pool
         already_split = block.prev is not None or block.next is not None
         remaining_size = block.size - size
-        kind, other, every = pool.stats, pool.other_stats, pool.all_stats
+        kind, other, every = pool.counters
         if remaining_size >= pool.min_remainder and size < self._max_split:
             # the caller gets a new block at the low end; the old block object is the remainder
             remaining = block
@@ -799,7 +779,7 @@ class CachingAllocator:
         if prev is not None or nxt is not None:
             net_blocks += 1
             net_bytes += size
-        kind, other, every = pool.stats, pool.other_stats, pool.all_stats
+        kind, other, every = pool.counters
         if net_blocks > 0:
             c = kind.inactive_split + net_blocks
             kind.inactive_split = c

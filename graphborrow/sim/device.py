@@ -291,6 +291,10 @@ class SimBackend:
         raw = arena if hasattr(arena, "raw_alloc") else ArenaRawAllocator(arena)
         return MemPool(self, raw)
 
+    def route_to_pool(self, pool):
+        """The borrow scope's per-step routing; on the simulator simply ``use_mem_pool``."""
+        return self.use_mem_pool(pool)
+
     @contextlib.contextmanager
     def use_mem_pool(self, pool) -> Iterator[None]:
         """Route this thread's allocations to ``pool`` (no stream filter, as in torch 2.8+)."""

@@ -103,6 +103,13 @@ class BorrowState:
                     f"static run at {a:#x} is not 512-byte aligned; round its start up to a "
                     "multiple of 512 (and shrink its size to match)"
                 )
+        ordered = sorted(runs)
+        for (a0, n0), (a1, n1) in zip(ordered, ordered[1:]):
+            if a1 < a0 + n0:
+                raise ValueError(
+                    f"static runs [{a0:#x}, {a0 + n0:#x}) and [{a1:#x}, {a1 + n1:#x}) overlap; "
+                    "merge them into one run or pass disjoint ranges"
+                )
         self._refuse_live_overlap(runs)
         self._require_idle("replace the static runs")
         self._retire()

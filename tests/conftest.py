@@ -21,6 +21,16 @@ def _cuda_param():
     )
 
 
+@pytest.fixture
+def sim():
+    """A fresh simulated device of 1 GiB, closed after the test."""
+    from graphborrow.sim import SimBackend
+
+    backend = SimBackend(capacity=2**30)
+    yield backend
+    backend.close()
+
+
 @pytest.fixture(params=["sim", _cuda_param()])
 def backend(request):
     """The simulated device (always) and the real GPU (marked ``gpu``)."""

@@ -62,3 +62,30 @@ def test_device_matches_cpu_and_borrowing_takes_no_device_memory(backend, ladder
     assert borrowed_drop <= 2 * MiB  # the outputs' small-pool segment at most
     if mode == "standard":
         assert plain_drop >= 8 * BS * D * VOCAB  # probabilities + draft scratch, without borrowing
+
+
+@pytest.mark.parametrize("backend", ["sim"], indirect=True)
+@pytest.mark.parametrize("mode", MODES)
+def test_temporaries_appear_in_the_borrow_pool_and_are_gone_after_the_step(backend, ladder, mode):
+    """The allocator's own trace: every block the step took in the borrow pool was freed in it."""
+    tree, logits, coins, coins_final = cpu_case()
+    dev_tree = tree._replace(**{f: on(backend, getattr(tree, f)) for f in tree._fields[:4]})
+    kw = dict(top_ks=40, top_ps=0.9, coins=on(backend, coins), coins_final=on(backend, coins_final), mode=mode)
+    dev_logits, state = on(backend, logits), ladder.state
+    backend.record_memory_history(max_entries=100_000)
+    result = eagle_verify(dev_logits, None, dev_tree, 0.8, borrow=state, **kw)
+    trace = backend.full_snapshot()["device_traces"][0]
+    backend.record_memory_history(False)
+    pool = backend.memory_snapshot(backend.pool_id(state.mem_pool))
+    spans = [(s["address"], s["address"] + s["total_size"]) for s in pool]
+
+    def in_pool(entry):
+        return any(a <= entry["addr"] < b for a, b in spans)
+
+    taken = [e for e in trace if e["action"] == "alloc" and in_pool(e)]
+    released = [e for e in trace if e["action"] == "free_completed" and in_pool(e)]
+    assert sum(e["size"] for e in taken) >= BS * D * VOCAB * 4  # at least one probability matrix's worth
+    assert sorted(e["addr"] for e in taken) == sorted(e["addr"] for e in released)
+    assert all(b["state"] == "inactive" for s in pool for b in s["blocks"])
+    assert all(any(r <= e["addr"] < r + n for r, n in state.free_runs()) for e in taken)
+    assert result.accept_length.min() >= 1

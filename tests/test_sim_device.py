@@ -13,13 +13,6 @@ from graphborrow.sim.export import dump_snapshot, load_snapshot
 MiB = 2**20
 
 
-@pytest.fixture
-def sim():
-    backend = SimBackend(capacity=2**30)
-    yield backend
-    backend.close()
-
-
 def state_at(backend, address, pool_id=None):
     for segment in backend.memory_snapshot(pool_id):
         for block in segment["blocks"]:
@@ -187,3 +180,25 @@ def test_describe_and_repr(sim):
         assert is_sim_tensor(torch.empty(3, device="cuda"))
     finally:
         layout.close()
+
+
+def test_exported_snapshot_opens_in_pytorchs_memory_viz(sim, tmp_path):
+    """torch.cuda._memory_viz (what `python -m torch.cuda._memory_viz` and the HTML viewer use)
+    reads the simulated device's pickle like one from a GPU."""
+    from torch.cuda import _memory_viz
+
+    sim.record_memory_history(max_entries=1000)
+    keep = torch.ones(3 * MiB // 4, device="cuda")
+    tmp = keep * 2
+    del tmp
+    path = dump_snapshot(sim, tmp_path / "viz.pickle")
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    summary = _memory_viz.segsum(data)
+    assert "segments: 1" in summary and "total_reserved: 20.0MiB" in summary
+    assert "total_allocated: 3.0MiB" in summary
+    events = _memory_viz.trace(data)
+    assert "cudaMalloc" in events and "del" in events
+    html = _memory_viz.trace_plot(data)
+    assert "<html" in html.lower() or "<script" in html.lower()
+    del keep

@@ -3,16 +3,9 @@
 import pytest
 import torch
 
-from graphborrow.sim import SimBackend, SimCaptureError
+from graphborrow.sim import SimCaptureError
 
 MiB = 2**20
-
-
-@pytest.fixture
-def sim():
-    backend = SimBackend(capacity=2**30)
-    yield backend
-    backend.close()
 
 
 def pools(backend):

@@ -12,13 +12,6 @@ from graphborrow.sim import SimBackend, SimLayoutOnlyError, is_sim_tensor
 MiB = 2**20
 
 
-@pytest.fixture
-def sim():
-    backend = SimBackend(capacity=2**30)
-    yield backend
-    backend.close()
-
-
 def block_states(backend):
     return {b["address"]: (b["state"], b["size"]) for s in backend.memory_snapshot() for b in s["blocks"]}
 

@@ -463,7 +463,6 @@ class SimFunctionMode(TorchFunctionMode):
             if dev is not None:
                 _check_index(torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev))
             return self.backend._from_host(self_)
-        copy = kwargs.get("copy", False)
         kw = {k: v for k, v in kwargs.items() if k != "copy"}
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kw)
         if device is None or device.type != "cuda":

@@ -1,0 +1,122 @@
+"""BorrowState rules that need no graph: switches, validation, capacity arithmetic, no-ops."""
+
+import pytest
+import torch
+
+from graphborrow.borrow import BorrowState
+from graphborrow.errors import PoolBusyError
+from graphborrow.sizes import MB
+
+
+@pytest.fixture
+def external(sim):
+    buffer = sim.external_alloc(256 * MB)
+    yield sim, buffer
+    buffer.free()
+
+
+def test_a_state_without_pool_or_runs_is_disabled_and_a_true_no_op(sim):
+    state = BorrowState(sim)
+    assert not state.enabled and state.free_runs() == [] and state.largest_run() == 0
+    assert not state.can_fit(1)
+    with state.borrow("nothing"), state.replay_scope(), state.capture_scope():
+        t = torch.empty(4, device="cuda")  # nested scopes are fine when disabled: nothing is claimed
+    assert state.holder is None and state.mem_pool is None and state.arena is None
+    del t
+
+
+def test_disable_needs_a_reason_and_enable_restores(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with pytest.raises(ValueError, match="needs a reason"):
+        state.disable("  ")
+    assert state.enabled
+    state.disable("graphs live in externally managed storage")
+    assert not state.enabled and state.disabled_reason.startswith("graphs live")
+    state.enable()
+    assert state.enabled
+
+
+@pytest.mark.parametrize(
+    "runs, fragment",
+    [
+        ([(0x1000, 0)], "positive address and size"),
+        ([(0, 4096)], "positive address and size"),
+        ([(0x1000 + 100, 4096)], "not 512-byte aligned"),
+        ([(0x10000, 8192), (0x11000, 8192)], "overlap"),
+    ],
+)
+def test_bad_static_runs_are_refused_and_lose_nothing(external, runs, fragment):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with pytest.raises(ValueError, match=fragment):
+        state.set_static_runs(runs)
+    assert state.static_runs == [(buf.address, 64 * MB)]
+
+
+def test_static_runs_are_sorted_largest_first_and_capped(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    runs = [(buf.address + i * MB, (i % 3 + 1) * 512) for i in range(70)]
+    state.set_static_runs(runs)
+    sizes = [n for _, n in state.free_runs()]
+    assert len(sizes) == 64 and sizes == sorted(sizes, reverse=True)
+
+
+def test_can_fit_applies_the_allocators_rounding(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 34 * MB)])  # below the precarve threshold
+    assert state.can_fit(1)  # 512 B block in a 2 MiB small segment
+    assert state.can_fit(MB)  # still small
+    assert state.can_fit(MB + 1)  # a large block gets a 20 MiB segment: fits 34 MiB
+    assert state.can_fit(34 * MB)  # a 2 MiB multiple segment of exactly the run
+    assert not state.can_fit(34 * MB + 1)
+    assert not state.can_fit(0) and not state.can_fit(-5)
+    state.set_static_runs([(buf.address, 19 * MB)])
+    assert not state.can_fit(MB + 1)  # a 20 MiB segment no longer fits
+    assert state.can_fit(18 * MB)  # a request of 10 MiB or more gets a segment of its own size
+
+
+def test_can_fit_with_precarve_matches_the_pool_it_builds(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 128 * MB)])  # precarved: one 96 MiB segment + 32 MiB reserve
+    assert state.can_fit(96 * MB) and not state.can_fit(96 * MB + 1)
+    with state.borrow("probe"):
+        t = torch.empty(96 * MB, dtype=torch.uint8, device="cuda")
+        # the seed is taken; what is left is the 32 MiB reserve, and the allocator agrees
+        assert not state.can_fit(32 * MB + 1)
+        with pytest.raises(sim.OutOfMemoryError):
+            torch.empty(32 * MB + 1, dtype=torch.uint8, device="cuda")
+        assert state.can_fit(32 * MB)
+        u = torch.empty(32 * MB, dtype=torch.uint8, device="cuda")
+        del t, u
+    assert state.can_fit(96 * MB)  # the cached seed is free again
+
+
+def test_state_changes_are_refused_while_a_scope_holds_the_pool(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow("step"):
+        for action in (lambda: state.retire(), lambda: state.disable("x"),
+                       lambda: state.set_static_runs([]), lambda: state.clear_static_runs()):
+            with pytest.raises(PoolBusyError, match="held by 'step'"):
+                action()
+    assert state.holder is None and state.enabled
+
+
+def test_stats_report_the_pool(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow("step"):
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    stats = state.stats()
+    assert stats["enabled"] and stats["pool_built"] and stats["builds"] == 1
+    assert stats["runs"] == 1 and stats["largest_run"] == 64 * MB
+    assert stats["cursor_bytes"] > 0 and stats["high_water"] == stats["cursor_bytes"]

@@ -28,7 +28,7 @@ def _sweep(args: argparse.Namespace) -> int:
         print("error: name a notebook (argument or 'notebook:' in the grid file)", file=sys.stderr)
         return 2
     report = sw.sweep(notebook, grid, name=args.name, runs_dir=args.runs_dir, jobs=args.jobs,
-                      timeout=args.timeout, plot_y=args.plot_y, progress=not args.quiet)
+                      timeout=args.timeout, plot_y=args.plot_y or grid.plot_y, progress=not args.quiet)
     print(report.summary())
     return 1 if report.failed else 0
 

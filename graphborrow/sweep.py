@@ -196,11 +196,12 @@ class Grid:
     fixed: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
     notebook: str | None = None
+    plot_y: str | None = None  # the results column the summary plot shows
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Grid":
-        """Either ``{name?, notebook?, parameters?: {...}, grid: {...}}`` or a plain mapping
-        where list values are axes and scalars are fixed."""
+        """Either ``{name?, notebook?, plot_y?, parameters?: {...}, grid: {...}}`` or a plain
+        mapping where list values are axes and scalars are fixed."""
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"grid file {path} does not exist")
@@ -208,7 +209,7 @@ class Grid:
         if not isinstance(data, dict):
             raise ParameterError(f"{path}: a grid file must be a mapping of parameter -> values")
         if "grid" in data:
-            grid = cls(name=data.get("name"), notebook=data.get("notebook"),
+            grid = cls(name=data.get("name"), notebook=data.get("notebook"), plot_y=data.get("plot_y"),
                        fixed={canonical(k): v for k, v in (data.get("parameters") or {}).items()})
             items = (data["grid"] or {}).items()
         else:

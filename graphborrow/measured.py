@@ -54,6 +54,21 @@ def eagle_headline(eagle: Mapping[str, Any]) -> dict:
     }
 
 
+def savings_table(eagle: Mapping[str, Any], mode: str = "chunked+borrow") -> list[dict]:
+    """Per (batch, draft tokens): device bytes of the plain step, of ``mode``, and saved."""
+    by_point: dict = {}
+    for p in eagle["points"]:
+        by_point.setdefault((p["bs"], p["draft_tokens"]), {})[p["mode"]] = p
+    rows = []
+    for (bs, d), modes in sorted(by_point.items()):
+        plain, other = modes.get("standard"), modes.get(mode)
+        if not (plain and plain.get("ok") and other and other.get("ok")):
+            continue
+        rows.append({"batch_size": bs, "draft_tokens": d, "plain_bytes": plain["device_bytes"],
+                     "bytes": other["device_bytes"], "saved_bytes": plain["device_bytes"] - other["device_bytes"]})
+    return rows
+
+
 def pool_rows(h200_pool: Mapping[str, int], here_pool: Mapping[str, int]) -> list[tuple[str, str, str]]:
     """(metric, H200, this run) rows for two ``runs.summarize`` dicts."""
     def mib(v):

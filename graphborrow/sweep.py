@@ -127,6 +127,7 @@ PARAMETERS: dict[str, Any] = {
     "SAMPLES": Range(1, 10_000_000),
     "LAYOUT_ONLY": Choice((True, False)),
     "SWEEP_DIR": Text(),
+    "DATA_DIR": Text(),
 }
 
 

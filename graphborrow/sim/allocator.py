@@ -42,6 +42,7 @@ ARRAY_STATS = (
     "allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes",
 )
 NO_STREAMS: frozenset[int] = frozenset()  # shared "no other stream used" value; record_stream replaces it
+PTR_BITS = 64  # free-list keys are size << PTR_BITS | ptr, so addresses must be below 2**64
 COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
 
 
@@ -340,7 +341,7 @@ class Block:
         self.event_count = 0
         self.stream_uses: set[int] | frozenset[int] = NO_STREAMS
         self.segment = segment
-        self.key: tuple | None = None  # (stream, size, ptr, block) while in pool.blocks
+        self.key: int | None = None  # size << PTR_BITS | ptr while in its pool's FreeList
 
     @property
     def state(self) -> str:
@@ -358,20 +359,101 @@ class Block:
         return f"Block(ptr={self.ptr:#x}, size={self.size}, stream={self.stream}, {self.state})"
 
 
-class BlockPool:
-    """Free blocks of one size class of one pool, ordered by (stream, size, ptr).
+_new_block = object.__new__
 
-    The set is a SortedList of ``(stream, size, ptr, block)`` keys. The hot path reads its
-    two-level layout (``_maxes`` / ``_lists``) directly: one pair of C-level bisections finds
-    a key's slot, and a changed key keeps its slot whenever the order allows it.
+
+class FreeList:
+    """Free blocks of one stream in one pool, ordered by (size, ptr).
+
+    ``keys`` is a SortedList of ints ``size << PTR_BITS | ptr`` (cheap to compare) and
+    ``blocks`` maps each key to its block. Best-fit lookups read the SortedList's two
+    levels (``_maxes``: largest key of each run, ``_lists``: the runs) directly. Inserts
+    and removals go through its public methods; a re-key that keeps the order (most
+    splits and merges) rewrites the key in place, which changes no run's length.
     """
 
-    __slots__ = ("is_small", "owner", "blocks", "stats", "other_stats", "all_stats", "counters", "min_remainder")
+    __slots__ = ("keys", "blocks")
+
+    def __init__(self) -> None:
+        self.keys = SortedList()
+        self.blocks: dict[int, Block] = {}
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def add(self, key: int, block: Block) -> None:
+        self.keys.add(key)
+        self.blocks[key] = block
+
+    def remove(self, key: int) -> None:
+        self.keys.remove(key)
+        del self.blocks[key]
+
+    def shrink_key(self, old: int, new: int, block: Block) -> None:
+        """Give the slot of key ``old`` to ``block`` under the smaller key ``new``."""
+        keys = self.keys
+        maxes = keys._maxes
+        pos = bisect_left(maxes, old)
+        run = keys._lists[pos]
+        idx = bisect_left(run, old)
+        # only the lower neighbour can be out of order: if it is not, rewrite the key in place
+        if (run[idx - 1] < new) if idx else (pos == 0 or maxes[pos - 1] < new):
+            run[idx] = new
+            if maxes[pos] == old:
+                maxes[pos] = new
+        else:
+            keys.remove(old)
+            keys.add(new)
+        blocks = self.blocks
+        del blocks[old]
+        blocks[new] = block
+
+    def grow_key(self, old: int, new: int, block: Block) -> None:
+        """Give the slot of key ``old`` to ``block`` under the larger key ``new``."""
+        keys = self.keys
+        maxes = keys._maxes
+        pos = bisect_left(maxes, old)
+        run = keys._lists[pos]
+        if maxes[pos] == old:  # last of its run: the next run's first key is the upper neighbour
+            if pos == len(maxes) - 1 or new < keys._lists[pos + 1][0]:
+                run[-1] = maxes[pos] = new
+            else:
+                keys.remove(old)
+                keys.add(new)
+        else:
+            idx = bisect_left(run, old)
+            if new < run[idx + 1]:
+                run[idx] = new
+            else:
+                keys.remove(old)
+                keys.add(new)
+        blocks = self.blocks
+        del blocks[old]
+        blocks[new] = block
+
+    def best_fit(self, probe: int) -> Block | None:
+        """The block of the smallest key >= ``probe``, or None."""
+        keys = self.keys
+        maxes = keys._maxes
+        pos = bisect_left(maxes, probe)
+        if pos == len(maxes):
+            return None
+        run = keys._lists[pos]
+        return self.blocks[run[bisect_left(run, probe)]]
+
+    def __iter__(self):
+        return map(self.blocks.__getitem__, self.keys)
+
+
+class BlockPool:
+    """Free blocks of one size class of one pool: a :class:`FreeList` per stream."""
+
+    __slots__ = ("is_small", "owner", "free", "stats", "other_stats", "all_stats", "counters", "min_remainder")
 
     def __init__(self, is_small: bool, owner: "PrivatePool | None", counters: tuple[StatCounters, ...]) -> None:
         self.is_small = is_small
         self.owner = owner
-        self.blocks = SortedList()
+        self.free: dict[int, FreeList] = {}  # stream -> its free blocks
         self.min_remainder = 0  # a block splits when the rest would be at least this
         self.set_split_rule(no_split=False)
         every, small, large = counters
@@ -386,23 +468,25 @@ class BlockPool:
         else:
             self.min_remainder = K_MIN_BLOCK_SIZE if self.is_small else K_SMALL_SIZE + 1
 
-    def locate(self, probe: tuple) -> tuple[int, int]:
-        """(sublist, index) of the smallest key >= probe; sublist == len(_maxes) when there is none."""
-        blocks = self.blocks
-        maxes = blocks._maxes
-        pos = bisect_left(maxes, probe)
-        if pos == len(maxes):
-            return pos, 0
-        return pos, bisect_left(blocks._lists[pos], probe)
+    def free_list(self, stream: int) -> FreeList:
+        free = self.free.get(stream)
+        if free is None:
+            free = self.free[stream] = FreeList()
+        return free
 
     def insert(self, block: Block) -> None:
-        key = (block.stream, block.size, block.ptr, block)
+        key = block.size << PTR_BITS | block.ptr
         block.key = key
-        self.blocks.add(key)
+        self.free_list(block.stream).add(key, block)
 
     def remove(self, block: Block) -> None:
-        self.blocks.remove(block.key)
+        self.free[block.stream].remove(block.key)
         block.key = None
+
+    def __iter__(self):
+        """Free blocks in (stream, size, ptr) order."""
+        for stream in sorted(self.free):
+            yield from self.free[stream]
 
     @property
     def owner_id(self) -> tuple[int, int]:
@@ -488,17 +572,16 @@ class CachingAllocator:
         # the hot path: default rules, nothing pending, no private pool routing
         size = 512 if nbytes < 512 else (nbytes + 511) & ~511
         pool = self.small_blocks if size <= K_SMALL_SIZE else self.large_blocks
-        # best fit: the first key >= (stream, size), found in SortedList's two levels
-        probe = (stream, size, 0)
-        blocks = pool.blocks
-        maxes = blocks._maxes
-        pos = bisect_left(maxes, probe)
-        if pos != len(maxes):
-            sub = blocks._lists[pos]
-            idx = bisect_left(sub, probe)
-            key = sub[idx]
-            if key[0] == stream:
-                return self._alloc_found_block(key[3], pos, idx, nbytes, size)
+        # best fit: the first key >= size << PTR_BITS in the stream's free list
+        free = pool.free.get(stream)
+        if free is not None:
+            probe = size << PTR_BITS
+            keys = free.keys
+            maxes = keys._maxes
+            pos = bisect_left(maxes, probe)
+            if pos != len(maxes):
+                run = keys._lists[pos]
+                return self._alloc_found_block(free.blocks[run[bisect_left(run, probe)]], free, nbytes, size)
         return self._alloc_found_block(*self._malloc_slow(pool, size, stream), nbytes, size)
 
     def _malloc_general(self, nbytes: int, stream: int, thread: int | None) -> Block:
@@ -514,15 +597,14 @@ class CachingAllocator:
         found = self._get_free_block(pool, size, stream)
         if found is None:
             found = self._malloc_slow(pool, size, stream)
-        block, pos, idx = found
-        return self._alloc_found_block(block, pos, idx, nbytes, size)
+        return self._alloc_found_block(*found, nbytes, size)
 
-    def _malloc_slow(self, pool: BlockPool, size: int, stream: int) -> tuple[Block, int, int]:
+    def _malloc_slow(self, pool: BlockPool, size: int, stream: int) -> tuple:
         """No cached block fits: new segment, mempool fallback, release cached and retry, or OOM."""
         alloc_size = get_allocation_size(size)
         block = self._alloc_block(pool, alloc_size, stream, retry=False)
         if block is not None:
-            return (block, -1, 0)
+            return (block, None)
         found = self._try_mempool_fallback(size, stream)
         if found is not None:
             return found
@@ -535,7 +617,7 @@ class CachingAllocator:
         )
         if not block:
             self._raise_oom(pool, size, alloc_size, stream)
-        return (block, -1, 0)
+        return (block, None)
 
     def free(self, block: Block) -> None:
         """Return ``block``; completes now unless it was used on other streams (record_stream)."""
@@ -583,28 +665,28 @@ class CachingAllocator:
                 return private.small_blocks if size <= K_SMALL_SIZE else private.large_blocks
         return self.small_blocks if size <= K_SMALL_SIZE else self.large_blocks
 
-    def _get_free_block(self, pool: BlockPool, size: int, stream: int) -> tuple[Block, int, int] | None:
+    def _get_free_block(self, pool: BlockPool, size: int, stream: int) -> tuple | None:
         """Best fit on the same stream: the single smallest block >= size, lowest address on ties.
 
-        Returns the block and its slot in the pool's set; it stays there until
+        Returns the block and its free list; it stays there until
         _alloc_found_block re-keys or removes it.
         """
-        pos, idx = pool.locate((stream, size, 0))
-        if pos == len(pool.blocks._maxes):
+        free = pool.free.get(stream)
+        if free is None:
             return None
-        key = pool.blocks._lists[pos][idx]
-        if key[0] != stream:
+        block = free.best_fit(size << PTR_BITS)
+        if block is None:
             return None
         max_split = self._max_split
-        if size < max_split and key[1] >= max_split:
+        if size < max_split and block.size >= max_split:
             return None
-        if size >= max_split and key[1] >= size + self.config.max_non_split_rounding_size:
+        if size >= max_split and block.size >= size + self.config.max_non_split_rounding_size:
             return None
-        return (key[3], pos, idx)
+        return (block, free)
 
-    def _alloc_found_block(self, block: Block, pos: int, idx: int, orig: int, size: int) -> Block:
-        """Hand out ``block`` (split if the rules say so); (pos, idx) is its slot in the pool's
-        set, or pos -1 for a new segment's block, which is in no set yet."""
+    def _alloc_found_block(self, block: Block, free: FreeList | None, orig: int, size: int) -> Block:
+        """Hand out ``block`` (split if the rules say so) from its free list ``free``,
+        or None for a new segment's block, which is in no free list yet."""
         pool = block.pool
         already_split = block.prev is not None or block.next is not None
         remaining_size = block.size - size
@@ -613,7 +695,17 @@ class CachingAllocator:
             # the caller gets a new block at the low end; the old block object is the remainder
             remaining = block
             prev = remaining.prev
-            block = Block(remaining.ptr, size, remaining.stream, pool, remaining.segment, prev, remaining)
+            block = _new_block(Block)  # Block.__init__ spelled out: this is the hot path
+            block.ptr = remaining.ptr
+            block.size = size
+            block.stream = remaining.stream
+            block.pool = pool
+            block.segment = remaining.segment
+            block.prev = prev
+            block.next = remaining
+            block.event_count = 0
+            block.stream_uses = NO_STREAMS
+            block.key = None
             if prev is None:
                 remaining.segment.head = block
             else:
@@ -622,21 +714,12 @@ class CachingAllocator:
             remaining_ptr = remaining.ptr + size
             remaining.ptr = remaining_ptr
             remaining.size = remaining_size
-            key = (remaining.stream, remaining_size, remaining_ptr, remaining)
-            remaining.key = key
-            blocks = pool.blocks
-            if pos < 0:
-                blocks.add(key)
+            key = remaining_size << PTR_BITS | remaining_ptr
+            if free is None:
+                pool.free_list(remaining.stream).add(key, remaining)
             else:
-                # the remainder's key is smaller than the old one: only the lower neighbour can be out of order
-                sub = blocks._lists[pos]
-                if (sub[idx - 1] < key) if idx else (pos == 0 or blocks._maxes[pos - 1] < key):
-                    sub[idx] = key
-                    if idx == len(sub) - 1:
-                        blocks._maxes[pos] = key
-                else:
-                    blocks._delete(pos, idx)
-                    blocks.add(key)
+                free.shrink_key(remaining.key, key, remaining)
+            remaining.key = key
             if already_split:
                 kind.inactive_split_bytes -= size
             else:
@@ -657,8 +740,8 @@ class CachingAllocator:
                 if c > every.inactive_split_bytes_peak:
                     every.inactive_split_bytes_peak = c
         else:
-            if pos >= 0:
-                pool.blocks._delete(pos, idx)
+            if free is not None:
+                free.remove(block.key)
                 block.key = None
             if already_split:
                 kind.inactive_split_bytes -= block.size
@@ -671,37 +754,53 @@ class CachingAllocator:
             self._active_shadowed.append(active[ptr])
         active[ptr] = block
         size = block.size
-        # allocation and active +1, allocated_bytes and active_bytes +size, requested_bytes +orig
+        # allocation and active +1, allocated_bytes and active_bytes +size, requested_bytes +orig.
+        # With no free pending on events, active == allocation (and active_bytes == allocated_bytes)
+        # in both kinds; an active peak, never below its allocation peak, then moves only with it.
+        settled = not (self._cuda_events or self._deferred)
+        if not settled:
+            c = kind.active + 1
+            kind.active = c
+            if c > kind.active_peak:
+                kind.active_peak = c
+            c += other.active  # "all"
+            if c > every.active_peak:
+                every.active_peak = c
+            c = kind.active_bytes + size
+            kind.active_bytes = c
+            if c > kind.active_bytes_peak:
+                kind.active_bytes_peak = c
+            c += other.active_bytes  # "all"
+            if c > every.active_bytes_peak:
+                every.active_bytes_peak = c
         c = kind.allocation + 1
         kind.allocation = c
         kind.allocation_total += 1
+        if settled:
+            kind.active = c
         if c > kind.allocation_peak:
             kind.allocation_peak = c
+            if settled and c > kind.active_peak:
+                kind.active_peak = c
         c += other.allocation  # "all"
         if c > every.allocation_peak:
             every.allocation_peak = c
-        c = kind.active + 1
-        kind.active = c
-        if c > kind.active_peak:
-            kind.active_peak = c
-        c += other.active  # "all"
-        if c > every.active_peak:
-            every.active_peak = c
+            if settled and c > every.active_peak:
+                every.active_peak = c
         c = kind.allocated_bytes + size
         kind.allocated_bytes = c
         kind.allocated_bytes_total += size
+        if settled:
+            kind.active_bytes = c
         if c > kind.allocated_bytes_peak:
             kind.allocated_bytes_peak = c
+            if settled and c > kind.active_bytes_peak:
+                kind.active_bytes_peak = c
         c += other.allocated_bytes  # "all"
         if c > every.allocated_bytes_peak:
             every.allocated_bytes_peak = c
-        c = kind.active_bytes + size
-        kind.active_bytes = c
-        if c > kind.active_bytes_peak:
-            kind.active_bytes_peak = c
-        c += other.active_bytes  # "all"
-        if c > every.active_bytes_peak:
-            every.active_bytes_peak = c
+            if settled and c > every.active_bytes_peak:
+                every.active_bytes_peak = c
         c = kind.requested_bytes + orig
         kind.requested_bytes = c
         kind.requested_bytes_total += orig
@@ -731,7 +830,7 @@ class CachingAllocator:
         net_blocks = net_bytes = 0
         reused_key = None  # an absorbed neighbour's slot in the sorted set, re-keyed for the merged block
         prev = block.prev
-        if prev is not None and not prev.allocated and prev.event_count == 0 and not prev.stream_uses:
+        if prev is not None and prev.key is not None:  # free in its pool (not allocated, not pending)
             reused_key, prev.key = prev.key, None
             block.ptr = prev.ptr
             block.size += prev.size
@@ -743,11 +842,11 @@ class CachingAllocator:
             else:
                 prev.next = block
         nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.event_count == 0 and not nxt.stream_uses:
+        if nxt is not None and nxt.key is not None:  # free in its pool (not allocated, not pending)
             if reused_key is None:
                 reused_key = nxt.key
             else:
-                pool.blocks.remove(nxt.key)
+                pool.remove(nxt)
             nxt.key = None
             block.size += nxt.size
             net_blocks -= 1
@@ -756,25 +855,11 @@ class CachingAllocator:
             if nxt is not None:
                 nxt.prev = block
         size = block.size
-        key = (block.stream, size, block.ptr, block)
+        key = size << PTR_BITS | block.ptr
         if reused_key is None:
-            pool.blocks.add(key)
+            pool.free_list(block.stream).add(key, block)
         else:
-            blocks = pool.blocks
-            maxes, lists = blocks._maxes, blocks._lists
-            pos = bisect_left(maxes, reused_key)
-            sub = lists[pos]
-            idx = bisect_left(sub, reused_key)
-            last = len(sub) - 1
-            if ((sub[idx - 1] < key) if idx else (pos == 0 or maxes[pos - 1] < key)) and (
-                (key < sub[idx + 1]) if idx < last else (pos == len(maxes) - 1 or key < lists[pos + 1][0])
-            ):
-                sub[idx] = key  # still in order: keep the slot
-                if idx == last:
-                    maxes[pos] = key
-            else:
-                blocks._delete(pos, idx)
-                blocks.add(key)
+            pool.free[block.stream].grow_key(reused_key, key, block)
         block.key = key
         if prev is not None or nxt is not None:
             net_blocks += 1
@@ -825,6 +910,10 @@ class CachingAllocator:
         owner = pool.owner
         if owner is not None and owner.allocator is not None:
             ptr = owner.allocator.raw_alloc(alloc_size, stream)
+            if ptr and not (isinstance(ptr, int) and 0 < ptr < 2**PTR_BITS):
+                raise ValueError(
+                    f"raw_alloc returned {ptr!r}; a pool allocator must return an int address in (0, 2**64), or 0 when out of memory"
+                )
         else:
             ptr = self.memory.cuda_malloc(alloc_size)
         if not ptr:
@@ -866,8 +955,7 @@ class CachingAllocator:
         del self._segments[block.segment]
 
     def _release_blocks(self, pool: BlockPool) -> None:
-        for key in list(pool.blocks):
-            block = key[3]
+        for block in list(pool):
             if block.prev is None and block.next is None:
                 self._release_block(block)
 
@@ -876,19 +964,20 @@ class CachingAllocator:
         if max_split == SIZE_MAX:
             return False
         target = max(size, max_split)
-        blocks = pool.blocks
-        i = blocks.bisect_left((stream, target, 0))
-        if i < len(blocks) and blocks[i][0] == stream:
-            self._release_block(blocks[i][3])
+        free = pool.free.get(stream)
+        blocks = list(free) if free is not None else []
+        i = bisect_left([block.key for block in blocks], target << PTR_BITS)
+        if i < len(blocks):
+            self._release_block(blocks[i])
             return True
         released = 0
         i -= 1
         while released < target and i >= 0:
-            key = blocks[i]
-            if key[0] != stream or key[1] < max_split:
+            block = blocks[i]
+            if block.size < max_split:
                 break
-            released += key[1]
-            self._release_block(key[3])
+            released += block.size
+            self._release_block(block)
             i -= 1
         return released >= target
 
@@ -1067,7 +1156,7 @@ class CachingAllocator:
             raise KeyError(f"no private pool {pool_id}; create it with create_or_incref_pool first")
         return private
 
-    def _try_mempool_fallback(self, size: int, stream: int) -> tuple[Block, int, int] | None:
+    def _try_mempool_fallback(self, size: int, stream: int) -> tuple[Block, FreeList] | None:
         for pool_id in self._use_on_oom:
             private = self.graph_pools.get(pool_id)
             if private is None:
@@ -1088,8 +1177,8 @@ class CachingAllocator:
         allocated = self.memory_allocated()
         reserved = self.memory_reserved()
         in_private = sum(
-            key[1] for private in self.graph_pools.values()
-            for bp in (private.large_blocks, private.small_blocks) for key in bp.blocks
+            block.size for private in self.graph_pools.values()
+            for bp in (private.large_blocks, private.small_blocks) for block in bp
         )
         private_msg = (
             f"with {format_size(in_private)} allocated in private pools (e.g., CUDA Graphs), " if in_private else ""

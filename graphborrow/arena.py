@@ -114,6 +114,15 @@ def _library() -> ctypes.CDLL:
     return _lib
 
 
+def first_overlap(ranges: Iterable[Sequence[int]]):
+    """The first two ``(base, nbytes)`` ranges that share a byte, in address order, else None."""
+    ordered = sorted((int(b), int(n)) for b, n in ranges)
+    for first, second in zip(ordered, ordered[1:]):
+        if second[0] < first[0] + first[1]:
+            return first, second
+    return None
+
+
 def _check(code: int, what: str) -> None:
     if code != 0:
         raise ValueError(f"{what}: {_ERRORS.get(code, f'error {code}')}")
@@ -164,13 +173,13 @@ class BumpArena:
                     f"extent {i} base {base:#x} is not aligned to {align} bytes; "
                     f"round the base up (and the size down) or lower BumpArena.align"
                 )
-        ordered = sorted(extents)
-        for (b0, n0), (b1, n1) in zip(ordered, ordered[1:]):
-            if b1 < b0 + n0:
-                raise ValueError(
-                    f"extents overlap: [{b0:#x}, {b0 + n0:#x}) and [{b1:#x}, {b1 + n1:#x}); "
-                    "each byte may belong to one extent only"
-                )
+        overlap = first_overlap(extents)
+        if overlap:
+            (b0, n0), (b1, n1) = overlap
+            raise ValueError(
+                f"extents overlap: [{b0:#x}, {b0 + n0:#x}) and [{b1:#x}, {b1 + n1:#x}); "
+                "each byte may belong to one extent only"
+            )
         n = len(extents)
         bases = (ctypes.c_uint64 * max(n, 1))(*[b for b, _ in extents])
         sizes = (ctypes.c_size_t * max(n, 1))(*[s for _, s in extents])

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .arena import BumpArena
+from .arena import BumpArena, first_overlap
 from .errors import BorrowLeakError, PoolBusyError, WrongStreamError
 from .runs import find_free_runs
 from .sizes import MB, allocation_size, is_small, round_size
@@ -103,13 +103,13 @@ class BorrowState:
                     f"static run at {a:#x} is not 512-byte aligned; round its start up to a "
                     "multiple of 512 (and shrink its size to match)"
                 )
-        ordered = sorted(runs)
-        for (a0, n0), (a1, n1) in zip(ordered, ordered[1:]):
-            if a1 < a0 + n0:
-                raise ValueError(
-                    f"static runs [{a0:#x}, {a0 + n0:#x}) and [{a1:#x}, {a1 + n1:#x}) overlap; "
-                    "merge them into one run or pass disjoint ranges"
-                )
+        overlap = first_overlap(runs)
+        if overlap:
+            (a0, n0), (a1, n1) = overlap
+            raise ValueError(
+                f"static runs [{a0:#x}, {a0 + n0:#x}) and [{a1:#x}, {a1 + n1:#x}) overlap; "
+                "merge them into one run or pass disjoint ranges"
+            )
         self._refuse_live_overlap(runs)
         self._require_idle("replace the static runs")
         self._retire()
@@ -267,7 +267,7 @@ class BorrowState:
             # hold every seed until all exist: a freed seed would otherwise serve the next
             with self.backend.use_mem_pool(self.mem_pool):
                 held = [torch.empty(s, dtype=torch.uint8, device=self.backend.device) for s in seeds]
-                del held
+                held.clear()
 
     def live_borrowed_bytes(self) -> int:
         """Bytes of the borrow pool still allocated to live tensors."""

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import yaml
 
 from .errors import ParameterError
+from .listsyntax import split_top_level
 from .results import flatten
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,21 +165,7 @@ def parse_value(text: str) -> Any:
 
 def parse_cli_values(text: str) -> list:
     """``1,2,4`` -> [1, 2, 4]; a bracketed list stays one value: ``[64,32]`` -> [[64, 32]]."""
-    return [parse_value(part) for part in _split_outside_brackets(text.strip())]
-
-
-def _split_outside_brackets(text: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    parts.append(cur)
-    return [p for p in parts if p.strip()]
+    return [parse_value(part) for part in split_top_level(text)]
 
 
 def _is_axis(name: str, value: Any) -> bool:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from sortedcontainers import SortedList
 
+from ..listsyntax import split_top_level
 from .memory import PhysicalMemory
 from .streams import Clockwork, Event
 
@@ -72,7 +73,7 @@ class AllocatorConfig:
     @staticmethod
     def _parse_string(text: str) -> dict:
         options: dict[str, Any] = {}
-        for item in filter(None, (part.strip() for part in _split_top_level(text))):
+        for item in split_top_level(text):
             key, sep, value = item.partition(":")
             if not sep:
                 raise ValueError(f"allocator option {item!r} has no value; write it as key:value")
@@ -122,20 +123,6 @@ class AllocatorConfig:
                 str(1 << i): d for i, d in enumerate(self.roundup_power2_divisions)
             },
         }
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += ch
-    parts.append(current)
-    return parts
 
 
 def _truthy(value: Any) -> bool:

@@ -246,6 +246,11 @@ class Explorer:
         values["batch_size"] = min(values["batch_size"], max(LADDERS[values["ladder"]]))
         return ExplorerSettings(**values)
 
+    @property
+    def backend(self):
+        """The layout-only simulated device the current picture was computed on."""
+        return _layout(self.result.settings).backend
+
     def _changed(self, change) -> None:
         if change["owner"] is self.controls["ladder"]:
             self.controls["batch_size"].max = max(LADDERS[change["new"]])

@@ -20,6 +20,7 @@ CUDA runs unchanged.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -68,9 +69,10 @@ class SimStorage:
         self.nbytes = nbytes
         self.key = key  # layout-only: identity of the META storage
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:
+        # bound at definition: at interpreter exit module globals are gone, and so is the device
         backend = self.backend
-        if backend is not None:
+        if backend is not None and not _finalizing():
             self.backend = None
             backend._release(self.block)
 

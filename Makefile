@@ -10,6 +10,7 @@ export PYTHONUNBUFFERED := 1
 .PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean
 
 setup: $(VENV)/.installed
+	$(PY) -m graphborrow build
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -51,6 +52,10 @@ test-notebooks: setup
 # On a CUDA machine: the GPU twins of the borrow tests.
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests
+
+# CPU: the simulated allocator's speed, compiled against pure Python (figure in the README).
+bench: setup
+	$(PY) benchmarks/sim_allocator.py docs/sim_allocator_speed.png --json data/sim_allocator_cpu.json --pairs 50000 --repeats 5
 
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb

@@ -1,4 +1,4 @@
-"""Command line: ``python -m graphborrow {run,demo,sweep,suite} ...``."""
+"""Command line: ``python -m graphborrow {run,demo,sweep,suite,build} ...``."""
 
 from __future__ import annotations
 
@@ -80,6 +80,15 @@ def _run(args: argparse.Namespace) -> int:
     return failed
 
 
+def _build(args: argparse.Namespace) -> int:
+    from .sim import compiled
+
+    existed = compiled.build_path().exists()
+    path = compiled.build(force=args.force, quiet=not args.verbose)
+    print(f"compiled allocator model: {path}" + (" (already built)" if existed and not args.force else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m graphborrow",
                                      description="graphborrow: borrow idle CUDA-graph pool memory")
@@ -116,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                        help="override a parameter in every notebook that declares it, e.g. -p VOCAB 128256")
     suite.set_defaults(func=_suite)
+
+    build = sub.add_parser("build", help="compile the simulated allocator with Cython (no-op when built)")
+    build.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")
+    build.add_argument("--verbose", action="store_true", help="show Cython's and the compiler's output")
+    build.set_defaults(func=_build)
     return parser
 
 

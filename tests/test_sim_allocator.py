@@ -470,6 +470,8 @@ def test_bad_input_is_named():
     alloc.free(block)
     with pytest.raises(ValueError, match="double free"):
         alloc.free(block)
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free(None)  # the compiled model types its argument; None must not reach it
     with pytest.raises(NotImplementedError, match="expandable"):
         AllocatorConfig({"expandable_segments": True})
     with pytest.raises(ValueError, match="unknown allocator option"):
@@ -563,3 +565,17 @@ def test_random_sequences_keep_layout_and_stats_consistent(ops):
         assert active == stat(alloc, "active_bytes.all.current")
         assert {b.ptr for b in live} <= {b["address"] for s in segments for b in s["blocks"]
                                           if b["state"] == "active_allocated"}
+
+
+def test_block_at_finds_active_blocks_only():
+    alloc, _ = make()
+    a, b = alloc.malloc(1000, 0), alloc.malloc(3000, 0)
+    assert alloc.block_at(a.ptr) is a and alloc.block_at(b.ptr) is b
+    assert alloc.block_at(a.ptr + 512) is None  # inside a block, not its start
+    alloc.record_stream(b, 1)
+    alloc.clockwork.stream(1).enqueue(10.0)
+    alloc.free(b)
+    assert alloc.block_at(b.ptr) is b and b.state == "active_pending_free"
+    alloc.free(a)
+    assert alloc.block_at(a.ptr) is None
+

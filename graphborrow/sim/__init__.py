@@ -4,6 +4,10 @@
 graphborrow runs unchanged on an H200 and on a machine without a GPU.
 """
 
+from . import compiled
+
+compiled.install()  # the Cython build of allocator.py when one matches the source
+
 from .device import MemPool, SimBackend, SimEvent
 from .tensor import SimCaptureError, SimLayoutOnlyError, SimTensor, is_sim_tensor
 

@@ -44,6 +44,7 @@ ARRAY_STATS = (
 )
 NO_STREAMS: frozenset[int] = frozenset()  # shared "no other stream used" value; record_stream replaces it
 PTR_BITS = 64  # free-list keys are size << PTR_BITS | ptr, so addresses must be below 2**64
+STAT_SLOTS = tuple(f"{name}{suffix}" for name in ARRAY_STATS for suffix in ("", "_peak", "_total", "_base"))
 COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
 
 
@@ -258,7 +259,7 @@ class StatCounters:
     path updates the slots inline; everything else uses :func:`_increase` / :func:`_decrease`.
     """
 
-    __slots__ = tuple(f"{name}{suffix}" for name in ARRAY_STATS for suffix in ("", "_peak", "_total", "_base"))
+    __slots__ = STAT_SLOTS
 
     def __init__(self) -> None:
         for slot in self.__slots__:
@@ -345,8 +346,6 @@ class Block:
     def __repr__(self) -> str:
         return f"Block(ptr={self.ptr:#x}, size={self.size}, stream={self.stream}, {self.state})"
 
-
-_new_block = object.__new__
 
 
 class FreeList:
@@ -532,8 +531,6 @@ class CachingAllocator:
         self.captures_underway: list[tuple[tuple[int, int], Callable[[int, int], bool]]] = []
         self.total_allocated_memory = 0
         self._segments: dict[Segment, None] = {}
-        self._active: dict[int, Block] = {}  # ptr -> active block (allocated or pending)
-        self._active_shadowed: list[Block] = []  # active blocks sharing a ptr (nested pools)
         self._cuda_events: dict[int, deque] = {}
         self._deferred: list[Block] = []
         self._capture_stream_uses: dict[Block, set[int]] = {}
@@ -608,7 +605,7 @@ class CachingAllocator:
 
     def free(self, block: Block) -> None:
         """Return ``block``; completes now unless it was used on other streams (record_stream)."""
-        if not block.allocated:
+        if block is None or not block.allocated:
             raise ValueError(f"free({block!r}): the block is not allocated (double free?)")
         block.allocated = False
         pool = block.pool
@@ -640,8 +637,21 @@ class CachingAllocator:
             self._capture_stream_uses.setdefault(block, set()).add(stream)
 
     def block_at(self, address: int) -> Block | None:
-        """The active block (allocated or pending free) starting at ``address``."""
-        return self._active.get(address)
+        """The active block (allocated or pending free) starting at ``address``.
+
+        A walk over the segments, for inspection: the allocator itself never looks
+        blocks up by address. Where pools nest (a pluggable pool's segment inside
+        another pool's block) the innermost segment's block is the answer.
+        """
+        found = None
+        for segment in self._segments:
+            if segment.address <= address < segment.address + segment.size and (
+                found is None or segment.size < found.segment.size
+            ):
+                for block in segment.blocks():
+                    if block.ptr == address and block.state != "inactive":
+                        found = block
+        return found
 
     # ------------------------------------------------------------------ search, split, merge
 
@@ -682,7 +692,7 @@ class CachingAllocator:
             # the caller gets a new block at the low end; the old block object is the remainder
             remaining = block
             prev = remaining.prev
-            block = _new_block(Block)  # Block.__init__ spelled out: this is the hot path
+            block = Block.__new__(Block)  # Block.__init__ spelled out: this is the hot path
             block.ptr = remaining.ptr
             block.size = size
             block.stream = remaining.stream
@@ -736,10 +746,6 @@ class CachingAllocator:
         block.allocated = True
         block.requested_size = orig
         ptr = block.ptr
-        active = self._active
-        if ptr in active:
-            self._active_shadowed.append(active[ptr])
-        active[ptr] = block
         size = block.size
         # allocation and active +1, allocated_bytes and active_bytes +size, requested_bytes +orig.
         # With no free pending on events, active == allocation (and active_bytes == allocated_bytes)
@@ -806,11 +812,6 @@ class CachingAllocator:
         """Complete a free: merge with free neighbours and put the result in its pool's set."""
         if self._history is not None:
             self._trace("free_completed", block.ptr, block.requested_size, block.stream)
-        active = self._active
-        if not self._active_shadowed and active.get(block.ptr) is block:
-            del active[block.ptr]
-        else:
-            self._deactivate(block)
         original_size = block.size
         requested = block.requested_size
         pool = block.pool
@@ -877,17 +878,6 @@ class CachingAllocator:
         kind.active -= 1
         kind.active_bytes -= original_size
         kind.requested_bytes -= requested
-
-    def _deactivate(self, block: Block) -> None:
-        ptr = block.ptr
-        if self._active.get(ptr) is block:
-            del self._active[ptr]
-            for i, other in enumerate(self._active_shadowed):
-                if other.ptr == ptr:
-                    self._active[ptr] = self._active_shadowed.pop(i)
-                    break
-        else:
-            self._active_shadowed.remove(block)
 
     # ------------------------------------------------------------------ segments
 

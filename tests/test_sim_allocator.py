@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from graphborrow.sim.allocator import (
     CachingAllocator,
     AllocatorConfig,
+    FreeList,
     _roundup_power2_next_division,
     format_size,
     get_allocation_size,
@@ -578,4 +579,27 @@ def test_block_at_finds_active_blocks_only():
     assert alloc.block_at(b.ptr) is b and b.state == "active_pending_free"
     alloc.free(a)
     assert alloc.block_at(a.ptr) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 10**6), min_size=1, max_size=200, unique=True),
+       st.lists(st.tuples(st.integers(0, 10**9), st.integers(1, 10**6), st.booleans()), max_size=200),
+       st.integers(4, 16))
+def test_free_list_rekeys_keep_the_sorted_list_valid(initial, rekeys, load):
+    """Shrink and grow re-keys across many short runs (a small load factor) against a sorted reference."""
+    free = FreeList()
+    free.keys._reset(load)  # short runs, so keys move within and across runs
+    for key in initial:
+        free.add(key, key)
+    for pick, amount, grow in rekeys:
+        old = sorted(free.blocks)[pick % len(free)]
+        new = old + amount if grow else old - amount
+        if new <= 0 or new in free.blocks:
+            continue
+        (free.grow_key if grow else free.shrink_key)(old, new, new)
+        free.keys._check()  # SortedList's own invariants: order, run maxima, lengths, index
+        assert list(free.keys) == sorted(free.blocks)
+        assert all(free.blocks[key] == key for key in free.keys)
+        probe = new - amount // 2
+        assert free.best_fit(probe) == min(key for key in free.blocks if key >= probe)
 

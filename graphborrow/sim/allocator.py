@@ -10,12 +10,15 @@ handling, ``memory_stats``, and snapshots / trace entries in torch's own format.
 
 Streams are plain ints here (0 is the default stream); the :class:`Clockwork` turns
 them into simulated streams with clocks when events are recorded.
+
+This file runs as plain Python, and is also compiled as it stands by Cython with the C
+types in ``allocator.pxd`` (see ``compiled.py``), the build that makes sweeps fast.
 """
 
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections import deque
 from typing import Any, Callable
 
@@ -347,15 +350,15 @@ class Block:
         return f"Block(ptr={self.ptr:#x}, size={self.size}, stream={self.stream}, {self.state})"
 
 
-
 class FreeList:
     """Free blocks of one stream in one pool, ordered by (size, ptr).
 
     ``keys`` is a SortedList of ints ``size << PTR_BITS | ptr`` (cheap to compare) and
     ``blocks`` maps each key to its block. Best-fit lookups read the SortedList's two
     levels (``_maxes``: largest key of each run, ``_lists``: the runs) directly. Inserts
-    and removals go through its public methods; a re-key that keeps the order (most
-    splits and merges) rewrites the key in place, which changes no run's length.
+    and removals go through its public methods. A re-key (every split and merge) whose
+    new key still belongs to the same run rewrites or moves it inside that run, which
+    changes no run's length and so leaves the SortedList's index valid.
     """
 
     __slots__ = ("keys", "blocks")
@@ -380,13 +383,15 @@ class FreeList:
         keys = self.keys
         maxes = keys._maxes
         pos = bisect_left(maxes, old)
-        run = keys._lists[pos]
-        idx = bisect_left(run, old)
-        # only the lower neighbour can be out of order: if it is not, rewrite the key in place
-        if (run[idx - 1] < new) if idx else (pos == 0 or maxes[pos - 1] < new):
-            run[idx] = new
-            if maxes[pos] == old:
-                maxes[pos] = new
+        if pos == 0 or maxes[pos - 1] < new:  # ``new`` still belongs to the run of ``old``
+            run = keys._lists[pos]
+            idx = bisect_left(run, old)
+            if idx == 0 or run[idx - 1] < new:
+                run[idx] = new
+            else:
+                del run[idx]
+                insort(run, new)
+            maxes[pos] = run[-1]
         else:
             keys.remove(old)
             keys.add(new)
@@ -399,20 +404,21 @@ class FreeList:
         keys = self.keys
         maxes = keys._maxes
         pos = bisect_left(maxes, old)
-        run = keys._lists[pos]
-        if maxes[pos] == old:  # last of its run: the next run's first key is the upper neighbour
-            if pos == len(maxes) - 1 or new < keys._lists[pos + 1][0]:
+        if pos == len(maxes) - 1 or new < keys._lists[pos + 1][0]:  # ``new`` stays in the run of ``old``
+            run = keys._lists[pos]
+            if maxes[pos] == old:
                 run[-1] = maxes[pos] = new
             else:
-                keys.remove(old)
-                keys.add(new)
+                idx = bisect_left(run, old)
+                if new < run[idx + 1]:
+                    run[idx] = new
+                else:
+                    del run[idx]
+                    insort(run, new)
+                    maxes[pos] = run[-1]
         else:
-            idx = bisect_left(run, old)
-            if new < run[idx + 1]:
-                run[idx] = new
-            else:
-                keys.remove(old)
-                keys.add(new)
+            keys.remove(old)
+            keys.add(new)
         blocks = self.blocks
         del blocks[old]
         blocks[new] = block

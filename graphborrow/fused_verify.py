@@ -82,6 +82,12 @@ def _patch_interpreter_scalars() -> None:
 
 
 if TRITON_AVAILABLE and INTERPRETED:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.max, InterpretedFunction):
+        raise RuntimeError("triton.language was imported before TRITON_INTERPRET=1 was set, so its library "
+                           "functions cannot run in the interpreter; set TRITON_INTERPRET=1 in the environment "
+                           "(or import graphborrow.fused_verify before triton)")
     _patch_interpreter_scalars()
 BORROW_USER = "EAGLE verify"
 

@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 export MPLBACKEND := Agg
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-kernels strip clean
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -16,7 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[notebooks,test]"
+	# torch first, so the extras (triton among them) never pull in a CUDA build of torch
+	$(PY) -m pip install -q -e ".[notebooks,test,kernels]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
@@ -52,6 +53,10 @@ test-notebooks: setup
 # On a CUDA machine: the GPU twins of the borrow tests.
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests
+
+# On a CUDA machine: the fused verification kernels against the reference and the upstream figures.
+bench-kernels: setup
+	$(PY) benchmarks/verify_kernels.py --out data/verify_kernels_h200.json
 
 # CPU: the simulated allocator's speed, compiled against pure Python (figure in the README).
 bench: setup

@@ -55,6 +55,7 @@ __all__ = [
     "fused_verify",
     "fused_workspace",
     "fused_workspace_bytes",
+    "fused_token_probs",
     "top_k_renorm",
     "top_p_renorm",
     "split_count",
@@ -281,6 +282,27 @@ def _launch_chunk(logits, candidates, tree, coins, coins_final, ws, lo, n, d, vo
         lo, d, vocab, steps, splits, thr_single, thr_acc,
         HAS_TOPK=has_k, HAS_TOPP=has_p, BLOCK=BLOCK, SPLIT_BLOCK=SPLIT_MAX, PRECISE=not INTERPRETED,
         num_warps=NUM_WARPS, **opts)
+
+
+def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.Tensor) -> torch.Tensor:
+    """The fused path's softmax(logits / t) at ``tokens`` [rows, K] (int64), per row.
+
+    For diagnosis: compare with ``torch.softmax`` bitwise to see how often the two sums
+    round differently (see the module docstring). ``temperatures``: per request (rows / d).
+    """
+    rows, vocab = logits.shape
+    if tokens.dim() != 2 or tokens.shape[0] != rows or tokens.dtype != torch.int64:
+        raise ValueError(f"tokens must be int64 [rows={rows}, K]")
+    ws = fused_workspace(logits, rows // d, d, vocab, temperatures)
+    chunk = -(-(-(-vocab // ws.splits)) // BLOCK) * BLOCK
+    opts = _compile_options()
+    _row_stats_kernel[(rows, ws.splits)](logits, ws.temps, ws.part_max, ws.part_sum, 0, d, vocab, ws.splits, chunk,
+                                         BLOCK=BLOCK, PRECISE=not INTERPRETED, **opts)
+    tokens = tokens.contiguous()
+    out = logits.new_empty(tokens.shape, dtype=torch.float32)
+    _token_prob_kernel[(rows,)](logits, ws.temps, ws.part_max, ws.part_sum, tokens, out, d, vocab, ws.splits,
+                                tokens.shape[1], SPLIT_BLOCK=SPLIT_MAX, PRECISE=not INTERPRETED, **opts)
+    return out
 
 
 # ---------------------------------------------------------------------------------
@@ -622,6 +644,17 @@ if TRITON_AVAILABLE:
             p = _renormed(p, tl.load(params + lrow * 4 + 0), tl.load(params + lrow * 4 + 1),
                           tl.load(params + lrow * 4 + 2), tl.load(params + lrow * 4 + 3), HAS_TOPK, HAS_TOPP)
         return p
+
+    @triton.jit(do_not_specialize=["d", "vocab", "splits", "k"])
+    def _token_prob_kernel(logits, temps, part_max, part_sum, tokens, out, d, vocab, splits, k,
+                           SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+        row = tl.program_id(0)
+        t = tl.load(temps + row // d)
+        for i in range(0, k):
+            tok = tl.load(tokens + row * k + i)
+            p = _node_prob(logits, part_max, part_sum, part_max, row, row, tok, t, vocab, splits,
+                           False, False, SPLIT_BLOCK, PRECISE)
+            tl.store(out + row * k + i, p)
 
     @triton.jit(do_not_specialize=["req0", "d", "vocab", "steps", "splits"])
     def _walk_kernel(logits, temps, part_max, part_sum, params,

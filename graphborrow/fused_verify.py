@@ -364,6 +364,7 @@ def _renorm(probs, top_k, top_p, validate):
 # Kernels
 
 if TRITON_AVAILABLE:
+    _FLOOR = tl.constexpr(KEPT_SUM_FLOOR)  # jitted code reads only constexpr globals
 
     @triton.jit
     def _exp(x, PRECISE: tl.constexpr):
@@ -593,7 +594,7 @@ if TRITON_AVAILABLE:
                 pk = _prob(xk, t, big, total, FROM_LOGITS, PRECISE)
             kept = _kept_sum(src, row, vocab, pk, t, big, total, 0.0, 1.0, 0.0, 1.0,
                              FROM_LOGITS, False, False, BLOCK, PRECISE)
-            sk = tl.maximum(kept, KEPT_SUM_FLOOR).to(tl.float32)
+            sk = tl.maximum(kept, _FLOOR).to(tl.float32)
         pp = 0.0
         sp = 1.0
         if HAS_TOPP:
@@ -608,7 +609,7 @@ if TRITON_AVAILABLE:
                                  FROM_LOGITS, HAS_TOPK, False, BLOCK, PRECISE)
             else:
                 kept = whole
-            sp = tl.maximum(kept, KEPT_SUM_FLOOR).to(tl.float32)
+            sp = tl.maximum(kept, _FLOOR).to(tl.float32)
         tl.store(params + lrow * 4 + 0, pk)
         tl.store(params + lrow * 4 + 1, sk)
         tl.store(params + lrow * 4 + 2, pp)

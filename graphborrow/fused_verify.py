@@ -569,7 +569,7 @@ if TRITON_AVAILABLE:
         return tl.sum(acc, axis=0)
 
     @triton.jit(do_not_specialize=["row0", "d", "vocab", "splits"])
-    def _renorm_params_kernel(src, temps, part_max, part_sum, top_k, top_p, params, scratch,
+    def _renorm_params_kernel(src, temps, part_max, part_sum, top_k, top_p, pivots, scratch,
                               row0, d, vocab, splits,
                               FROM_LOGITS: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr,
                               BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, CAP: tl.constexpr,
@@ -610,20 +610,20 @@ if TRITON_AVAILABLE:
             else:
                 kept = whole
             sp = tl.maximum(kept, _FLOOR).to(tl.float32)
-        tl.store(params + lrow * 4 + 0, pk)
-        tl.store(params + lrow * 4 + 1, sk)
-        tl.store(params + lrow * 4 + 2, pp)
-        tl.store(params + lrow * 4 + 3, sp)
+        tl.store(pivots + lrow * 4 + 0, pk)
+        tl.store(pivots + lrow * 4 + 1, sk)
+        tl.store(pivots + lrow * 4 + 2, pp)
+        tl.store(pivots + lrow * 4 + 3, sp)
 
     @triton.jit(do_not_specialize=["vocab", "chunk"])
-    def _apply_renorm_kernel(probs, params, out, vocab, chunk, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr,
+    def _apply_renorm_kernel(probs, pivots, out, vocab, chunk, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr,
                              BLOCK: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1)
-        pk = tl.load(params + row * 4 + 0)
-        sk = tl.load(params + row * 4 + 1)
-        pp = tl.load(params + row * 4 + 2)
-        sp = tl.load(params + row * 4 + 3)
+        pk = tl.load(pivots + row * 4 + 0)
+        sk = tl.load(pivots + row * 4 + 1)
+        pp = tl.load(pivots + row * 4 + 2)
+        sp = tl.load(pivots + row * 4 + 3)
         offs = tl.arange(0, BLOCK)
         lo = c * chunk
         base = row.to(tl.int64) * vocab
@@ -634,7 +634,7 @@ if TRITON_AVAILABLE:
             tl.store(out + base + idx, _renormed(p, pk, sk, pp, sp, HAS_TOPK, HAS_TOPP), mask=inside)
 
     @triton.jit
-    def _node_prob(logits, part_max, part_sum, params, row, lrow, tok, t, vocab, splits,
+    def _node_prob(logits, part_max, part_sum, pivots, row, lrow, tok, t, vocab, splits,
                    HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
                    PRECISE: tl.constexpr):
         """Target probability of token ``tok`` in row ``row`` (renormalised if asked)."""
@@ -642,8 +642,8 @@ if TRITON_AVAILABLE:
         x = tl.load(logits + row.to(tl.int64) * vocab + tok)
         p = _prob(x, t, big, total, True, PRECISE)
         if HAS_TOPK or HAS_TOPP:
-            p = _renormed(p, tl.load(params + lrow * 4 + 0), tl.load(params + lrow * 4 + 1),
-                          tl.load(params + lrow * 4 + 2), tl.load(params + lrow * 4 + 3), HAS_TOPK, HAS_TOPP)
+            p = _renormed(p, tl.load(pivots + lrow * 4 + 0), tl.load(pivots + lrow * 4 + 1),
+                          tl.load(pivots + lrow * 4 + 2), tl.load(pivots + lrow * 4 + 3), HAS_TOPK, HAS_TOPP)
         return p
 
     @triton.jit(do_not_specialize=["d", "vocab", "splits", "k"])
@@ -658,7 +658,7 @@ if TRITON_AVAILABLE:
             tl.store(out + row * k + i, p)
 
     @triton.jit(do_not_specialize=["req0", "d", "vocab", "steps", "splits"])
-    def _walk_kernel(logits, temps, part_max, part_sum, params,
+    def _walk_kernel(logits, temps, part_max, part_sum, pivots,
                      candidates, retrive_index, next_token, next_sibling, coins, coins_final,
                      predicts, accept_index, accept_length,
                      req0, d, vocab, steps, splits, thr_single, thr_acc,
@@ -683,7 +683,7 @@ if TRITON_AVAILABLE:
             acc = 0.0
             while (child != -1) & (chosen == -1):
                 tok = tl.load(candidates + node0 + child).to(tl.int32)
-                p = _node_prob(logits, part_max, part_sum, params, node0 + node, local * d + node, tok, t,
+                p = _node_prob(logits, part_max, part_sum, pivots, node0 + node, local * d + node, tok, t,
                                vocab, splits, HAS_TOPK, HAS_TOPP, SPLIT_BLOCK, PRECISE)
                 acc = acc + p
                 ok = (p > 0) & ((coin < tl.math.div_rn(acc, thr_acc)) | (p >= thr_single))
@@ -715,10 +715,10 @@ if TRITON_AVAILABLE:
         pp = 0.0
         sp = 1.0
         if HAS_TOPK or HAS_TOPP:
-            pk = tl.load(params + lrow * 4 + 0)
-            sk = tl.load(params + lrow * 4 + 1)
-            pp = tl.load(params + lrow * 4 + 2)
-            sp = tl.load(params + lrow * 4 + 3)
+            pk = tl.load(pivots + lrow * 4 + 0)
+            sk = tl.load(pivots + lrow * 4 + 1)
+            pp = tl.load(pivots + lrow * 4 + 2)
+            sp = tl.load(pivots + lrow * 4 + 3)
         first_child = tl.load(next_token + node0 + node).to(tl.int32)
         first_child = tl.where(bonus, -1, first_child)
         base = logits + row.to(tl.int64) * vocab

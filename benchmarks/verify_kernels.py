@@ -3,13 +3,16 @@
     python benchmarks/verify_kernels.py --out data/verify_kernels_h200.json
 
 For every bs in --batches and D in --drafts (V = --vocab, fp32 logits, draft trees as in
-the upstream measurement: D=4 topk 1 depth 3, D=8 topk 4 depth 3, D=16 topk 4 depth 5):
+the upstream measurement: D=4 topk 1 depth 3, D=8 topk 4 depth 3, D=16 topk 4 depth 5;
+each candidate holds 10-70 % of its parent's row, so paths are accepted and rejected):
 
 - ``softmax_us``: one torch.softmax pass over the same [bs*D, V] logits (CUDA events, median);
 - ``reference``: eagle_verify(mode="standard") — device_us, host_us, temporaries;
 - ``fused``: fused_verify eager (device_us, host_us) and replayed from a CUDA graph
   (``graph_us``), temporaries (max_memory_allocated growth minus the outputs), whether it
-  emitted the reference's tokens (the first differing request is dumped if not);
+  emitted the tokens of the reference over target_probs_reference (``agrees``) and of
+  today's eagle_verify (``agrees_eagle_verify``), its candidate probabilities against
+  target_probs_reference and torch.softmax, and (``--profile``) device time per kernel;
 - ``fused_renorm``: the same with top_k=50, top_p=0.9 (reference too at small batches);
 - ``upstream``: the figures of ../shared/reference/upstream_kernel_h200.md (sgl-kernel,
   softmax + kernel, same device class; not rebuilt here).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -37,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphborrow import fused_verify as fv  # noqa: E402
 from graphborrow.draft_tree import build_draft_tree  # noqa: E402
-from graphborrow.eagle import eagle_verify  # noqa: E402
-from graphborrow.renorm import top_p_renorm_probs  # noqa: E402
+from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only  # noqa: E402
+from graphborrow.renorm import top_k_renorm_probs, top_p_renorm_probs  # noqa: E402
 
 TREES = {4: (1, 3), 8: (4, 3), 16: (4, 5)}
 # upstream_kernel_h200.md: (bs, D) -> (softmax us, kernel us, step us)
@@ -50,6 +54,7 @@ UPSTREAM = {
     (64, 16): (811, 87, 899), (128, 16): (1569, 102, 1671),
 }
 FLASHINFER_TOP_P_US, FLASHINFER_VOCAB = 87.0, 152064
+PROFILE_POINTS = {(1, 4), (16, 8), (128, 16), (32, 8)}
 
 
 def event_us(fn, iters, warmup=2):
@@ -107,20 +112,55 @@ def make_case(bs, d, vocab, seed):
     tree = build_draft_tree(topk, depth, d, bs, vocab, generator=torch.Generator().manual_seed(seed), device="cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = 2.0 * torch.randn(bs * d, vocab, device="cuda", generator=g)
-    # favour each node's children in its row so that paths get accepted (as a trained draft would)
+    # each node's row gives its children ln(V) + 2 nats (the noise's log-mean) plus [-2.5, 1]:
+    # a child then holds 7-73 % of the row, as a trained draft's would
     rows = torch.arange(bs * d, device="cuda").view(bs, d)
+    centre = math.log(vocab) + 2.0
     for n in range(d):
         child = tree.retrive_next_token[:, n]
         for _ in range(d):
             ok = child >= 0
             if not bool(ok.any()):
                 break
-            logits[rows[:, n][ok], tree.candidates[ok, child[ok]]] += 6.0
+            spread = 3.5 * torch.rand(int(ok.sum()), device="cuda", generator=g) - 2.5
+            logits[rows[:, n][ok], tree.candidates[ok, child[ok]]] = centre + spread
             child = torch.where(ok, tree.retrive_next_sibling.gather(1, child.clamp(min=0).unsqueeze(1)).squeeze(1),
                                 child)
     coins = torch.rand(bs, d, device="cuda", generator=g)
     coins_final = torch.rand(bs, device="cuda", generator=g)
     return tree, logits, coins, coins_final
+
+
+def exact_reference(logits, tree, coins, coins_final, top_k=None, top_p=None):
+    """Verification over target_probs_reference (the kernels' formula) with upstream's semantics."""
+    bs, d = tree.candidates.shape
+    probs = fv.target_probs_reference(logits, 1.0, top_k, top_p).view(bs, d, -1)
+    out = (torch.zeros(bs * d, dtype=torch.int32, device="cuda"),
+           torch.full((bs, tree.tree_depth), -1, dtype=torch.int32, device="cuda"),
+           torch.zeros(bs, dtype=torch.int32, device="cuda"))
+    tree_speculative_sampling_target_only(*out, tree.candidates, tree.retrive_index, tree.retrive_next_token,
+                                          tree.retrive_next_sibling, coins, coins_final, probs, torch.zeros_like(probs))
+    return fv.FusedResult(out[0], out[1], out[2] + 1)
+
+
+def kernel_breakdown(fn, iters=5):
+    """Device microseconds per kernel name for one call (torch.profiler, mean over iters)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t:
+            out[e.key] = round(t / iters, 2)
+    return out
 
 
 def first_mismatch(tree, expected, got, coins, coins_final):
@@ -183,23 +223,30 @@ def run_point(bs, d, args, rows):
             row["host_us"] = host_us(fused, args.iters)
             row["vs_softmax"] = row["device_us"] / softmax_us
             row["graph_vs_softmax"] = row["graph_us"] / softmax_us
+            exact = exact_reference(logits, tree, coins, coins_final, renorm.get("top_ks"), renorm.get("top_ps"))
+            n_bad, dump = first_mismatch(tree, exact, got, coins, coins_final)
+            row["agrees"] = n_bad == 0
+            row["mismatched_requests"] = n_bad
+            if dump:
+                row["first_mismatch"] = dump
             if ref is not None:
-                n_bad, dump = first_mismatch(tree, ref, got, coins, coins_final)
-                row["agrees"] = n_bad == 0
-                row["mismatched_requests"] = n_bad
-                if dump:
-                    row["first_mismatch"] = dump
+                row["agrees_eagle_verify"] = first_mismatch(tree, ref, got, coins, coins_final)[0] == 0
             row["accept_length_mean"] = float(got.accept_length.float().mean())
+            if args.profile and (bs, d) in PROFILE_POINTS:
+                row["per_kernel_us"] = kernel_breakdown(fused)
             row["ok"] = True
         except Exception as exc:  # noqa: BLE001
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=4))
         rows.append(row)
-    # how often the kernel's candidate probabilities are torch.softmax's bit for bit
+    # the kernel's candidate probabilities: bitwise target_probs_reference's; how often torch.softmax's
     toks = tree.candidates.repeat_interleave(d, dim=0)
     kernel_p = fv.fused_token_probs(logits, 1.0, d, toks)
+    formula_p = fv.target_probs_reference(logits, 1.0).gather(1, toks)
     torch_p = torch.softmax(logits, dim=-1).gather(1, toks)
-    plain_fused["candidate_probs_bitwise_equal"] = float((kernel_p == torch_p).float().mean())
-    plain_fused["candidate_probs_max_rel_diff"] = float(((kernel_p - torch_p).abs() / torch_p.clamp(min=1e-30)).max())
+    plain_fused["candidate_probs_equal_target_probs_reference"] = float((kernel_p == formula_p).float().mean())
+    plain_fused["candidate_probs_equal_torch_softmax"] = float((kernel_p == torch_p).float().mean())
+    plain_fused["candidate_probs_max_rel_diff_torch_softmax"] = float(
+        ((kernel_p - torch_p).abs() / torch_p.clamp(min=1e-30)).max())
 
 
 def chunked_rows(args):
@@ -248,9 +295,16 @@ def renorm_row(args):
     reference = event_us(lambda: top_p_renorm_probs(probs, 0.9), args.reference_iters, warmup=1)
     same = torch.equal(fv.top_p_renorm(probs, 0.9), top_p_renorm_probs(probs, 0.9))
     goal = 2 * FLASHINFER_TOP_P_US * vocab / FLASHINFER_VOCAB
-    return {"rows": rows, "vocab": vocab, "top_p": 0.9, "fused_us": fused, "reference_us": reference,
-            "flashinfer_class_us": FLASHINFER_TOP_P_US * vocab / FLASHINFER_VOCAB, "goal_us": goal,
-            "meets_goal": fused <= goal, "agrees": same}
+    record = {"rows": rows, "vocab": vocab, "top_p": 0.9, "fused_us": fused, "reference_us": reference,
+              "flashinfer_class_us": FLASHINFER_TOP_P_US * vocab / FLASHINFER_VOCAB, "goal_us": goal,
+              "agrees": same,
+              "fused_graph_us": graph_us(lambda: fv.top_p_renorm(probs, 0.9, validate=False), args.iters),
+              "top_k50_fused_us": event_us(lambda: fv.top_k_renorm(probs, 50, validate=False), args.iters),
+              "top_k50_agrees": torch.equal(fv.top_k_renorm(probs, 50), top_k_renorm_probs(probs, 50))}
+    record["meets_goal"] = min(fused, record["fused_graph_us"]) <= goal  # device time: eager may wait on the host
+    if args.profile:
+        record["per_kernel_us"] = kernel_breakdown(lambda: fv.top_p_renorm(probs, 0.9, validate=False))
+    return record
 
 
 def compile_times():
@@ -277,7 +331,8 @@ def compile_times():
 
 def goals_table(rows):
     print(f"\n{'bs':>4} {'D':>3} {'softmax':>8} {'upstream':>9} {'reference':>10} {'fused':>8} {'graph':>8} "
-          f"{'x softmax':>9} {'temp MiB':>9} {'agrees':>6}  goals (<= upstream, <= 3x softmax, no [bs,V] temporaries)")
+          f"{'x softmax':>9} {'temp MiB':>9} {'accept':>6} {'agrees':>6}  "
+          f"goals (<= upstream, <= 3x softmax, no [bs,V] temporaries)")
     by = {}
     for r in rows:
         by.setdefault((r["bs"], r["draft_tokens"]), {})[r["impl"]] = r
@@ -295,9 +350,30 @@ def goals_table(rows):
         verdicts.append(g1 and g2 and g3)
         print(f"{bs:>4} {d:>3} {f['softmax_us']:>8.0f} {up.get('device_us', float('nan')):>9.0f} "
               f"{ref.get('device_us', float('nan')):>10.0f} {f['device_us']:>8.0f} {f['graph_us']:>8.0f} "
-              f"{best / f['softmax_us']:>9.2f} {f['temporary_bytes'] / 2**20:>9.2f} {str(f.get('agrees')):>6}  "
+              f"{best / f['softmax_us']:>9.2f} {f['temporary_bytes'] / 2**20:>9.2f} {f['accept_length_mean']:>6.2f} "
+              f"{str(f.get('agrees')):>6}  "
               f"{'met' if g1 else 'MISSED'}, {'met' if g2 else 'MISSED'}, {'met' if g3 else 'MISSED'}")
     return verdicts
+
+
+def renorm_table(rows):
+    print(f"\nwith top_k=50, top_p=0.9:\n{'bs':>4} {'D':>3} {'softmax':>8} {'reference':>10} {'fused':>8} {'graph':>8} "
+          f"{'x softmax':>9} {'temp MiB':>9} {'agrees':>6}")
+    by = {}
+    for r in rows:
+        by.setdefault((r["bs"], r["draft_tokens"]), {})[r["impl"]] = r
+    for (bs, d), impls in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        f, ref = impls.get("fused_renorm", {}), impls.get("reference_renorm", {})
+        if not f.get("ok"):
+            print(f"{bs:>4} {d:>3}  fused failed: {f.get('error')}")
+            continue
+        print(f"{bs:>4} {d:>3} {f['softmax_us']:>8.0f} {ref.get('device_us', float('nan')):>10.0f} "
+              f"{f['device_us']:>8.0f} {f['graph_us']:>8.0f} {f['graph_us'] / f['softmax_us']:>9.2f} "
+              f"{f['temporary_bytes'] / 2**20:>9.2f} {str(f.get('agrees')):>6}")
+    for r in rows:
+        if r.get("per_kernel_us"):
+            print(f"per kernel, {r['impl']} bs={r['bs']} D={r['draft_tokens']}: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r["per_kernel_us"].items()))
 
 
 def main(argv=None):
@@ -312,6 +388,7 @@ def main(argv=None):
                     help="run the (slow, sort-based) reference with renorm only up to this many rows")
     ap.add_argument("--chunk-requests", type=int, default=16)
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new points after this long")
+    ap.add_argument("--profile", action="store_true", help="device time per kernel at a few points (torch.profiler)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("verify_kernels.py measures CUDA kernels: run it on a GPU machine")
@@ -343,6 +420,7 @@ def main(argv=None):
     verdicts = goals_table(rows)
     record["goals_met_points"] = sum(verdicts)
     record["goals_points"] = len(verdicts)
+    renorm_table(rows)
     for name, fn in (("top_p_renorm", lambda: renorm_row(args)), ("chunked", lambda: chunked_rows(args))):
         try:
             record[name] = fn()
@@ -350,8 +428,10 @@ def main(argv=None):
             record[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=4)}
     tp = record["top_p_renorm"]
     if "fused_us" in tp:
-        print(f"\ntop-p renorm 32 x {args.vocab}: fused {tp['fused_us']:.0f} us, reference {tp['reference_us']:.0f} us, "
-              f"goal <= {tp['goal_us']:.0f} us: {'met' if tp['meets_goal'] else 'MISSED'}; agrees {tp['agrees']}")
+        print(f"\ntop-p renorm 32 x {args.vocab}: fused {tp['fused_us']:.0f} us (graph {tp['fused_graph_us']:.0f}), "
+              f"reference {tp['reference_us']:.0f} us, goal <= {tp['goal_us']:.0f} us: "
+              f"{'met' if tp['meets_goal'] else 'MISSED'}; agrees {tp['agrees']}; top-k 50 {tp['top_k50_fused_us']:.0f} us, "
+              f"agrees {tp['top_k50_agrees']}; per kernel {tp.get('per_kernel_us')}")
     for r in record["chunked"] if isinstance(record["chunked"], list) else []:
         if r.get("ok"):
             print(f"chunked in borrowed memory bs={r['bs']} D={r['draft_tokens']}: {r['chunked_borrowed_us']:.0f} us vs "

@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 export MPLBACKEND := Agg
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-kernels strip clean
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-kernels compile-kernels strip clean
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -56,7 +56,11 @@ test-gpu: setup
 
 # On a CUDA machine: the fused verification kernels against the reference and the upstream figures.
 bench-kernels: setup
-	$(PY) benchmarks/verify_kernels.py --out data/verify_kernels_h200.json
+	$(PY) benchmarks/verify_kernels.py --out data/verify_kernels_h200.json --profile
+
+# Without a GPU: compile every fused kernel variant for sm_90 (Triton's bundled ptxas); registers, spills.
+compile-kernels: setup
+	TRITON_INTERPRET=0 $(PY) scripts/compile_kernels.py
 
 # CPU: the simulated allocator's speed, compiled against pure Python (figure in the README).
 bench: setup

@@ -50,10 +50,11 @@ try:
 except ImportError:  # the torch formulation and the workspace (on the simulated device) still work
     triton = None
 
-__all__ = ["INTERPRETED", "TRITON_AVAILABLE", "sum_bits", "target_probs_reference"]
+__all__ = ["INTERPRETED", "SUM_CHUNK_ENTRIES", "TRITON_AVAILABLE", "sum_bits", "target_probs_reference"]
 
 TRITON_AVAILABLE = triton is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SUM_CHUNK_ENTRIES = 1 << 24  # entries whose int64 terms target_probs_reference holds at once
 
 
 def sum_bits(vocab: int) -> int:
@@ -79,17 +80,20 @@ def target_probs_reference(logits: torch.Tensor, temperatures, top_ks=None, top_
 
     Returns:
         [rows, V] float32 probabilities, bitwise what the kernels compute on the same device.
-        Holds an int64 [rows, V] temporary while summing.
+        Besides the result it holds, a few rows at a time, the int64 terms of the sum
+        (at most ``SUM_CHUNK_ENTRIES`` entries, 12 bytes each).
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError("logits must be a floating tensor [rows, V]; reshape to (-1, V) first")
     rows, vocab = logits.shape
     scale = 2.0 ** sum_bits(vocab)
     t = _per_row(temperatures, rows, logits.device)
-    y = logits.float() / t  # a tensor divisor: IEEE division (torch multiplies by 1/t for a CPU scalar)
-    e = torch.exp(y - y.amax(dim=1, keepdim=True))
-    del y
-    total = (e * scale).to(torch.int64).sum(dim=1, keepdim=True)
+    e = logits.float() / t  # a tensor divisor: IEEE division (torch multiplies by 1/t for a CPU scalar)
+    e.sub_(e.amax(dim=1, keepdim=True)).exp_()  # in place: the same kernels as y - m and exp
+    total = torch.empty((rows, 1), dtype=torch.int64, device=logits.device)
+    step = max(1, SUM_CHUNK_ENTRIES // max(vocab, 1))
+    for lo in range(0, rows, step):  # the int64 terms a few rows at a time
+        torch.sum((e[lo:lo + step] * scale).to(torch.int64), dim=1, keepdim=True, out=total[lo:lo + step])
     s = total.to(torch.float64).to(torch.float32) * (1.0 / scale)
     probs = e.div_(s)
     if top_ks is not None:
@@ -97,6 +101,35 @@ def target_probs_reference(logits: torch.Tensor, temperatures, top_ks=None, top_
     if top_ps is not None:
         probs = top_p_renorm_probs(probs, top_ps)
     return probs
+
+
+# ---------------------------------------------------------------------------------
+# Per-request values, shared by the fused modules
+
+
+def per_request(value, n, name, like, dtype) -> torch.Tensor:
+    """A number or an n-value tensor as an [n] tensor of ``dtype`` next to ``like`` (no host sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.dim() == 0:
+            return like.new_empty(n, dtype=dtype).copy_(value.to(dtype).expand(n))
+        if value.numel() != n:
+            raise ValueError(f"{name} must be a number or hold one value per request ({n}), got shape "
+                             f"{tuple(value.shape)}")
+        if dtype in (torch.int32, torch.int64) and value.is_floating_point():
+            raise ValueError(f"{name} must hold integers, got {value.dtype}")
+        if dtype == torch.int32 and value.dtype == torch.int64:
+            value = value.clamp(max=2**31 - 1)
+        return like.new_empty(n, dtype=dtype).copy_(value.reshape(n))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number or a tensor of one value per request, got {type(value).__name__}")
+    if dtype == torch.int32:
+        value = min(int(value), 2**31 - 1)
+    return like.new_full((n,), value, dtype=dtype)
+
+
+def any_true(mask: torch.Tensor) -> bool:
+    """``mask.any()`` on the host (a synchronisation: for validation only)."""
+    return bool(mask.any())
 
 
 def _per_row(value, rows: int, device) -> torch.Tensor:

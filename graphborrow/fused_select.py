@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from .fused_probs import INTERPRETED, TRITON_AVAILABLE, compile_options
+from .fused_probs import INTERPRETED, TRITON_AVAILABLE, any_true, compile_options, per_request
 
 if TRITON_AVAILABLE:
     import triton
@@ -44,7 +44,8 @@ if TRITON_AVAILABLE:
 
     from .fused_probs import float_key, key_float, prob, renormed, row_norm
 
-__all__ = ["SelectWorkspace", "select_workspace", "select_pivots", "split_layout", "top_k_renorm", "top_p_renorm"]
+__all__ = ["SelectWorkspace", "select_pivots", "select_workspace", "select_workspace_bytes", "split_layout",
+           "top_k_renorm", "top_p_renorm"]
 
 BLOCK = 2048            # vocabulary entries per tile in the streaming kernels
 SPLIT_MAX = 64          # most vocabulary slices per row
@@ -157,8 +158,6 @@ def top_p_renorm(probs: torch.Tensor, top_p, validate: bool = True) -> torch.Ten
 
 
 def _renorm(probs, top_k, top_p, validate):
-    from .fused_verify import _any, _per_request
-
     if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.dtype != torch.float32:
         raise ValueError("probs must be a float32 tensor [rows, vocab]; convert with .float() and reshape first")
     if not probs.is_contiguous():
@@ -167,14 +166,14 @@ def _renorm(probs, top_k, top_p, validate):
         raise RuntimeError("top_k_renorm / top_p_renorm need triton (the 'kernels' extra)")
     rows, vocab = probs.shape
     if validate:
-        if top_k is not None and _any(_per_request(top_k, rows, "top_k", probs, torch.int64) < 1):
+        if top_k is not None and any_true(per_request(top_k, rows, "top_k", probs, torch.int64) < 1):
             raise ValueError(f"top_k must be >= 1 (a value >= the vocabulary {vocab} keeps all)")
-        if top_p is not None and _any(~(_per_request(top_p, rows, "top_p", probs, torch.float64) > 0)):
+        if top_p is not None and any_true(~(per_request(top_p, rows, "top_p", probs, torch.float64) > 0)):
             raise ValueError("top_p must be in (0, 1] (1 keeps all)")
-        if _any(~torch.isfinite(probs)) or _any(probs < 0):
+        if any_true(~torch.isfinite(probs)) or any_true(probs < 0):
             raise ValueError("probs must be finite and >= 0")
-    k = None if top_k is None else _per_request(top_k, rows, "top_k", probs, torch.int32)
-    p = None if top_p is None else _per_request(top_p, rows, "top_p", probs, torch.float64)
+    k = None if top_k is None else per_request(top_k, rows, "top_k", probs, torch.int32)
+    p = None if top_p is None else per_request(top_p, rows, "top_p", probs, torch.float64)
     splits, chunk = split_layout(rows, vocab)
     pivots = probs.new_empty((rows, 4))
     select_pivots(probs, pivots, select_workspace(probs, rows, splits), k, p, 1, splits, chunk)

@@ -44,7 +44,8 @@ from typing import NamedTuple
 import torch
 
 from .draft_tree import DraftTree
-from .fused_probs import INTERPRETED, TRITON_AVAILABLE, compile_options, sum_bits, target_probs_reference
+from .fused_probs import (INTERPRETED, TRITON_AVAILABLE, any_true, compile_options, per_request, sum_bits,
+                          target_probs_reference)
 from . import fused_select as _select
 from .fused_select import (SPLIT_MAX, SelectWorkspace, select_pivots, select_workspace, select_workspace_bytes,
                            split_layout, top_k_renorm, top_p_renorm)
@@ -123,9 +124,9 @@ def fused_workspace(like: torch.Tensor, bs: int, d: int, vocab: int, temperature
     rows = bs * d
     splits, chunk = split_layout(rows, vocab)
     rsplits, rchunk = split_layout(bs, vocab)
-    temps = _per_request(temperatures, bs, "temperatures", like, torch.float32)
-    top_k = None if top_ks is None else _per_request(top_ks, bs, "top_ks", like, torch.int32)
-    top_p = None if top_ps is None else _per_request(top_ps, bs, "top_ps", like, torch.float64)
+    temps = per_request(temperatures, bs, "temperatures", like, torch.float32)
+    top_k = None if top_ks is None else per_request(top_ks, bs, "top_ks", like, torch.int32)
+    top_p = None if top_ps is None else per_request(top_ps, bs, "top_ps", like, torch.float64)
     part_max = like.new_empty((rows, splits), dtype=torch.float32)
     part_sum = like.new_empty((rows, splits), dtype=torch.int64)
     walk_state = like.new_empty((bs, WALK_FIELDS + d), dtype=torch.int32)
@@ -534,26 +535,6 @@ if TRITON_AVAILABLE:
 # Arguments
 
 
-def _per_request(value, n, name, like, dtype) -> torch.Tensor:
-    """A number or an n-value tensor as an [n] tensor of ``dtype`` next to ``like`` (no host sync)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() == 1 and value.dim() == 0:
-            return like.new_empty(n, dtype=dtype).copy_(value.to(dtype).expand(n))
-        if value.numel() != n:
-            raise ValueError(f"{name} must be a number or hold one value per request ({n}), got shape "
-                             f"{tuple(value.shape)}")
-        if dtype in (torch.int32, torch.int64) and value.is_floating_point():
-            raise ValueError(f"{name} must hold integers, got {value.dtype}")
-        if dtype == torch.int32 and value.dtype == torch.int64:
-            value = value.clamp(max=2**31 - 1)
-        return like.new_empty(n, dtype=dtype).copy_(value.reshape(n))
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number or a tensor of one value per request, got {type(value).__name__}")
-    if dtype == torch.int32:
-        value = min(int(value), 2**31 - 1)
-    return like.new_full((n,), value, dtype=dtype)
-
-
 def _draw(given, shape, generator, like) -> torch.Tensor:
     if given is not None:
         return given
@@ -563,10 +544,6 @@ def _draw(given, shape, generator, like) -> torch.Tensor:
     if generator.device.type == "cpu":
         return out.copy_(torch.rand(shape, generator=generator))
     return out.uniform_(generator=generator)
-
-
-def _any(mask: torch.Tensor) -> bool:
-    return bool(mask.any())
 
 
 def _expect(t, name, shape, dtype) -> None:
@@ -625,25 +602,25 @@ def _check_values(logits, candidates, tree, temperatures, top_ks, top_ps, coins,
     bs, d = candidates.shape
     vocab = logits.shape[1]
     for name, t in (("retrive_next_token", tree.retrive_next_token), ("retrive_next_sibling", tree.retrive_next_sibling)):
-        if _any((t < -1) | (t >= d)):
+        if any_true((t < -1) | (t >= d)):
             raise ValueError(f"tree.{name} values must be -1 (none) or a node index in [0, {d})")
-    if _any((tree.retrive_index < 0) | (tree.retrive_index >= bs * d)):
+    if any_true((tree.retrive_index < 0) | (tree.retrive_index >= bs * d)):
         raise ValueError(f"tree.retrive_index values must be slots in [0, {bs * d}) of predicts")
-    if _any((candidates < 0) | (candidates >= vocab)):
+    if any_true((candidates < 0) | (candidates >= vocab)):
         raise ValueError(f"candidates must be token ids in [0, {vocab})")
-    temps = _per_request(temperatures, bs, "temperatures", logits, torch.float32)
-    if _any(~(temps > 0) | ~torch.isfinite(temps)):
+    temps = per_request(temperatures, bs, "temperatures", logits, torch.float32)
+    if any_true(~(temps > 0) | ~torch.isfinite(temps)):
         raise ValueError("temperatures must be finite and > 0 (greedy requests take the argmax path instead)")
-    if top_ks is not None and _any(_per_request(top_ks, bs, "top_ks", logits, torch.int64) < 1):
+    if top_ks is not None and any_true(per_request(top_ks, bs, "top_ks", logits, torch.int64) < 1):
         raise ValueError(f"top_ks must be >= 1 (a value >= the vocabulary {vocab} keeps all)")
     if top_ps is not None:
-        p = _per_request(top_ps, bs, "top_ps", logits, torch.float64)
-        if _any(~(p > 0) | (p > 1)):
+        p = per_request(top_ps, bs, "top_ps", logits, torch.float64)
+        if any_true(~(p > 0) | (p > 1)):
             raise ValueError("top_ps must be in (0, 1] (1 keeps all)")
     for name, c in (("coins", coins), ("coins_final", coins_final)):
-        if c is not None and _any(~((c >= 0) & (c <= 1))):
+        if c is not None and any_true(~((c >= 0) & (c <= 1))):
             raise ValueError(f"{name} must be uniform samples in [0, 1]")
-    if _any(torch.isnan(logits)) or _any(logits == math.inf):
+    if any_true(torch.isnan(logits)) or any_true(logits == math.inf):
         raise ValueError("logits hold NaN or +inf; fix them upstream (-inf masks a token and is fine)")
-    if _any((logits == -math.inf).all(dim=1)):
+    if any_true((logits == -math.inf).all(dim=1)):
         raise ValueError("a logits row is -inf everywhere: it holds no distribution")

@@ -54,7 +54,7 @@ __all__ = ["INTERPRETED", "SUM_CHUNK_ENTRIES", "TRITON_AVAILABLE", "sum_bits", "
 
 TRITON_AVAILABLE = triton is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-SUM_CHUNK_ENTRIES = 1 << 24  # entries whose int64 terms target_probs_reference holds at once
+SUM_CHUNK_ENTRIES = 1 << 22  # entries whose int64 terms target_probs_reference holds at once (48 MiB)
 
 
 def sum_bits(vocab: int) -> int:

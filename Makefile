@@ -4,7 +4,8 @@ PY := $(VENV)/bin/python
 # The CPU build is the default here; on a GPU machine use e.g. TORCH_SPEC='torch>=2.8'
 # with a CUDA wheel index, or point VENV at an environment that already has CUDA torch.
 TORCH_SPEC ?= torch==2.13.0
-export MPLBACKEND := Agg
+# No MPLBACKEND here: notebook kernels must keep the inline backend so executed notebooks
+# hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean
@@ -61,4 +62,4 @@ strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) .pytest_cache notebooks/results runs test-artifacts
+	rm -rf $(VENV) .pytest_cache notebooks/results output test-artifacts build dist

@@ -66,11 +66,12 @@ def find_notebook(name: str | Path) -> Path:
         raise FileNotFoundError(f"notebook {path} does not exist")
     folder = notebooks_dir()
     stem = path.name.removesuffix(".ipynb")
-    matches = sorted(folder.glob(f"{stem}.ipynb")) or sorted(folder.glob(f"{stem}_*.ipynb"))
+    matches = (sorted(folder.glob(f"{stem}.ipynb")) or sorted(folder.glob(f"{stem}_*.ipynb"))
+               or sorted(folder.glob(f"{stem}*.ipynb")))
     if len(matches) == 1:
         return matches[0]
     available = ", ".join(p.stem for p in numbered_notebooks())
-    kind = "several" if matches else "no"
+    kind = "several shipped notebooks match" if matches else "no shipped notebook matches"
     raise FileNotFoundError(
-        f"{kind} shipped notebook{'s' if matches else ''} match {str(name)!r}; give a path to an "
+        f"{kind} {str(name)!r}; give a path to an "
         f".ipynb file or one of: {available or 'none (the package data is missing)'}")

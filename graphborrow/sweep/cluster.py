@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import uuid
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
@@ -60,6 +62,21 @@ def describe_failure(exc: BaseException) -> str:
     if name == "FutureCancelledError":
         return f"the point was cancelled ({exc})"
     return f"the worker could not run the point: {name}: {exc}"
+
+
+@contextmanager
+def _workers_ignore_ctrl_c() -> Iterator[None]:
+    """Start worker processes with SIGINT ignored (they inherit it): Ctrl-C in a terminal
+    reaches the whole process group, and the client, not each worker, should handle it by
+    cancelling the points and closing the cluster."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _visible_gpus() -> int:
@@ -131,9 +148,10 @@ def dask_client(scheduler: str | None = None, workers: int = 1, *, gpu: bool = F
         if workers > count:
             raise ParameterError(f"--workers {workers} but {count} GPU(s) visible: DEVICE=cuda points run "
                                  f"one per GPU; use --workers {count} or fewer")
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address=None, silence_logs=logging.ERROR,
-                           resources={"GPU": 1} if gpu else None)
+    with _workers_ignore_ctrl_c():
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                               dashboard_address=None, silence_logs=logging.ERROR,
+                               resources={"GPU": 1} if gpu else None)
     try:
         client = Client(cluster)
         try:

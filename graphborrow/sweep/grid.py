@@ -98,6 +98,9 @@ class Grid:
         for key in META_KEYS:
             if key in data:
                 value = data.pop(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    raise ParameterError(f"{path}: '{key}' must be text, and YAML read {value!r} as a "
+                                         f"number; quote it, e.g. {key}: \"0{value}\"")
                 if not isinstance(value, str) or not value:
                     raise ParameterError(f"{path}: '{key}' must be non-empty text, got {value!r}")
                 setattr(grid, key, value)
@@ -121,7 +124,7 @@ class Grid:
         for key, value in items:
             name = canonical(key)
             if _is_axis(name, value):
-                grid._set_axis(name, value, path)
+                grid._set_axis(key, value, path)
             else:
                 grid._set_fixed({key: value}, path)
         return grid
@@ -134,10 +137,11 @@ class Grid:
             self._check_name(name, key, where)
             self.fixed[name] = value
 
-    def _set_axis(self, name: str, values: list, where: Any) -> None:
+    def _set_axis(self, raw: str, values: list, where: Any) -> None:
+        name = canonical(raw)
         if name in self.fixed or name in self.axes:
             raise ParameterError(f"{where}: parameter {name} is given twice; give it once")
-        self._check_name(name, name, where)
+        self._check_name(name, raw, where)
         if not values:
             raise ParameterError(f"{where}: axis {name} has no values; give at least one value")
         self.axes[name] = list(values)

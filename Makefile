@@ -8,12 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-sweep gpu-wheels strip clean
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -57,6 +57,14 @@ test-gpu: setup
 # CPU: the simulated allocator's speed, compiled against pure Python (figure in the README).
 bench: setup
 	$(PY) benchmarks/sim_allocator.py docs/sim_allocator_speed.png --json data/sim_allocator_cpu.json --pairs 50000 --repeats 5
+
+# CPU: the same 16-point sweep on 1 and 2 workers of the embedded Dask cluster.
+bench-sweep: setup
+	$(PY) benchmarks/sweep_dask.py --workers 1,2 --rounds 2 --out data/sweep_dask_cpu.json
+
+# The wheels the GPU machine lacks for sweeps and the suite (Python 3.12), into .whl/.
+gpu-wheels: setup
+	$(PY) scripts/gpu_wheels.py --dest .whl
 
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb

@@ -62,7 +62,8 @@ class SweepReport:
 
     def summary(self) -> str:
         counts = {s: sum(p.status == s for p in self.points) for s in ("ok", "done", "failed")}
-        lines = [f"{len(self.points)} points: {counts['ok']} ran, {counts['done']} already done, "
+        n = len(self.points)
+        lines = [f"{n} point{'s' if n != 1 else ''}: {counts['ok']} ran, {counts['done']} already done, "
                  f"{counts['failed']} failed", f"table: {self.csv_path}"]
         if self.plot_path:
             lines.append(f"plot:  {self.plot_path}")

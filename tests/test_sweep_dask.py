@@ -35,7 +35,8 @@ def local_cluster(tmp_path: Path, workers: int = 2, env: dict | None = None):
     (address, {worker address: process})."""
     from distributed import Client
 
-    env = {**os.environ, **(env or {})}
+    # As the README recommends: a worker holds only the points it runs (none queued on it).
+    env = {**os.environ, "DASK_DISTRIBUTED__SCHEDULER__WORKER_SATURATION": "1.0", **(env or {})}
     bin_dir = Path(sys.executable).parent
     scheduler_file = tmp_path / "scheduler.json"
     logs = tmp_path / "cluster-logs"

@@ -11,7 +11,10 @@ results as bytes: the client stores them, so workers need no shared file system.
   GPU of its own through ``CUDA_VISIBLE_DEVICES``.
 - A worker that dies mid-point: the scheduler gives the point to another worker; after
   ``distributed.scheduler.allowed-failures`` deaths (3 by default) the point is recorded
-  failed with the reason. Points already finished are stored and stay stored.
+  failed with the reason. Points already finished are stored and stay stored. A worker is
+  given only as many points as it has threads (``worker-saturation`` 1.0, set for the local
+  cluster; recommended for a scheduler of your own), so a death touches only the points
+  that were running on it.
 - Ctrl-C cancels every pending point; a worker kills the papermill process (and its kernel)
   of a cancelled point within a second, and an embedded cluster is shut down.
 """
@@ -148,7 +151,9 @@ def dask_client(scheduler: str | None = None, workers: int = 1, *, gpu: bool = F
         if workers > count:
             raise ParameterError(f"--workers {workers} but {count} GPU(s) visible: DEVICE=cuda points run "
                                  f"one per GPU; use --workers {count} or fewer")
-    with _workers_ignore_ctrl_c():
+    import dask
+
+    with _workers_ignore_ctrl_c(), dask.config.set({"distributed.scheduler.worker-saturation": 1.0}):
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                                dashboard_address=None, silence_logs=logging.ERROR,
                                resources={"GPU": 1} if gpu else None)

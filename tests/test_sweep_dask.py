@@ -168,3 +168,22 @@ def test_unreachable_scheduler_is_a_clear_error(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         dask.config.refresh()
+
+
+def test_cancelled_point_stops_its_papermill_and_kernel_on_a_live_worker(tmp_path):
+    """Ctrl-C against an existing cluster cancels the futures; the workers live on, and each
+    kills the papermill process and kernel of its cancelled point."""
+    from distributed import Client
+
+    from graphborrow.sweep.cluster import run_point_on_worker
+    from graphborrow.sweep.execute import NotebookJob
+
+    nb = tiny_notebook(tmp_path / "tiny.ipynb", fail_at=None, stall_at=3)
+    job = NotebookJob(nb.name, nb.read_bytes(), {"BATCH_SIZE": 3}, "stalled")
+    with local_cluster(tmp_path, workers=1) as (address, workers), Client(address) as client:
+        future = client.submit(run_point_on_worker, job, pure=False)
+        wait_for(nb.with_suffix(".stalled").exists, what="the point to start")
+        kernel, papermill = map(int, nb.with_suffix(".stalled").read_text().split())
+        future.cancel()
+        wait_for(lambda: gone(papermill) and gone(kernel), 10, "the cancelled point's papermill and kernel to exit")
+        assert all(p.poll() is None for p in workers.values()), "the worker itself lives on"

@@ -131,3 +131,25 @@ def test_find_notebook_by_prefix_and_errors(tmp_path):
     bad.write_text("not json")
     with pytest.raises(ParameterError, match="is not a readable Jupyter notebook"):
         read_notebook(bad)
+
+
+def test_local_cluster_workers_get_one_gpu_each():
+    from graphborrow.sweep.cluster import gpu_for_worker
+
+    assert [gpu_for_worker(i, None) for i in range(3)] == ["0", "1", "2"]
+    assert [gpu_for_worker(i, "4, 6") for i in range(2)] == ["4", "6"]
+    with pytest.raises(ParameterError, match="worker 2 has no GPU of its own"):
+        gpu_for_worker(2, "4,6")
+
+
+def test_more_local_workers_than_gpus_is_refused(monkeypatch):
+    from graphborrow.sweep import cluster
+
+    monkeypatch.setattr(cluster, "_visible_gpus", lambda: 1)
+    with pytest.raises(ParameterError, match="--workers 2 but 1 GPU"):
+        with cluster.dask_client(None, 2, gpu=True):
+            pass
+    monkeypatch.setattr(cluster, "_visible_gpus", lambda: 0)
+    with pytest.raises(ParameterError, match="need a GPU, and torch sees none"):
+        with cluster.dask_client(None, 1, gpu=True):
+            pass

@@ -32,7 +32,24 @@ from typing import Callable, Iterator, Sequence
 from ..errors import ParameterError
 from .execute import Execution, NotebookJob, execute
 
-__all__ = ["dask_client", "run_jobs", "run_point_on_worker", "describe_failure"]
+__all__ = ["dask_client", "run_jobs", "run_point_on_worker", "describe_failure", "gpu_for_worker"]
+
+
+def gpu_for_worker(name, visible: str | None) -> str:
+    """The one GPU a local-cluster worker uses: worker ``i`` gets the ``i``-th visible device.
+
+    Args:
+        name: the worker's name (a local cluster numbers them 0, 1, ...).
+        visible: the client's ``CUDA_VISIBLE_DEVICES`` (None or empty: all devices, 0, 1, ...).
+    """
+    index = int(name)
+    devices = [d.strip() for d in (visible or "").split(",") if d.strip()]
+    if not devices:
+        return str(index)
+    if index >= len(devices):
+        raise ParameterError(f"worker {index} has no GPU of its own: CUDA_VISIBLE_DEVICES={visible} "
+                             f"lists {len(devices)}; use fewer workers")
+    return devices[index]
 
 
 def run_point_on_worker(job: NotebookJob, pin_gpu: bool = False) -> Execution:
@@ -47,11 +64,7 @@ def run_point_on_worker(job: NotebookJob, pin_gpu: bool = False) -> Execution:
         task = worker.state.tasks.get(key)
         return task is None or task.state in ("cancelled", "released", "forgotten")
 
-    gpu_index = None
-    if pin_gpu and job.gpu:
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        index = int(worker.name)
-        gpu_index = visible[index] if visible else str(index)
+    gpu_index = gpu_for_worker(worker.name, os.environ.get("CUDA_VISIBLE_DEVICES")) if pin_gpu and job.gpu else None
     return execute(job, should_stop=cancelled if key is not None else None, worker=worker.address,
                    gpu_index=gpu_index)
 

@@ -69,6 +69,8 @@ def test_changed_identity_is_not_done(tmp_path):
     (lambda d: (d / "results" / "nb.json").unlink(), "results/nb.json is missing"),
     (lambda d: (d / "nb.ipynb").write_bytes(b""), "nb.ipynb is damaged"),
     (lambda d: (d / "point.json").write_text('{"schema": 2, "iden'), "point.json is damaged"),
+    (lambda d: (d / "point.json").write_text(
+        (d / "point.json").read_text().replace('"results/nb.json"', '"../../elsewhere.json"')), "outside the point"),
 ])
 def test_damaged_point_is_named_and_not_done(tmp_path, damage, message):
     store = PointStore(tmp_path)

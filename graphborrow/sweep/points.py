@@ -153,8 +153,13 @@ class PointStore:
             return None, f"{folder} was run with other parameters or another version of the notebook; running it again"
         if info.get("status") != "ok":
             return None, f"{folder.name} failed last time ({info.get('error')}); running it again"
+        files = info.get("files")
+        if not isinstance(files, dict) or not isinstance(info.get("params"), dict):
+            return None, f"{marker} is damaged (no file list or parameters); running {folder.name} again"
         results_files: dict[str, bytes] = {}
-        for rel, digest in (info.get("files") or {}).items():
+        for rel, digest in files.items():
+            if Path(rel).is_absolute() or ".." in Path(rel).parts:
+                return None, f"{marker} is damaged (lists {rel!r} outside the point); running {folder.name} again"
             path = folder / rel
             try:
                 data = path.read_bytes()

@@ -36,7 +36,10 @@ def local_cluster(tmp_path: Path, workers: int = 2, env: dict | None = None):
     from distributed import Client
 
     # As the README recommends: a worker holds only the points it runs (none queued on it).
-    env = {**os.environ, "DASK_DISTRIBUTED__SCHEDULER__WORKER_SATURATION": "1.0", **(env or {})}
+    # Points of a killed worker cannot remove their temporary folders: keep them in tmp_path.
+    (tmp_path / "worker-tmp").mkdir()
+    env = {**os.environ, "DASK_DISTRIBUTED__SCHEDULER__WORKER_SATURATION": "1.0",
+           "TMPDIR": str(tmp_path / "worker-tmp"), **(env or {})}
     bin_dir = Path(sys.executable).parent
     scheduler_file = tmp_path / "scheduler.json"
     logs = tmp_path / "cluster-logs"

@@ -137,7 +137,8 @@ def test_ctrl_c_cancels_without_orphans_and_keeps_finished_points(tmp_path):
     out = tmp_path / "out"
     token = f"ctrl-c-{os.getpid()}-{time.time()}"
     proc = cli("sweep", str(nb), "-p", "batch_size", "1,3", "--workers", "2", "--out", str(out), "--quiet",
-               env={**os.environ, "GRAPHBORROW_TEST_TOKEN": token}, start_new_session=True)
+               env={**os.environ, "GRAPHBORROW_TEST_TOKEN": token, "TMPDIR": str(tmp_path)},
+               start_new_session=True)
     try:
         wait_for(lambda: (out / "tiny" / "batch_size=1" / "point.json").exists()
                  and nb.with_suffix(".stalled").exists(), what="one point done and one running")

@@ -34,6 +34,15 @@ PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x8
 LIMIT_MB = 40
 
 
+def find_python312() -> str | None:
+    """python3.12 on the PATH if it runs, else a pyenv-installed 3.12."""
+    candidates = [shutil.which("python3.12"), *sorted(map(str, (Path.home() / ".pyenv" / "versions").glob("3.12*/bin/python3.12")))]
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "-c", "pass"], capture_output=True).returncode == 0:
+            return candidate
+    return None
+
+
 def project_name(wheel: Path) -> str:
     return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
 
@@ -41,9 +50,10 @@ def project_name(wheel: Path) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dest", type=Path, default=Path(".whl"))
-    parser.add_argument("--python", default=shutil.which("python3.12"),
-                        help="a Python 3.12 interpreter with pip (default: python3.12 on the PATH)")
+    parser.add_argument("--python", default=None,
+                        help="a Python 3.12 interpreter with pip (default: python3.12 on the PATH, or pyenv's)")
     args = parser.parse_args(argv)
+    args.python = args.python or find_python312()
     if not args.python:
         raise SystemExit("no python3.12 on the PATH; pass --python /path/to/python3.12 (pip must resolve "
                          "dependency markers for the GPU machine's Python 3.12)")

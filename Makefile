@@ -4,15 +4,16 @@ PY := $(VENV)/bin/python
 # The CPU build is the default here; on a GPU machine use e.g. TORCH_SPEC='torch>=2.8'
 # with a CUDA wheel index, or point VENV at an environment that already has CUDA torch.
 TORCH_SPEC ?= torch==2.13.0
-export MPLBACKEND := Agg
+# No MPLBACKEND here: notebook kernels must keep the inline backend so executed notebooks
+# hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-sweep gpu-wheels strip clean
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -57,8 +58,16 @@ test-gpu: setup
 bench: setup
 	$(PY) benchmarks/sim_allocator.py docs/sim_allocator_speed.png --json data/sim_allocator_cpu.json --pairs 50000 --repeats 5
 
+# CPU: the same 16-point sweep on 1 and 2 workers of the embedded Dask cluster.
+bench-sweep: setup
+	$(PY) benchmarks/sweep_dask.py --workers 1,2 --rounds 2 --out data/sweep_dask_cpu.json
+
+# The wheels the GPU machine lacks for sweeps and the suite (Python 3.12), into .whl/.
+gpu-wheels: setup
+	$(PY) scripts/gpu_wheels.py --dest .whl
+
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) .pytest_cache notebooks/results runs test-artifacts
+	rm -rf $(VENV) .pytest_cache notebooks/results output test-artifacts build dist

@@ -83,10 +83,19 @@ def run_demo(device: str = "auto", batch: int = 16, draft_tokens: int = 4, out=p
 
 
 def main(argv=None) -> int:
+    from .errors import ParameterError
+    from .sweep.parameters import argument_type
+
     p = argparse.ArgumentParser(prog="python -m graphborrow demo", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "sim"])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--batch", type=argument_type("BATCH_SIZE"), default=16,
+                   help="requests in the verified batch (at most the largest captured batch)")
+    p.add_argument("--draft-tokens", type=argument_type("DRAFT_TOKENS"), default=4)
     args = p.parse_args(argv)
-    run_demo(args.device, args.batch, args.draft_tokens)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here; use --device sim or auto")
+    try:
+        run_demo(args.device, args.batch, args.draft_tokens)
+    except ParameterError as exc:  # e.g. a batch larger than the captured ladder
+        p.error(str(exc))
     return 0

@@ -11,13 +11,16 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .package_data import data_dir as shipped_data_dir
 from .sizes import MB
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 
+def load(name: str, data_dir: Path | str | None = None) -> dict:
+    """One measurement file (``core_h200``, ``eagle_h200`` ...), with a clear error if absent.
 
-def load(name: str, data_dir: Path | str = DATA) -> dict:
-    """One measurement file (``core_h200``, ``eagle_h200`` ...), with a clear error if absent."""
+    ``data_dir`` defaults to the data shipped with the package (``data/`` in a checkout).
+    """
+    data_dir = shipped_data_dir() if data_dir in (None, "") else data_dir
     path = Path(data_dir) / (name if name.endswith(".json") else f"{name}.json")
     if not path.exists():
         raise FileNotFoundError(
@@ -26,8 +29,9 @@ def load(name: str, data_dir: Path | str = DATA) -> dict:
     return json.loads(path.read_text())
 
 
-def notebook_results(data_dir: Path | str = DATA, folder: str = "notebooks_h200") -> dict[str, dict]:
+def notebook_results(data_dir: Path | str | None = None, folder: str = "notebooks_h200") -> dict[str, dict]:
     """The results each notebook wrote when the suite ran with DEVICE=cuda on the H200."""
+    data_dir = shipped_data_dir() if data_dir in (None, "") else data_dir
     root = Path(data_dir) / folder
     return {p.stem: json.loads(p.read_text()) for p in sorted(root.glob("*.json"))}
 

@@ -17,6 +17,7 @@ import torch
 
 from . import graphs
 from .allocator import CachingAllocator
+from .attention import AttentionModel
 from .memory import PhysicalMemory
 from .streams import Clockwork, Event, Stream
 from .tensor import SimCaptureError, SimFunctionMode, SimStorage, SimTensor, is_sim_tensor
@@ -140,6 +141,8 @@ class SimBackend:
     ``activate``: make ``device="cuda"`` mean this device on the calling thread.
     ``blas_workspace``: bytes of the cuBLAS workspace the first matmul on each stream
     allocates and keeps (32 MiB, as torch 2.11 on an H200); 0 leaves it out.
+    ``attention``: how ``scaled_dot_product_attention`` behaves as on CUDA (which backend,
+    its outputs and temporaries): a :class:`graphborrow.sim.attention.AttentionModel`.
     """
 
     name = "sim"
@@ -153,6 +156,7 @@ class SimBackend:
         config: dict | None = None,
         activate: bool = True,
         blas_workspace: int = 32 * 2**20,
+        attention: AttentionModel | None = None,
     ) -> None:
         if not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive number of bytes, got {capacity!r}")
@@ -170,6 +174,7 @@ class SimBackend:
         self._mode = SimFunctionMode(self)
         self._active_threads: set[int] = set()
         self.blas_workspace = int(blas_workspace)
+        self.attention = attention if attention is not None else AttentionModel()
         self._blas_workspaces: dict[int, SimStorage] = {}  # stream id -> workspace
         self._generator_state: list[SimStorage] | None = None
         self._closed = False

@@ -115,6 +115,9 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        cuda_model = CUDA_MODELS.get(func)
+        if cuda_model is not None:  # an op whose CUDA implementation differs from the CPU one
+            return cuda_model(func, args, kwargs)
         if _is_composite(func):  # decompose as CUDA would, so each piece gets its memory
             out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -123,6 +126,24 @@ class SimTensor(torch.Tensor):
 
 
 _COMPOSITE: dict = {}
+# ops modelled on their CUDA implementation (which backend, which outputs, which temporaries);
+# filled by graphborrow.sim.attention through register_cuda_model
+CUDA_MODELS: dict = {}
+
+
+def register_cuda_model(*funcs):
+    """Route ``funcs`` on simulated tensors to a Python model of their CUDA implementation.
+
+    The model is called as ``model(func, args, kwargs)`` with the SimTensor arguments, and
+    allocates what the CUDA kernel allocates, in the same order (see sim/attention.py).
+    """
+
+    def register(model):
+        for f in funcs:
+            CUDA_MODELS[f] = model
+        return model
+
+    return register
 
 
 def _is_composite(func) -> bool:
@@ -157,6 +178,9 @@ def _dispatch(func, args, kwargs):
     inner_args = _unwrap(args, sims)
     inner_kwargs = {k: _unwrap(v, sims) for k, v in kwargs.items()} if kwargs else kwargs
     backend = sims[0]._backend
+    if not backend.backed and inner_kwargs and _names_cpu(inner_kwargs.get("device")):
+        # a decomposition copied the wrapper's reported device (cpu): it means "this device"
+        inner_kwargs = dict(inner_kwargs, device=torch.device("meta"))
     for s in sims:
         if s._backend is not backend:
             raise RuntimeError(
@@ -198,6 +222,10 @@ def _dispatch(func, args, kwargs):
     if capture is not None and backend.backed:
         capture._record(func, inner_args, inner_kwargs, fresh)
     return result
+
+
+def _names_cpu(device) -> bool:
+    return device is not None and torch.device(device).type == "cpu"
 
 
 def _scalars_on_device(func, args, backend) -> list | None:
@@ -341,6 +369,26 @@ def _cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_fo
     if device is not None:
         _check_index(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
     return self
+
+
+_SIM_CUDA = torch.device("cuda", 0)
+
+
+@_override(torch.Tensor.device.__get__)
+def _device(self):
+    """Python code sees ``cuda:0`` (so ``.to(x.device)`` and ``device=x.device`` stay on the
+    simulated device, as model code expects); the dispatcher still sees the CPU wrapper."""
+    return _SIM_CUDA
+
+
+@_override(torch.Tensor.is_cuda.__get__)
+def _is_cuda_attr(self):
+    return True
+
+
+@_override(torch.Tensor.is_cpu.__get__)
+def _is_cpu_attr(self):
+    return False
 
 
 @_override(torch.Tensor.numpy, torch.Tensor.__array__)

@@ -1,0 +1,417 @@
+"""Block-for-block agreement between two snapshots of the same workload, differences by cause.
+
+The strongest test of the simulated device: run the same model code on a GPU and on the
+simulator and compare the graph pools they leave. Addresses differ between devices, so
+a pool is put in a canonical form first: its segments in allocation order (from the
+allocator trace when there is one, else by address), each segment as its kind, size and
+the ``(offset, size, state)`` of its blocks. Segments are paired by a sequence alignment
+of their kinds and sizes, and paired segments compare block for block:
+
+* **agreement** — blocks (and bytes) identical in offset, size and state, over the
+  larger side's count (bytes);
+* **differences** — every segment or block present on one side only, each named by its
+  cause. Causes come from aligning the two allocator traces event by event (action,
+  size, stream): an allocation one side makes and the other does not is classified by
+  where it happened (the Python frames a GPU trace keeps: attention, a library
+  workspace, mixture-of-experts routing, warm-up outside the pool, ...).
+
+A *recording* is the JSON-able dict both sides produce (:func:`recording`): the pool's
+segments, the compacted trace (frames reduced to a few ``file:line:function`` sites) and
+the parameters that reproduce the workload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+__all__ = [
+    "CAUSES",
+    "Comparison",
+    "Difference",
+    "canonical_segments",
+    "classify",
+    "compact_trace",
+    "compare_recordings",
+    "compare_snapshots",
+    "expand_trace",
+    "load_recording",
+    "recording",
+    "save_recording",
+]
+
+# trace actions that change what the allocator holds (free_requested is implied by free_completed)
+_ACTIONS = ("segment_alloc", "alloc", "free_completed", "segment_free")
+_SITE_FRAMES = 3
+_SITE_SKIP = ("torch/utils/_contextlib", "torch/nn/modules/module.py", "contextlib.py", "<frozen", "functools.py")
+
+
+# ------------------------------------------------------------------------ recordings
+
+
+def _site_of(frames: Sequence[dict]) -> str:
+    """The innermost few Python frames of an allocation, as ``file.py:line:function`` < ..."""
+    keep = []
+    for f in frames or ():
+        name = str(f.get("filename", ""))
+        if not name or any(s in name for s in _SITE_SKIP) or name.endswith(".cpp") or name.endswith(".h"):
+            continue
+        keep.append(f"{os.path.basename(name)}:{f.get('line', 0)}:{f.get('name', '?')}")
+        if len(keep) == _SITE_FRAMES:
+            break
+    return " < ".join(keep)
+
+
+def compact_trace(entries: Iterable[dict]) -> tuple[list, list]:
+    """Trace entries as rows ``[action, addr, size, stream, site]`` plus a table of sites.
+
+    Frames shrink to a site string (index into the table, -1 for none), so a trace of tens
+    of thousands of events stays a few hundred kB gzipped.
+    """
+    sites: list[str] = []
+    index: dict[str, int] = {}
+    rows = []
+    for e in entries:
+        action = e.get("action")
+        if action not in _ACTIONS and action != "free_requested":
+            continue
+        site = _site_of(e.get("frames", ()))
+        if site:
+            if site not in index:
+                index[site] = len(sites)
+                sites.append(site)
+            k = index[site]
+        else:
+            k = -1
+        rows.append([action, int(e.get("addr", 0)), int(e.get("size", 0)), int(e.get("stream", 0)), k])
+    return rows, sites
+
+
+def expand_trace(rows: Sequence[Sequence], sites: Sequence[str] = ()) -> list[dict]:
+    """The inverse of :func:`compact_trace` (sites instead of frames)."""
+    out = []
+    for action, addr, size, stream, k in rows:
+        out.append({"action": action, "addr": addr, "size": size, "stream": stream,
+                    "site": sites[k] if 0 <= k < len(sites) else ""})
+    return out
+
+
+def _strip_frames(segments: list[dict]) -> list[dict]:
+    out = []
+    for s in segments:
+        s = dict(s, frames=[])
+        s["blocks"] = [dict(b, frames=[]) for b in s.get("blocks", ())]
+        if isinstance(s.get("segment_pool_id"), tuple):
+            s["segment_pool_id"] = list(s["segment_pool_id"])
+        out.append(s)
+    return out
+
+
+def recording(segments: list[dict], trace_entries: Optional[Iterable[dict]] = None, **fields) -> dict:
+    """A JSON-able record of one run: pool segments (frames stripped), compact trace, fields."""
+    rec = dict(fields)
+    rec["segments"] = _strip_frames(segments)
+    if trace_entries is not None:
+        rec["trace"], rec["sites"] = compact_trace(trace_entries)
+    return rec
+
+
+def save_recording(rec: dict, path: str | Path) -> Path:
+    """Write ``rec`` as gzipped JSON (``.json.gz``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        json.dump(rec, f, separators=(",", ":"), default=str)
+    return path
+
+
+def load_recording(path: str | Path) -> dict:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        rec = json.load(f)
+    if "segments" not in rec:
+        raise ValueError(f"{path} is not a pool recording: it has no 'segments' (keys: {sorted(rec)[:8]})")
+    return rec
+
+
+# ------------------------------------------------------------------ canonical form
+
+
+@dataclasses.dataclass(frozen=True)
+class CanonSegment:
+    """A segment without its address: kind, size and its blocks as (offset, size, state)."""
+
+    kind: str
+    total_size: int
+    blocks: tuple
+    address: int
+
+    @property
+    def signature(self) -> tuple:
+        return (self.kind, self.total_size)
+
+
+def canonical_segments(segments: Sequence[dict], trace: Optional[Sequence[dict]] = None) -> list[CanonSegment]:
+    """Segments in allocation order (the trace's last ``segment_alloc`` of each address)."""
+    order: dict[int, int] = {}
+    if trace:
+        for i, e in enumerate(trace):
+            if e["action"] == "segment_alloc":
+                order[e["addr"]] = i
+    canon = []
+    for s in segments:
+        base = int(s["address"])
+        blocks, offset = [], 0
+        for b in s["blocks"]:
+            blocks.append((offset, int(b["size"]), b["state"]))
+            offset += int(b["size"])
+        canon.append(CanonSegment(s.get("segment_type", "?"), int(s["total_size"]), tuple(blocks), base))
+    return sorted(canon, key=lambda c: (order.get(c.address, float("inf")), c.address))
+
+
+# ------------------------------------------------------------------------- causes
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """Something one side has and the other does not, with the reason."""
+
+    where: str
+    reference: str
+    candidate: str
+    cause: str
+
+
+def _in_attention(site: str) -> bool:
+    return "sdpa_attention" in site or "scaled_dot_product_attention" in site or "attention" in site.split(":")[0]
+
+
+def _cause_rules():
+    # (name, predicate(event, context)) in order; the first that holds names the cause
+    return [
+        ("cuBLAS/cuBLASLt workspace: the first matmul on a stream allocates it through the caching "
+         "allocator and keeps it",
+         lambda e, c: e["action"] in ("alloc", "segment_alloc") and c["never_freed"]
+         and e["size"] in c["workspace_sizes"]),
+        ("RNG state: a graph capture registers the generator's seed and offset (8-byte device tensors)",
+         lambda e, c: e["action"] == "alloc" and e["size"] == 8
+         and ("graphs.py" in e["site"] or not (e["site"] or _in_attention(c["neighbour_site"])))),
+        ("attention kernel: outputs, temporaries or workspace of the chosen sdpa backend",
+         lambda e, c: _in_attention(e["site"]) or _in_attention(c["neighbour_site"])),
+        ("mixture-of-experts routing: sort / histogram / scan (CUB temporaries) or grouped-GEMM arguments",
+         lambda e, c: any(k in e["site"] + c["neighbour_site"] for k in ("moe.py", "grouped_mm", "experts", "router"))),
+        ("model construction: weights and buffers created by transformers",
+         lambda e, c: any(k in e["site"] for k in ("from_config", "_init_weights", "modeling_utils", "__init__"))),
+        ("warm-up outside the pool: an allocation of the eager warm-up runs on the capture stream",
+         lambda e, c: not c["in_pool"]),
+    ]
+
+
+CAUSES = tuple(name for name, _ in _cause_rules())
+
+
+def classify(event: dict, context: dict) -> str:
+    """The cause of a one-sided trace event (see :data:`CAUSES`), or 'unexplained: <site>'."""
+    for name, rule in _cause_rules():
+        if rule(event, context):
+            return name
+    return f"unexplained: {event['action']} of {event['size']} bytes at {event['site'] or 'no Python frame'}"
+
+
+# ---------------------------------------------------------------------- comparison
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Agreement between a reference pool (e.g. the GPU) and a candidate (the simulator)."""
+
+    segments: tuple[int, int, int]  # reference, candidate, paired with identical size and kind
+    blocks: tuple[int, int, int]  # reference, candidate, identical
+    bytes: tuple[int, int, int]  # reference, candidate, in identical blocks
+    differences: list[Difference]
+    trace_events: tuple[int, int, int] = (0, 0, 0)  # reference, candidate, aligned
+
+    @property
+    def agreement_blocks(self) -> float:
+        ref, cand, same = self.blocks
+        return same / max(ref, cand) if max(ref, cand) else 1.0
+
+    @property
+    def agreement_bytes(self) -> float:
+        ref, cand, same = self.bytes
+        return same / max(ref, cand) if max(ref, cand) else 1.0
+
+    @property
+    def identical(self) -> bool:
+        return self.agreement_blocks == 1.0 and self.agreement_bytes == 1.0 and not self.differences
+
+    def causes(self) -> dict[str, int]:
+        """How many differences each cause explains."""
+        out: dict[str, int] = {}
+        for d in self.differences:
+            out[d.cause] = out.get(d.cause, 0) + 1
+        return out
+
+    def row(self) -> dict:
+        """One table row (for README tables and notebooks)."""
+        return {
+            "segments (ref / cand / paired)": "%d / %d / %d" % self.segments,
+            "blocks identical": f"{self.blocks[2]} of {max(self.blocks[0], self.blocks[1])}",
+            "agreement (blocks)": round(self.agreement_blocks, 4),
+            "agreement (bytes)": round(self.agreement_bytes, 4),
+            "differences": len(self.differences),
+            "causes": "; ".join(f"{n}x {c.split(':')[0]}" for c, n in sorted(self.causes().items())),
+        }
+
+    def summary(self) -> str:
+        lines = [
+            f"segments: {self.segments[0]} reference, {self.segments[1]} candidate, {self.segments[2]} paired",
+            f"blocks identical: {self.blocks[2]} of {max(self.blocks[:2])} (agreement {self.agreement_blocks:.4f}); "
+            f"bytes {self.agreement_bytes:.4f}",
+        ]
+        for cause, n in sorted(self.causes().items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {n:4d}  {cause}")
+        return "\n".join(lines)
+
+
+def _pool_ranges(segments: Sequence[dict]) -> list[tuple[int, int]]:
+    return sorted((int(s["address"]), int(s["address"]) + int(s["total_size"])) for s in segments)
+
+
+def _inside(addr: int, ranges) -> bool:
+    return any(lo <= addr < hi for lo, hi in ranges)
+
+
+def _canonical_streams(trace: Sequence[dict]) -> dict[int, int]:
+    names: dict[int, int] = {0: 0}
+    for e in trace:
+        if e["stream"] not in names:
+            names[e["stream"]] = len(names)
+    return names
+
+
+def _never_freed(trace: Sequence[dict]) -> set[int]:
+    """Indices of alloc / segment_alloc events whose address is never freed afterwards."""
+    live: dict[tuple[str, int], int] = {}
+    for i, e in enumerate(trace):
+        if e["action"] in ("alloc", "segment_alloc"):
+            live[(e["action"], e["addr"])] = i
+        elif e["action"] == "free_completed":
+            live.pop(("alloc", e["addr"]), None)
+        elif e["action"] == "segment_free":
+            live.pop(("segment_alloc", e["addr"]), None)
+    return set(live.values())
+
+
+def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, workspace_sizes):
+    ref = [e for e in ref_trace if e["action"] in _ACTIONS]
+    cand = [e for e in cand_trace if e["action"] in _ACTIONS]
+    rs, cs = _canonical_streams(ref), _canonical_streams(cand)
+    a = [(e["action"], e["size"], rs[e["stream"]]) for e in ref]
+    b = [(e["action"], e["size"], cs[e["stream"]]) for e in cand]
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    ranges = {"reference": _pool_ranges(ref_segments), "candidate": _pool_ranges(cand_segments)}
+    never = {"reference": _never_freed(ref), "candidate": _never_freed(cand)}
+    diffs: list[Difference] = []
+    aligned = 0
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            aligned += i2 - i1
+            continue
+        # the sites of the nearest aligned events name the code around a one-sided event
+        neighbour = " | ".join(
+            events[k]["site"] for events, k in ((ref, i1 - 1), (ref, i2), (cand, j1 - 1), (cand, j2))
+            if 0 <= k < len(events) and events[k].get("site")
+        )
+        for side, events, lo in (("reference", ref, i1), ("candidate", cand, j1)):
+            hi = i2 if side == "reference" else j2
+            for k in range(lo, hi):
+                e = dict(events[k], site=events[k].get("site", ""))
+                if e["action"] == "free_completed":
+                    continue  # the matching alloc carries the difference
+                context = {
+                    "never_freed": k in never[side],
+                    "workspace_sizes": workspace_sizes,
+                    "in_pool": _inside(e["addr"], ranges[side]),
+                    "neighbour_site": neighbour,
+                }
+                text = f"{e['action']} {e['size']} B on stream {e['stream']}" + (f" at {e['site']}" if e["site"] else "")
+                diffs.append(Difference(
+                    where=f"trace event {k}",
+                    reference=text if side == "reference" else "",
+                    candidate=text if side == "candidate" else "",
+                    cause=classify(e, context),
+                ))
+    return diffs, (len(ref), len(cand), aligned)
+
+
+def compare_snapshots(reference: Sequence[dict], candidate: Sequence[dict],
+                      reference_trace: Optional[Sequence[dict]] = None,
+                      candidate_trace: Optional[Sequence[dict]] = None,
+                      workspace_sizes: Iterable[int] = (32 * 2**20,)) -> Comparison:
+    """Compare two pools' segments block for block; traces (expanded) name the causes.
+
+    Args:
+        reference, candidate: torch-format snapshot segments of the same pool on two devices.
+        reference_trace, candidate_trace: their allocator traces as dicts with ``action``,
+            ``addr``, ``size``, ``stream`` and optionally ``site`` (:func:`expand_trace`).
+        workspace_sizes: allocation sizes that, never freed, are library workspaces.
+    Returns:
+        A :class:`Comparison`; ``identical`` means every block agrees and no event differs.
+    """
+    ref = canonical_segments(reference, reference_trace)
+    cand = canonical_segments(candidate, candidate_trace)
+    matcher = difflib.SequenceMatcher(None, [s.signature for s in ref], [s.signature for s in cand], autojunk=False)
+    differences: list[Difference] = []
+    paired = blocks_same = bytes_same = 0
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            for r, c in zip(ref[i1:i2], cand[j1:j2]):
+                paired += 1
+                same = set(r.blocks) & set(c.blocks)
+                blocks_same += len(same)
+                bytes_same += sum(size for _, size, _ in same)
+                for off, size, state in sorted(set(r.blocks) ^ set(c.blocks)):
+                    mine = (off, size, state) in r.blocks
+                    text = f"{state} block of {size} B at offset {off}"
+                    differences.append(Difference(
+                        where=f"{r.kind} segment of {r.total_size} B (#{ref.index(r)} in allocation order)",
+                        reference=text if mine else "", candidate="" if mine else text,
+                        cause="block layout differs inside a segment both sides have (see the trace causes)",
+                    ))
+            continue
+        for side, segs in (("reference", ref[i1:i2]), ("candidate", cand[j1:j2])):
+            for s in segs:
+                text = f"{s.kind} segment of {s.total_size} B with {len(s.blocks)} blocks"
+                differences.append(Difference(
+                    where="segment on one side only",
+                    reference=text if side == "reference" else "", candidate=text if side == "candidate" else "",
+                    cause="segment only on one side (see the trace causes)",
+                ))
+    trace_events = (0, 0, 0)
+    if reference_trace is not None and candidate_trace is not None:
+        trace_diffs, trace_events = _trace_differences(reference_trace, candidate_trace, reference, candidate,
+                                                       set(workspace_sizes))
+        differences.extend(trace_diffs)
+    n_blocks = (sum(len(s.blocks) for s in ref), sum(len(s.blocks) for s in cand), blocks_same)
+    n_bytes = (sum(s.total_size for s in ref), sum(s.total_size for s in cand), bytes_same)
+    return Comparison((len(ref), len(cand), paired), n_blocks, n_bytes, differences, trace_events)
+
+
+def compare_recordings(reference: dict, candidate: dict) -> Comparison:
+    """:func:`compare_snapshots` on two recordings (their compact traces expanded)."""
+    def trace(rec):
+        return expand_trace(rec["trace"], rec.get("sites", ())) if "trace" in rec else None
+
+    sizes = {32 * 2**20}
+    for rec in (reference, candidate):
+        if rec.get("blas_workspace_bytes"):
+            sizes.add(int(rec["blas_workspace_bytes"]))
+    return compare_snapshots(reference["segments"], candidate["segments"], trace(reference), trace(candidate),
+                             workspace_sizes=sizes)

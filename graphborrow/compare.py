@@ -22,6 +22,7 @@ the parameters that reproduce the workload.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import gzip
@@ -48,7 +49,9 @@ __all__ = [
 # trace actions that change what the allocator holds (free_requested is implied by free_completed)
 _ACTIONS = ("segment_alloc", "alloc", "free_completed", "segment_free")
 _SITE_FRAMES = 3
-_SITE_SKIP = ("torch/utils/_contextlib", "torch/nn/modules/module.py", "contextlib.py", "<frozen", "functools.py")
+# frames that say how a call was made, not which code made it (the simulator's own are its "C++")
+_SITE_SKIP = ("torch/utils/", "torch/nn/modules/module.py", "torch/_ops.py", "torch/overrides.py", "contextlib.py",
+              "<frozen", "functools.py", "graphborrow/sim/", "graphborrow/pool_study.py")
 
 
 # ------------------------------------------------------------------------ recordings
@@ -213,7 +216,9 @@ def _cause_rules():
     ]
 
 
-CAUSES = tuple(name for name, _ in _cause_rules())
+KNOCK_ON = ("knock-on: a segment made or released because an earlier difference changed where "
+            "allocations fit")
+CAUSES = tuple(name for name, _ in _cause_rules()) + (KNOCK_ON,)
 
 
 def classify(event: dict, context: dict) -> str:
@@ -309,9 +314,23 @@ def _never_freed(trace: Sequence[dict]) -> set[int]:
     return set(live.values())
 
 
+def _normalised(trace: Sequence[dict]) -> list[dict]:
+    return [{"action": e["action"], "addr": int(e.get("addr", 0)), "size": int(e.get("size", 0)),
+             "stream": int(e.get("stream", 0)), "site": e.get("site", "")}
+            for e in trace if e.get("action") in _ACTIONS]
+
+
+def _segment_owner(events: Sequence[dict], k: int) -> Optional[int]:
+    """The alloc a segment_alloc was made for (the next alloc at its address), or None."""
+    addr = events[k]["addr"]
+    for j in range(k + 1, min(k + 4, len(events))):
+        if events[j]["action"] == "alloc" and events[j]["addr"] == addr:
+            return j
+    return None
+
+
 def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, workspace_sizes):
-    ref = [e for e in ref_trace if e["action"] in _ACTIONS]
-    cand = [e for e in cand_trace if e["action"] in _ACTIONS]
+    ref, cand = _normalised(ref_trace), _normalised(cand_trace)
     rs, cs = _canonical_streams(ref), _canonical_streams(cand)
     a = [(e["action"], e["size"], rs[e["stream"]]) for e in ref]
     b = [(e["action"], e["size"], cs[e["stream"]]) for e in cand]
@@ -319,6 +338,8 @@ def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, works
     ranges = {"reference": _pool_ranges(ref_segments), "candidate": _pool_ranges(cand_segments)}
     never = {"reference": _never_freed(ref), "candidate": _never_freed(cand)}
     diffs: list[Difference] = []
+    segment_causes: dict[str, dict[int, str]] = {"reference": {}, "candidate": {}}
+    named_before = False
     aligned = 0
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
@@ -329,25 +350,47 @@ def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, works
             events[k]["site"] for events, k in ((ref, i1 - 1), (ref, i2), (cand, j1 - 1), (cand, j2))
             if 0 <= k < len(events) and events[k].get("site")
         )
-        for side, events, lo in (("reference", ref, i1), ("candidate", cand, j1)):
+        # the same event on both sides of a replaced stretch was only reordered: not a difference
+        shared = collections.Counter(a[i1:i2]) & collections.Counter(b[j1:j2])
+        for side, events, keys, lo in (("reference", ref, a, i1), ("candidate", cand, b, j1)):
             hi = i2 if side == "reference" else j2
-            for k in range(lo, hi):
-                e = dict(events[k], site=events[k].get("site", ""))
-                if e["action"] == "free_completed":
-                    continue  # the matching alloc carries the difference
-                context = {
+            reordered = collections.Counter(shared)
+
+            def cause_of(k):
+                e = events[k]
+                cause = classify(e, {
                     "never_freed": k in never[side],
                     "workspace_sizes": workspace_sizes,
                     "in_pool": _inside(e["addr"], ranges[side]),
                     "neighbour_site": neighbour,
-                }
+                })
+                if cause.startswith("unexplained") and named_before and e["action"] != "alloc":
+                    return KNOCK_ON
+                return cause
+
+            for k in range(lo, hi):
+                e = events[k]
+                if reordered[keys[k]] > 0:
+                    reordered[keys[k]] -= 1
+                    continue
+                if e["action"] == "free_completed":
+                    continue  # the matching alloc carries the difference
+                if e["action"] == "segment_alloc":  # made for the alloc that follows it
+                    owner = _segment_owner(events, k)
+                    cause = cause_of(owner if owner is not None else k)
+                    segment_causes[side][e["addr"]] = cause
+                elif e["action"] == "segment_free":  # released: whatever made it explains it
+                    cause = segment_causes[side].get(e["addr"]) or cause_of(k)
+                else:
+                    cause = cause_of(k)
                 text = f"{e['action']} {e['size']} B on stream {e['stream']}" + (f" at {e['site']}" if e["site"] else "")
                 diffs.append(Difference(
                     where=f"trace event {k}",
                     reference=text if side == "reference" else "",
                     candidate=text if side == "candidate" else "",
-                    cause=classify(e, context),
+                    cause=cause,
                 ))
+        named_before = named_before or any(not d.cause.startswith("unexplained") for d in diffs)
     return diffs, (len(ref), len(cand), aligned)
 
 
@@ -369,31 +412,44 @@ def compare_snapshots(reference: Sequence[dict], candidate: Sequence[dict],
     cand = canonical_segments(candidate, candidate_trace)
     matcher = difflib.SequenceMatcher(None, [s.signature for s in ref], [s.signature for s in cand], autojunk=False)
     differences: list[Difference] = []
+    pairs: list[tuple[CanonSegment, CanonSegment]] = []
+    leftover_ref: list[CanonSegment] = []
+    leftover_cand: list[CanonSegment] = []
     paired = blocks_same = bytes_same = 0
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
-            for r, c in zip(ref[i1:i2], cand[j1:j2]):
-                paired += 1
-                same = set(r.blocks) & set(c.blocks)
-                blocks_same += len(same)
-                bytes_same += sum(size for _, size, _ in same)
-                for off, size, state in sorted(set(r.blocks) ^ set(c.blocks)):
-                    mine = (off, size, state) in r.blocks
-                    text = f"{state} block of {size} B at offset {off}"
-                    differences.append(Difference(
-                        where=f"{r.kind} segment of {r.total_size} B (#{ref.index(r)} in allocation order)",
-                        reference=text if mine else "", candidate="" if mine else text,
-                        cause="block layout differs inside a segment both sides have (see the trace causes)",
-                    ))
+            pairs.extend(zip(ref[i1:i2], cand[j1:j2]))
             continue
-        for side, segs in (("reference", ref[i1:i2]), ("candidate", cand[j1:j2])):
-            for s in segs:
-                text = f"{s.kind} segment of {s.total_size} B with {len(s.blocks)} blocks"
-                differences.append(Difference(
-                    where="segment on one side only",
-                    reference=text if side == "reference" else "", candidate=text if side == "candidate" else "",
-                    cause="segment only on one side (see the trace causes)",
-                ))
+        leftover_ref.extend(ref[i1:i2])
+        leftover_cand.extend(cand[j1:j2])
+    # segments allocated in another order still pair by kind and size
+    for r in list(leftover_ref):
+        c = next((c for c in leftover_cand if c.signature == r.signature), None)
+        if c is not None:
+            leftover_ref.remove(r)
+            leftover_cand.remove(c)
+            pairs.append((r, c))
+    for r, c in pairs:
+        paired += 1
+        same = set(r.blocks) & set(c.blocks)
+        blocks_same += len(same)
+        bytes_same += sum(size for _, size, _ in same)
+        for off, size, state in sorted(set(r.blocks) ^ set(c.blocks)):
+            mine = (off, size, state) in r.blocks
+            text = f"{state} block of {size} B at offset {off}"
+            differences.append(Difference(
+                where=f"{r.kind} segment of {r.total_size} B (#{ref.index(r)} in allocation order)",
+                reference=text if mine else "", candidate="" if mine else text,
+                cause="block layout differs inside a segment both sides have (see the trace causes)",
+            ))
+    for side, segs in (("reference", leftover_ref), ("candidate", leftover_cand)):
+        for s in segs:
+            text = f"{s.kind} segment of {s.total_size} B with {len(s.blocks)} blocks"
+            differences.append(Difference(
+                where="segment on one side only",
+                reference=text if side == "reference" else "", candidate=text if side == "candidate" else "",
+                cause="segment only on one side (see the trace causes)",
+            ))
     trace_events = (0, 0, 0)
     if reference_trace is not None and candidate_trace is not None:
         trace_diffs, trace_events = _trace_differences(reference_trace, candidate_trace, reference, candidate,

@@ -143,7 +143,7 @@ def model_config(name: str, layers: int = 2, tiny: bool = False):
         fields.update(spec.tiny_fields)
         if spec.moe and "moe_intermediate_size" in fields:
             fields["intermediate_size"] = 2 * fields["moe_intermediate_size"]
-    fields = {k: v for k, v in fields.items() if v is not None}
+        fields = {k: v for k, v in fields.items() if not (k in spec.tiny_fields and v is None)}  # None: derive it
     config = getattr(transformers, spec.config_class)(num_hidden_layers=layers, **fields)
     config._attn_implementation = "sdpa"
     if spec.moe:

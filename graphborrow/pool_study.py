@@ -21,6 +21,7 @@ labelled as such (it ignores the step's other tensors).
 
 from __future__ import annotations
 
+import traceback
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -224,6 +225,24 @@ def plot_workloads(rows: Sequence[dict], ax=None):
     return ax
 
 
+def _record_sites(backend) -> list:
+    """Keep the Python frames of every simulated allocation, as a GPU trace does.
+
+    Every tensor, workspace and RNG-state allocation of the simulated device goes through
+    ``_new_storage``; wrapping it on this one instance records frames in allocation order.
+    """
+    sites: list = []
+    new_storage = backend._new_storage
+
+    def recorded(nbytes):
+        stack = traceback.extract_stack(limit=40)[:-1]
+        sites.append([{"filename": f.filename, "line": f.lineno, "name": f.name} for f in reversed(stack)])
+        return new_storage(nbytes)
+
+    backend._new_storage = recorded
+    return sites
+
+
 def simulate_recording(rec: dict):
     """Run a recorded workload again on a layout-only simulated device; its recording.
 
@@ -244,9 +263,15 @@ def simulate_recording(rec: dict):
                          attention=attention)
     try:
         backend.record_memory_history(True)
+        sites = _record_sites(backend)
         ladder = build_workload(rec["model"], backend, **params).capture()
         full = backend.full_snapshot()
-        return recording(ladder.snapshot(), full["device_traces"][0], model=rec["model"], params=params,
+        trace = full["device_traces"][0]
+        allocs = [e for e in trace if e["action"] == "alloc"]
+        if len(allocs) == len(sites):  # one alloc event per storage, in order
+            for e, frames in zip(allocs, sites):
+                e["frames"] = frames
+        return recording(ladder.snapshot(), trace, model=rec["model"], params=params,
                          source={"device": backend.describe()}, blas_workspace_bytes=backend.blas_workspace,
                          attention={"priority": list(attention.priority), "forced": attention.forced})
     finally:

@@ -229,7 +229,8 @@ def _fill(backend, out: SimTensor, q, k, v, mask, is_causal, scale, enable_gqa) 
         capture._record(_values, (*inner, is_causal, scale, enable_gqa), {}, [(-1, out._inner)])
 
 
-@register_cuda_model(torch.ops.aten.scaled_dot_product_attention.default)
+@register_cuda_model(torch.ops.aten.scaled_dot_product_attention.default,
+                     torch.nn.functional.scaled_dot_product_attention)
 def scaled_dot_product_attention(func, args, kwargs):
     """The CUDA composite ``scaled_dot_product_attention`` on simulated tensors."""
     q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _parse(args, kwargs)

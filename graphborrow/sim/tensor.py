@@ -134,13 +134,19 @@ CUDA_MODELS: dict = {}
 def register_cuda_model(*funcs):
     """Route ``funcs`` on simulated tensors to a Python model of their CUDA implementation.
 
-    The model is called as ``model(func, args, kwargs)`` with the SimTensor arguments, and
-    allocates what the CUDA kernel allocates, in the same order (see sim/attention.py).
+    ``funcs`` are aten overloads (seen by ``__torch_dispatch__``; a composite op reaches it
+    whole only in inference mode) or the Python-level functions that call them (seen by
+    ``__torch_function__`` before any decomposition). The model is called as
+    ``model(func, args, kwargs)`` with the SimTensor arguments and allocates what the CUDA
+    kernel allocates, in the same order (see sim/attention.py).
     """
 
     def register(model):
         for f in funcs:
-            CUDA_MODELS[f] = model
+            if isinstance(f, torch._ops.OpOverload):
+                CUDA_MODELS[f] = model
+            else:
+                _OVERRIDES[f] = lambda *args, _f=f, **kwargs: model(_f, args, kwargs)
         return model
 
     return register

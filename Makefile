@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 export MPLBACKEND := Agg
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench model-pools model-pools-sim strip clean
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[notebooks,test]"
+	$(PY) -m pip install -q -e ".[notebooks,test,models]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
@@ -56,6 +56,17 @@ test-gpu: setup
 # CPU: the simulated allocator's speed, compiled against pure Python (figure in the README).
 bench: setup
 	$(PY) benchmarks/sim_allocator.py docs/sim_allocator_speed.png --json data/sim_allocator_cpu.json --pairs 50000 --repeats 5
+
+# On a CUDA machine: real transformers models' pools, traces and fits (data/models_h200/), then the
+# README table with the simulator's block-for-block agreement.
+model-pools: setup
+	$(PY) benchmarks/model_pools.py --out data/models_h200
+	$(PY) scripts/model_pools_table.py data/models_h200 --readme README.md
+
+# CPU: the same study on the layout-only simulated device (a dry run of the GPU script).
+model-pools-sim: setup
+	$(PY) benchmarks/model_pools.py --device sim --out runs/model-pools-sim
+	$(PY) scripts/model_pools_table.py runs/model-pools-sim
 
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb

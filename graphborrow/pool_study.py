@@ -33,8 +33,10 @@ __all__ = [
     "MiB",
     "borrow_saving",
     "build_workload",
+    "markdown_table",
     "plot_workloads",
     "prefill_table",
+    "replace_between_markers",
     "simulate_recording",
     "study",
     "verify_fit",
@@ -276,3 +278,53 @@ def simulate_recording(rec: dict):
                          attention={"priority": list(attention.priority), "forced": attention.forced})
     finally:
         backend.close()
+
+
+README_BEGIN = "<!-- model-pools:begin (scripts/model_pools_table.py writes this table) -->"
+README_END = "<!-- model-pools:end -->"
+
+
+def markdown_table(summary: dict, directory, compare: bool = True) -> str:
+    """A Markdown table of a ``benchmarks/model_pools.py`` run, with the simulator's agreement.
+
+    ``summary``: that run's ``summary.json``; ``directory``: where its recordings are.
+    With ``compare``, each recording is rebuilt on the simulated device and compared block
+    for block (:func:`graphborrow.compare.compare_recordings`).
+    """
+    from pathlib import Path
+
+    from .compare import compare_recordings, load_recording
+
+    header = ["workload", "reserved MiB", "idle MiB (runs)", "largest run MiB", "whole-segment rule MiB",
+              "largest fitting verify batch", "borrow saves MiB (batch)"]
+    if compare:
+        header.append("simulator agreement: blocks / bytes")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for w in summary["workloads"]:
+        row = workload_table([w["study"]])[0]
+        cells = [w["workload"], f"{row['reserved MiB']:.1f}", f"{row['idle MiB']:.1f} ({row['runs']})",
+                 f"{row['largest run MiB']:.1f}", f"{row['whole-segment rule MiB']:.1f}",
+                 str(row["largest fitting verify batch"]), row.get("saved MiB (batch)", "-")]
+        if compare:
+            rec = load_recording(Path(directory) / f"{w['workload']}.json.gz")
+            c = compare_recordings(rec, simulate_recording(rec))
+            cells.append(f"{c.agreement_blocks:.3f} / {c.agreement_bytes:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    for name, error in summary.get("errors", {}).items():
+        lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} |" + " |" * (len(header) - 2))
+    lines.append("")
+    fits = [r for w in summary["workloads"] for r in w["study"]["verify_fit"]]
+    if any(r["answered_by"].startswith("planner unavailable") for r in fits):
+        lines.append("Fit column: largest batch whose fp32 target probabilities alone fit a run "
+                     "(`BorrowState.can_fit`); the capacity planner was not installed for this run.")
+    lines.append(f"{summary['device']}, torch {summary['torch']}, transformers {summary['transformers']}; "
+                 f"`{summary['command']}`")
+    return "\n".join(lines)
+
+
+def replace_between_markers(text: str, table: str) -> str:
+    """``text`` with the part between the README markers replaced by ``table``."""
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise ParameterError(f"the markers {README_BEGIN!r} and {README_END!r} are not both in the file")
+    return text[: start + len(README_BEGIN)] + "\n" + table + "\n" + text[end:]

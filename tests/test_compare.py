@@ -23,7 +23,7 @@ from graphborrow.compare import (
     recording,
     save_recording,
 )
-from graphborrow.pool_study import simulate_recording
+from graphborrow.pool_study import README_BEGIN, README_END, markdown_table, replace_between_markers, simulate_recording
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,6 +159,11 @@ def test_gpu_script_dry_run_on_the_simulated_device(tmp_path):
     assert rec["params"]["decode_batches"] == [4, 1] and rec["source"]["command"].startswith("python benchmarks/")
     assert rec["study"]["pool"]["reserved_bytes"] == sum(s["total_size"] for s in rec["segments"])
     assert compare_recordings(rec, simulate_recording(rec)).identical
+    table = markdown_table(summary, out)
+    assert "| mistral-7b |" in table and "1.000 / 1.000" in table
+    readme = f"before\n{README_BEGIN}\nold table\n{README_END}\nafter\n"
+    updated = replace_between_markers(readme, table)
+    assert "old table" not in updated and table in updated and updated.endswith(f"{README_END}\nafter\n")
 
 
 def test_gpu_script_keeps_going_past_a_failing_workload(tmp_path):

@@ -5,7 +5,8 @@
 Workloads: the synthetic baseline (Llama-3-8B-shaped MLP blocks, 8192-token prefill graph,
 as data/core_h200.json), every model of graphborrow.models.MODELS (2 layers, verify
 graphs for batch 64..1 x 8 draft tokens against 1024 cached tokens, no prefill graph),
-and Llama-3-8B again with a 2048-token prefill graph and with piecewise prefill graphs.
+and Llama-3-8B again with a 1024-token prefill graph and with piecewise prefill graphs
+(the prompt fills the context, so every workload's KV cache has the same length).
 Each runs in its own process (a fresh CUDA context, as the simulated device starts
 fresh; a failing workload is recorded with its error and the others go on) and writes
 ``<out>/<workload>.json.gz``:
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="64,32,16,8,4,2,1")
     p.add_argument("--draft-tokens", type=int, default=8)
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--prefill-tokens", type=int, default=1024,
+                   help="prompt of the prefill graphs (default: the context, so the KV cache is the same)")
     p.add_argument("--timeout", type=int, default=150, help="seconds per workload")
     p.add_argument("--device", default="cuda", choices=("cuda", "sim"),
                    help="'sim': a dry run on the layout-only simulated device (what CI runs)")

@@ -184,7 +184,9 @@ class ModelLadder:
         context: cached tokens each request attends to (the KV cache holds
             ``context + draft_tokens`` per request, or ``prefill_tokens`` if larger).
         prefill: ``"none"``, ``"graph"`` (one graph) or ``"piecewise"`` (one per piece).
-        prefill_tokens: tokens of the prefill graph(s) (one request).
+        prefill_tokens: tokens of the prefill graph(s) (one request); ``context`` by
+            default. A longer prompt lengthens the KV cache, and so every verify graph's
+            attention temporaries: compare prefill settings at equal cache lengths.
         state: the BorrowState owning the pool (a new one on a fresh handle by default).
         order: ``"largest_first"`` (prefill, then batches descending) or ``"smallest_first"``.
         dtype: weights and activations (bfloat16 as served).
@@ -201,7 +203,7 @@ class ModelLadder:
         draft_tokens: int = 8,
         context: int = 1024,
         prefill: str = "none",
-        prefill_tokens: int = 2048,
+        prefill_tokens: Optional[int] = None,
         state: Optional[BorrowState] = None,
         order: str = "largest_first",
         dtype: torch.dtype = torch.bfloat16,
@@ -216,6 +218,8 @@ class ModelLadder:
             raise ParameterError(f"context must be a number of cached tokens >= 0, got {context!r}")
         if prefill not in PREFILL_MODES:
             raise ParameterError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        if prefill_tokens is None:
+            prefill_tokens = context  # the prompt fills the context the verify graphs attend to
         if prefill != "none" and (not isinstance(prefill_tokens, int) or prefill_tokens < 1):
             raise ParameterError(f"prefill_tokens must be a positive integer, got {prefill_tokens!r}")
         if order not in ("largest_first", "smallest_first"):

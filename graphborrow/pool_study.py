@@ -187,7 +187,7 @@ def workload_table(studies: Sequence[dict]) -> list[dict]:
     return rows
 
 
-def prefill_table(make_backend: Callable[[], object], model: str, prefill_tokens: int = 2048,
+def prefill_table(make_backend: Callable[[], object], model: str, prefill_tokens: Optional[int] = None,
                   modes: Sequence[str] = ("none", "graph", "piecewise"), **ladder_kwargs) -> list[dict]:
     """The same model's pool with no prefill graph, one prefill graph and piecewise prefill.
 

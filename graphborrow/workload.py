@@ -220,7 +220,8 @@ def build_ladder(
         model: ``"synthetic"`` (:class:`GraphLadder`, the teaching baseline) or a name in
             :data:`graphborrow.models.MODELS` (:class:`graphborrow.models.ModelLadder`).
         decode_batches, draft_tokens: the verify ladder (both workloads).
-        prefill_tokens: tokens of the prefill graph; 0 for none.
+        prefill_tokens: tokens of the prefill graph; 0 for none (real models: their
+            ``context`` when ``prefill`` asks for one without a length).
         prefill: real models only: ``"none"``, ``"graph"`` or ``"piecewise"``; by default
             ``"graph"`` when ``prefill_tokens`` > 0, else ``"none"``.
         shape: synthetic only (default Llama-3-8B widths); ``layers`` overrides its depth.
@@ -252,4 +253,4 @@ def build_ladder(
         prefill = "graph" if prefill_tokens else "none"
     return ModelLadder(backend, model, layers=2 if layers is None else layers, decode_batches=decode_batches,
                        draft_tokens=draft_tokens, context=context, prefill=prefill,
-                       prefill_tokens=prefill_tokens or 2048, state=state, order=order, tiny=tiny, seed=seed)
+                       prefill_tokens=prefill_tokens or None, state=state, order=order, tiny=tiny, seed=seed)

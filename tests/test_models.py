@@ -136,8 +136,9 @@ def test_prefill_graph_adds_its_activations_to_the_pool(layout):
     def pool(prefill):
         b = SimBackend(backed=False)
         try:
-            lad = ModelLadder(b, "llama-3-8b", layers=1, decode_batches=(2, 1), context=256, prefill=prefill,
-                              prefill_tokens=1024).capture()
+            lad = ModelLadder(b, "llama-3-8b", layers=1, decode_batches=(2, 1), context=1024,
+                              prefill=prefill).capture()
+            assert lad.cache_len == 1024 + 8 and lad.prefill_tokens == (0 if prefill == "none" else 1024)
             return summarize(lad.snapshot())
         finally:
             b.close()

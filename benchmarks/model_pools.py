@@ -71,19 +71,35 @@ def _start_history(torch):
     record("all", **kwargs)
 
 
-def _watch_sdpa(torch, choices: dict):
-    """Record which backend torch picks for each attention call shape (host-side query only)."""
+def _cuda_choice(torch):
+    def choose(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        c = int(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa))
+        return SDP_BACKENDS.get(c, str(c))
+
+    return choose
+
+
+def _sim_choice(backend):
+    from graphborrow.sim.attention import select_backend
+
+    def choose(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return select_backend(backend.attention, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+
+    return choose
+
+
+def _watch_sdpa(torch, choices: dict, choose):
+    """Record which backend is picked for each attention call shape (a host-side query only)."""
+    from graphborrow.sim.attention import call_signature
+
     original = torch.nn.functional.scaled_dot_product_attention
 
     def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):
-        key = (tuple(q.shape), tuple(k.shape), str(q.dtype),
-               None if attn_mask is None else (str(attn_mask.dtype), tuple(attn_mask.shape)), is_causal, enable_gqa)
+        key = call_signature(q, k, attn_mask, is_causal, enable_gqa)
         if key not in choices:
             try:
-                c = int(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                                                enable_gqa=enable_gqa))
-                choices[key] = SDP_BACKENDS.get(c, str(c))
+                choices[key] = choose(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             except Exception as e:  # an older torch without the query
                 choices[key] = f"unknown ({type(e).__name__})"
         return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -133,8 +149,8 @@ def run_one(name: str, spec: dict, out_dir: Path, command: str, device: str = "c
         source.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
     choices: dict = {}
     t0 = time.perf_counter()
+    _watch_sdpa(torch, choices, _cuda_choice(torch) if cuda else _sim_choice(backend))
     if cuda:
-        _watch_sdpa(torch, choices)
         _start_history(torch)
     else:
         backend.record_memory_history(True)
@@ -149,7 +165,7 @@ def run_one(name: str, spec: dict, out_dir: Path, command: str, device: str = "c
     workspace = _blas_workspace(torch) if cuda else {"blas_workspace_bytes": backend.blas_workspace}
     rec = recording(
         segments, trace, workload=name, model=spec["model"], params=spec["params"], source=source,
-        sdpa_choices=[{"call": repr(k), "backend": v} for k, v in choices.items()],
+        sdpa_choices=[{"call": k, "backend": v} for k, v in choices.items()],
         study=result, capture_seconds=round(capture_s, 2), trace_events=len(trace),
         allocator_settings=full.get("allocator_settings", {}), **workspace,
     )

@@ -82,12 +82,16 @@ def verify_fit(state, batches: Iterable[int], draft_tokens: int, vocab: int,
                                    f"{state.largest_run() / MiB:.1f} MiB"})
             continue
         for mode in modes:
-            plan = plan_verify(state, bs, draft_tokens, vocab, mode=mode)
-            rows.append({"batch": bs, "draft_tokens": draft_tokens, "vocab": vocab, "mode": mode,
-                         "fits": bool(plan.fits), "answered_by": "capacity.plan_verify",
-                         "peak_bytes": getattr(plan, "peak_bytes", None),
-                         "requests_per_chunk": getattr(plan, "requests_per_chunk", None),
-                         "reason": getattr(plan, "reason", "")})
+            row = {"batch": bs, "draft_tokens": draft_tokens, "vocab": vocab, "mode": mode,
+                   "answered_by": "capacity.plan_verify"}
+            try:
+                plan = plan_verify(state, bs, draft_tokens, vocab, mode=mode)
+            except Exception as e:  # a planner that refuses a shape answers "no", with its words
+                rows.append(dict(row, fits=False, reason=f"{type(e).__name__}: {e}"))
+                continue
+            rows.append(dict(row, fits=bool(plan.fits), peak_bytes=getattr(plan, "peak_bytes", None),
+                             requests_per_chunk=getattr(plan, "requests_per_chunk", None),
+                             reason=getattr(plan, "reason", "")))
     return rows
 
 
@@ -249,18 +253,21 @@ def simulate_recording(rec: dict):
     """Run a recorded workload again on a layout-only simulated device; its recording.
 
     The simulated device takes the recording's measured facts: the cuBLAS workspace size
-    and, when every attention call used one backend, that backend. Returns the candidate
+    and the attention backend torch picked for each call shape. Returns the candidate
     recording for :func:`graphborrow.compare.compare_recordings`.
     """
     from .compare import recording
     from .sim import SimBackend
-    from .sim.attention import AttentionModel
+    from .sim.attention import BACKENDS, AttentionModel
 
     params = dict(rec.get("params") or {})
     if not params:
         raise ParameterError("this recording has no 'params' to reproduce its workload with")
-    choices = {c["backend"] for c in rec.get("sdpa_choices", ())}
-    attention = AttentionModel(forced=choices.pop()) if len(choices) == 1 else AttentionModel()
+    attention = AttentionModel(recorded=tuple((c["call"], c["backend"]) for c in rec.get("sdpa_choices", ())
+                                              if "call" in c and c["backend"] in BACKENDS))
+    backends = {c["backend"] for c in rec.get("sdpa_choices", ())}
+    if len(backends) == 1 and backends <= set(BACKENDS) and not attention.recorded:
+        attention = AttentionModel(forced=backends.pop())  # one backend, no call shapes: use it throughout
     backend = SimBackend(backed=False, blas_workspace=int(rec.get("blas_workspace_bytes") or 32 * MiB),
                          attention=attention)
     try:
@@ -275,7 +282,8 @@ def simulate_recording(rec: dict):
                 e["frames"] = frames
         return recording(ladder.snapshot(), trace, model=rec["model"], params=params,
                          source={"device": backend.describe()}, blas_workspace_bytes=backend.blas_workspace,
-                         attention={"priority": list(attention.priority), "forced": attention.forced})
+                         attention={"priority": list(attention.priority), "forced": attention.forced,
+                                    "recorded": [list(r) for r in attention.recorded]})
     finally:
         backend.close()
 

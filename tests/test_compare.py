@@ -158,6 +158,7 @@ def test_gpu_script_dry_run_on_the_simulated_device(tmp_path):
     rec = load_recording(out / "mistral-7b.json.gz")
     assert rec["params"]["decode_batches"] == [4, 1] and rec["source"]["command"].startswith("python benchmarks/")
     assert rec["study"]["pool"]["reserved_bytes"] == sum(s["total_size"] for s in rec["segments"])
+    assert {c["backend"] for c in rec["sdpa_choices"]} == {"cudnn"} and "torch.bool" in rec["sdpa_choices"][0]["call"]
     assert compare_recordings(rec, simulate_recording(rec)).identical
     table = markdown_table(summary, out)
     assert "| mistral-7b |" in table and "1.000 / 1.000" in table

@@ -7,7 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from graphborrow.sim import SimBackend
-from graphborrow.sim.attention import CUDNN, EFFICIENT, FLASH, MATH, AttentionModel, flash_num_splits, select_backend
+from graphborrow.sim.attention import (
+    CUDNN,
+    EFFICIENT,
+    FLASH,
+    MATH,
+    AttentionModel,
+    call_signature,
+    flash_num_splits,
+    select_backend,
+)
 
 BF16 = torch.bfloat16
 
@@ -160,3 +169,16 @@ def test_simulated_tensors_report_cuda_to_python(sim):
     y = torch.zeros(2, device=x.device)  # model code's idiom stays on the simulated device
     assert type(y) is type(x)
     assert (x.to(x.device) is x) or type(x.to(x.device)) is type(x)
+
+
+def test_recorded_choices_decide_per_call_shape():
+    q = torch.empty(2, 8, 16, 128, dtype=BF16)
+    k = torch.empty(2, 8, 64, 128, dtype=BF16)
+    mask = torch.ones(2, 1, 16, 64, dtype=torch.bool)
+    masked = call_signature(q, k, mask, False, False)
+    m = AttentionModel(recorded=((masked, MATH),))
+    assert select_backend(m, q, k, k, mask, 0.0, False, False) == MATH  # what the GPU picked for this call
+    assert select_backend(m, q, k, k, None, 0.0, False, False) == CUDNN  # unrecorded: the rules
+    assert call_signature(q, k, mask, False, False) != call_signature(q, k, None, False, False)
+    with pytest.raises(ValueError, match="unknown attention backend 'fa4'"):
+        AttentionModel(recorded=((masked, "fa4"),))

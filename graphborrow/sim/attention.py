@@ -40,6 +40,7 @@ __all__ = [
     "EFFICIENT",
     "FLASH",
     "MATH",
+    "call_signature",
     "flash_num_splits",
     "select_backend",
 ]
@@ -56,7 +57,9 @@ class AttentionModel:
     ``priority``: backends in the order torch tries them. Torch prefers cuDNN on sm90
     when the runtime cuDNN is newer than 9.15 (the CUDA 13 wheels); give
     ``(FLASH, EFFICIENT, MATH)`` for older stacks.
-    ``forced``: always use this backend (what a GPU run recorded), bypassing selection.
+    ``forced``: always use this backend, bypassing selection.
+    ``recorded``: ``(call_signature(...), backend)`` pairs a GPU run recorded; a call with a
+    recorded signature uses that backend, any other call is selected by the rules.
     ``multiprocessors``: SM count, for flash's split-KV heuristic (H200: 132).
     ``cudnn_workspace``: bytes of the cuDNN execution plan's workspace per call.
     ``efficient_gqa``: whether the memory-efficient kernel accepts fewer KV heads.
@@ -67,9 +70,11 @@ class AttentionModel:
     multiprocessors: int = 132
     cudnn_workspace: int = 0
     efficient_gqa: bool = True
+    recorded: tuple = ()
 
     def __post_init__(self):
-        for name in self.priority + ((self.forced,) if self.forced else ()):
+        recorded = tuple(b for _, b in self.recorded)
+        for name in self.priority + ((self.forced,) if self.forced else ()) + recorded:
             if name not in BACKENDS:
                 raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
         if MATH not in self.priority and self.forced is None:
@@ -85,11 +90,21 @@ def _head_counts_ok(q, k, v, enable_gqa: bool, gqa_supported: bool) -> bool:
     return enable_gqa and gqa_supported and hk == hv and hq % hk == 0
 
 
+def call_signature(q, k, mask, is_causal: bool, enable_gqa: bool) -> str:
+    """What identifies an attention call across devices: shapes, dtypes, mask, flags."""
+    m = None if mask is None else (str(mask.dtype), tuple(mask.shape))
+    return repr((tuple(q.shape), tuple(k.shape), str(q.dtype), m, bool(is_causal), bool(enable_gqa)))
+
+
 def select_backend(model: AttentionModel, q, k, v, mask, dropout_p: float, is_causal: bool,
                    enable_gqa: bool) -> str:
     """The backend CUDA's ``select_sdp_backend`` would pick for these (4-D, dense) inputs."""
     if model.forced is not None:
         return model.forced
+    if model.recorded:
+        found = dict(model.recorded).get(call_signature(q, k, mask, is_causal, enable_gqa))
+        if found is not None:
+            return found
     d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
     last_dim_contiguous = all(t.stride(-1) == 1 for t in (q, k, v))
     low_precision = q.dtype in _LOW_PRECISION

@@ -356,7 +356,7 @@ def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, works
             hi = i2 if side == "reference" else j2
             reordered = collections.Counter(shared)
 
-            def cause_of(k):
+            def cause_of(k, action):
                 e = events[k]
                 cause = classify(e, {
                     "never_freed": k in never[side],
@@ -364,7 +364,8 @@ def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, works
                     "in_pool": _inside(e["addr"], ranges[side]),
                     "neighbour_site": neighbour,
                 })
-                if cause.startswith("unexplained") and named_before and e["action"] != "alloc":
+                # segments come and go with where earlier allocations landed
+                if cause.startswith("unexplained") and named_before and action != "alloc":
                     return KNOCK_ON
                 return cause
 
@@ -377,12 +378,12 @@ def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, works
                     continue  # the matching alloc carries the difference
                 if e["action"] == "segment_alloc":  # made for the alloc that follows it
                     owner = _segment_owner(events, k)
-                    cause = cause_of(owner if owner is not None else k)
+                    cause = cause_of(owner if owner is not None else k, e["action"])
                     segment_causes[side][e["addr"]] = cause
                 elif e["action"] == "segment_free":  # released: whatever made it explains it
-                    cause = segment_causes[side].get(e["addr"]) or cause_of(k)
+                    cause = segment_causes[side].get(e["addr"]) or cause_of(k, e["action"])
                 else:
-                    cause = cause_of(k)
+                    cause = cause_of(k, e["action"])
                 text = f"{e['action']} {e['size']} B on stream {e['stream']}" + (f" at {e['site']}" if e["site"] else "")
                 diffs.append(Difference(
                     where=f"trace event {k}",

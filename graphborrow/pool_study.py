@@ -40,6 +40,8 @@ __all__ = [
     "simulate_recording",
     "study",
     "verify_fit",
+    "vocab_of",
+    "recorded_rows",
     "workload_table",
 ]
 
@@ -131,7 +133,8 @@ def borrow_saving(state, logits: torch.Tensor, backend) -> dict:
     return dict(result, borrowed_device_bytes=borrowed, saved_bytes=plain - borrowed)
 
 
-def _vocab_of(ladder) -> int:
+def vocab_of(ladder) -> int:
+    """The vocabulary of a ladder's head: a real model's config, or the synthetic shape."""
     config = getattr(ladder, "config", None)
     return config.vocab_size if config is not None else ladder.shape.vocab
 
@@ -144,7 +147,7 @@ def study(ladder, label: str = "", measure_saving: bool = True, saving_batch: Op
     """
     segments = ladder.snapshot()
     summary = summarize(segments)
-    vocab = _vocab_of(ladder)
+    vocab = vocab_of(ladder)
     batches = sorted(ladder.decode_batches)
     fit = verify_fit(ladder.state, batches, ladder.draft_tokens, vocab)
     result = {
@@ -336,3 +339,20 @@ def replace_between_markers(text: str, table: str) -> str:
     if start < 0 or end < start:
         raise ParameterError(f"the markers {README_BEGIN!r} and {README_END!r} are not both in the file")
     return text[: start + len(README_BEGIN)] + "\n" + table + "\n" + text[end:]
+
+
+def recorded_rows(directory=None) -> Optional[list[dict]]:
+    """The table rows a GPU run of ``benchmarks/model_pools.py`` recorded, or None without one.
+
+    ``directory`` defaults to the repository's ``data/models_h200``; the rows have the
+    columns of :func:`workload_table`, so a notebook shows them beside its own.
+    """
+    import json
+    from pathlib import Path
+
+    directory = Path(directory) if directory is not None else Path(__file__).resolve().parents[1] / "data" / "models_h200"
+    summary = directory / "summary.json"
+    if not summary.exists():
+        return None
+    data = json.loads(summary.read_text())
+    return workload_table([w["study"] for w in data["workloads"]])

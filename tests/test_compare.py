@@ -23,7 +23,14 @@ from graphborrow.compare import (
     recording,
     save_recording,
 )
-from graphborrow.pool_study import README_BEGIN, README_END, markdown_table, replace_between_markers, simulate_recording
+from graphborrow.pool_study import (
+    README_BEGIN,
+    README_END,
+    markdown_table,
+    recorded_rows,
+    replace_between_markers,
+    simulate_recording,
+)
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,6 +167,9 @@ def test_gpu_script_dry_run_on_the_simulated_device(tmp_path):
     assert rec["study"]["pool"]["reserved_bytes"] == sum(s["total_size"] for s in rec["segments"])
     assert {c["backend"] for c in rec["sdpa_choices"]} == {"cudnn"} and "torch.bool" in rec["sdpa_choices"][0]["call"]
     assert compare_recordings(rec, simulate_recording(rec)).identical
+    rows = recorded_rows(out)
+    assert [r["workload"] for r in rows] == ["mistral-7b"] and rows[0]["reserved MiB"] > 0
+    assert recorded_rows(tmp_path / "nothing here") is None
     table = markdown_table(summary, out)
     assert "| mistral-7b |" in table and "1.000 / 1.000" in table
     readme = f"before\n{README_BEGIN}\nold table\n{README_END}\nafter\n"

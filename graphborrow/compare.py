@@ -29,7 +29,7 @@ import gzip
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 __all__ = [
     "CAUSES",

@@ -39,9 +39,37 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 SDP_BACKENDS = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def portable(path) -> str:
+    """A path as the project's files write it: relative to the repository, never a machine path.
+
+    Outside the repository only the last component is kept (the recordings still name each
+    other by file name, which is all a reader of ``summary.json`` needs).
+    """
+    path = Path(path).resolve()
+    try:
+        return path.relative_to(ROOT).as_posix()
+    except ValueError:
+        return path.name
+
+
+def command_line(argv: list[str]) -> str:
+    """The command that was run, with ``--out`` written as :func:`portable` writes paths."""
+    args, out = [], list(argv)
+    while out:
+        arg = out.pop(0)
+        if arg == "--out" and out:
+            args += [arg, portable(out.pop(0))]
+        elif arg.startswith("--out="):
+            args.append("--out=" + portable(arg[len("--out="):]))
+        else:
+            args.append(arg)
+    return " ".join(["python benchmarks/model_pools.py"] + args)
 
 
 def workloads(args) -> dict[str, dict]:
@@ -170,7 +198,7 @@ def run_one(name: str, spec: dict, out_dir: Path, command: str, device: str = "c
         allocator_settings=full.get("allocator_settings", {}), **workspace,
     )
     path = save_recording(rec, out_dir / f"{name}.json.gz")
-    return {"workload": name, "file": str(path), "study": result, "sdpa": sorted(set(choices.values())),
+    return {"workload": name, "file": portable(path), "study": result, "sdpa": sorted(set(choices.values())),
             "capture_seconds": rec["capture_seconds"], "trace_events": len(trace)}
 
 
@@ -191,7 +219,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/model_pools.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line(list(sys.argv[1:] if argv is None else argv))
     table = workloads(args)
 
     if args.one:
@@ -230,7 +258,7 @@ def main(argv=None) -> int:
             print(f"{name:28s} FAILED: {summary['errors'][name]}", flush=True)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    print(f"wrote {out_dir}/summary.json and {len(summary['workloads'])} recordings in {summary['seconds']} s")
+    print(f"wrote {portable(out_dir / 'summary.json')} and {len(summary['workloads'])} recordings in {summary['seconds']} s")
     return 0 if not summary["errors"] else 1
 
 

@@ -32,9 +32,15 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 __all__ = [
+    "ADDRESS_ORDER",
+    "BLOCK_LAYOUT",
     "CAUSES",
     "Comparison",
     "Difference",
+    "IMPORT_SIDE_EFFECT",
+    "KNOCK_ON",
+    "TraceAlignment",
+    "align_traces",
     "canonical_segments",
     "classify",
     "compact_trace",
@@ -195,9 +201,20 @@ def _in_attention(site: str) -> bool:
     return "sdpa_attention" in site or "scaled_dot_product_attention" in site or "attention" in site.split(":")[0]
 
 
+def _own_or_neighbour(e: dict, c: dict) -> str:
+    """An event's own site; the nearest aligned events' sites only when it has none."""
+    return e["site"] or c["neighbour_site"]
+
+
+IMPORT_SIDE_EFFECT = ("import side effect: a module-level tensor a library creates when it is first imported, "
+                      "here inside the model's torch.device('cuda') block (not an allocation of the workload)")
+
+
 def _cause_rules():
     # (name, predicate(event, context)) in order; the first that holds names the cause
     return [
+        (IMPORT_SIDE_EFFECT,
+         lambda e, c: e["action"] == "alloc" and e["site"].split(" < ")[0].endswith(":<module>")),
         ("cuBLAS/cuBLASLt workspace: the first matmul on a stream allocates it through the caching "
          "allocator and keeps it",
          lambda e, c: e["action"] in ("alloc", "segment_alloc") and c["never_freed"]
@@ -206,9 +223,9 @@ def _cause_rules():
          lambda e, c: e["action"] == "alloc" and e["size"] == 8
          and ("graphs.py" in e["site"] or not (e["site"] or _in_attention(c["neighbour_site"])))),
         ("attention kernel: outputs, temporaries or workspace of the chosen sdpa backend",
-         lambda e, c: _in_attention(e["site"]) or _in_attention(c["neighbour_site"])),
+         lambda e, c: _in_attention(_own_or_neighbour(e, c))),
         ("mixture-of-experts routing: sort / histogram / scan (CUB temporaries) or grouped-GEMM arguments",
-         lambda e, c: any(k in e["site"] + c["neighbour_site"] for k in ("moe.py", "grouped_mm", "experts", "router"))),
+         lambda e, c: any(k in _own_or_neighbour(e, c) for k in ("moe.py", "grouped_mm", "experts", "router"))),
         ("model construction: weights and buffers created by transformers",
          lambda e, c: any(k in e["site"] for k in ("from_config", "_init_weights", "modeling_utils", "__init__"))),
         ("warm-up outside the pool: an allocation of the eager warm-up runs on the capture stream",
@@ -216,9 +233,14 @@ def _cause_rules():
     ]
 
 
+BLOCK_LAYOUT = "block layout differs inside a segment both sides have (see the trace causes)"
+ADDRESS_ORDER = ("segment address order: equal segments hold the same layouts between them, in another order. "
+                 "The driver chose other addresses for them, and the allocator's best fit takes the lowest-addressed "
+                 "of equal free blocks (compare with the reference's addresses followed: "
+                 "PhysicalMemory.follow_addresses)")
 KNOCK_ON = ("knock-on: a segment made or released because an earlier difference changed where "
             "allocations fit")
-CAUSES = tuple(name for name, _ in _cause_rules()) + (KNOCK_ON,)
+CAUSES = tuple(name for name, _ in _cause_rules()) + (KNOCK_ON, ADDRESS_ORDER, BLOCK_LAYOUT)
 
 
 def classify(event: dict, context: dict) -> str:
@@ -270,6 +292,7 @@ class Comparison:
             "blocks identical": f"{self.blocks[2]} of {max(self.blocks[0], self.blocks[1])}",
             "agreement (blocks)": round(self.agreement_blocks, 4),
             "agreement (bytes)": round(self.agreement_bytes, 4),
+            "trace events aligned": "%d of %d / %d" % (self.trace_events[2], *self.trace_events[:2]),
             "differences": len(self.differences),
             "causes": "; ".join(f"{n}x {c.split(':')[0]}" for c, n in sorted(self.causes().items())),
         }
@@ -279,6 +302,8 @@ class Comparison:
             f"segments: {self.segments[0]} reference, {self.segments[1]} candidate, {self.segments[2]} paired",
             f"blocks identical: {self.blocks[2]} of {max(self.blocks[:2])} (agreement {self.agreement_blocks:.4f}); "
             f"bytes {self.agreement_bytes:.4f}",
+            f"trace events: {self.trace_events[0]} reference, {self.trace_events[1]} candidate, "
+            f"{self.trace_events[2]} aligned",
         ]
         for cause, n in sorted(self.causes().items(), key=lambda kv: -kv[1]):
             lines.append(f"  {n:4d}  {cause}")
@@ -329,21 +354,53 @@ def _segment_owner(events: Sequence[dict], k: int) -> Optional[int]:
     return None
 
 
-def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, workspace_sizes):
-    ref, cand = _normalised(ref_trace), _normalised(cand_trace)
+@dataclasses.dataclass
+class TraceAlignment:
+    """Two allocator traces aligned event by event on (action, size, stream).
+
+    Addresses are left out of the key (they differ between devices); streams are
+    renamed by first appearance. ``matched`` maps each aligned reference event to its
+    candidate event (indices into ``reference`` / ``candidate``, the traces' allocator
+    events in order).
+    """
+
+    reference: list[dict]
+    candidate: list[dict]
+    opcodes: list[tuple]
+    matched: dict[int, int]
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        return len(self.reference), len(self.candidate), len(self.matched)
+
+
+def align_traces(reference: Sequence[dict], candidate: Sequence[dict]) -> TraceAlignment:
+    """Align two traces (expanded, see :func:`expand_trace`) event by event."""
+    ref, cand = _normalised(reference), _normalised(candidate)
     rs, cs = _canonical_streams(ref), _canonical_streams(cand)
     a = [(e["action"], e["size"], rs[e["stream"]]) for e in ref]
     b = [(e["action"], e["size"], cs[e["stream"]]) for e in cand]
-    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    opcodes = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    matched = {}
+    for tag, i1, i2, j1, _ in opcodes:
+        if tag == "equal":
+            matched.update(zip(range(i1, i2), range(j1, j1 + i2 - i1)))
+    return TraceAlignment(ref, cand, opcodes, matched)
+
+
+def _trace_differences(alignment: TraceAlignment, ref_segments, cand_segments, workspace_sizes):
+    ref, cand = alignment.reference, alignment.candidate
+    rs, cs = _canonical_streams(ref), _canonical_streams(cand)
+    a = [(e["action"], e["size"], rs[e["stream"]]) for e in ref]
+    b = [(e["action"], e["size"], cs[e["stream"]]) for e in cand]
+    aligned = {"reference": set(alignment.matched), "candidate": set(alignment.matched.values())}
     ranges = {"reference": _pool_ranges(ref_segments), "candidate": _pool_ranges(cand_segments)}
     never = {"reference": _never_freed(ref), "candidate": _never_freed(cand)}
     diffs: list[Difference] = []
     segment_causes: dict[str, dict[int, str]] = {"reference": {}, "candidate": {}}
     named_before = False
-    aligned = 0
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+    for tag, i1, i2, j1, j2 in alignment.opcodes:
         if tag == "equal":
-            aligned += i2 - i1
             continue
         # the sites of the nearest aligned events name the code around a one-sided event
         neighbour = " | ".join(
@@ -378,13 +435,21 @@ def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, works
                     continue  # the matching alloc carries the difference
                 if e["action"] == "segment_alloc":  # made for the alloc that follows it
                     owner = _segment_owner(events, k)
-                    cause = cause_of(owner if owner is not None else k, e["action"])
+                    if owner is not None and owner in aligned[side]:
+                        # both sides made that allocation and only one needed a new segment: an
+                        # earlier difference explains it, or else the allocators disagree
+                        cause = KNOCK_ON if named_before else (
+                            f"unexplained: segment_alloc of {e['size']} bytes for an allocation both sides made "
+                            f"(an allocator difference? replay the trace with graphborrow.sim.replay_trace)")
+                    else:
+                        cause = cause_of(owner if owner is not None else k, e["action"])
                     segment_causes[side][e["addr"]] = cause
                 elif e["action"] == "segment_free":  # released: whatever made it explains it
                     cause = segment_causes[side].get(e["addr"]) or cause_of(k, e["action"])
                 else:
                     cause = cause_of(k, e["action"])
-                text = f"{e['action']} {e['size']} B on stream {e['stream']}" + (f" at {e['site']}" if e["site"] else "")
+                text = f"{e['action']} {e['size']} B on stream {e['stream']}"
+                text += f" at {e['site']}" if e["site"] else ""
                 diffs.append(Difference(
                     where=f"trace event {k}",
                     reference=text if side == "reference" else "",
@@ -392,7 +457,64 @@ def _trace_differences(ref_trace, cand_trace, ref_segments, cand_segments, works
                     cause=cause,
                 ))
         named_before = named_before or any(not d.cause.startswith("unexplained") for d in diffs)
-    return diffs, (len(ref), len(cand), aligned)
+    return diffs
+
+
+def _live_segment_events(events: Sequence[dict]) -> dict[int, int]:
+    """Address -> index of the segment_alloc that made the segment living there at the end."""
+    live: dict[int, int] = {}
+    for i, e in enumerate(events):
+        if e["action"] == "segment_alloc":
+            live[e["addr"]] = i
+        elif e["action"] == "segment_free":
+            live.pop(e["addr"], None)
+    return live
+
+
+def _swapped_layouts(pairs) -> set:
+    """Signatures whose paired segments differ, yet hold the same layouts between them."""
+    by_signature: dict[tuple, tuple[list, list]] = {}
+    for r, c in pairs:
+        if r.blocks != c.blocks:
+            by_signature.setdefault(r.signature, ([], []))
+    for r, c in pairs:
+        if r.signature in by_signature:
+            by_signature[r.signature][0].append(r.blocks)
+            by_signature[r.signature][1].append(c.blocks)
+    return {sig for sig, (a, b) in by_signature.items() if sorted(a) == sorted(b)}
+
+
+def _pair_by_trace(ref: list[CanonSegment], cand: list[CanonSegment], alignment: TraceAlignment):
+    """Segments whose making cudaMalloc is the same aligned trace event on both sides."""
+    ref_made = _live_segment_events(alignment.reference)
+    cand_by_event = {i: a for a, i in _live_segment_events(alignment.candidate).items()}
+    cand_at = {c.address: c for c in cand}
+    pairs = []
+    for r in ref:
+        j = alignment.matched.get(ref_made.get(r.address, -1))
+        c = cand_at.get(cand_by_event.get(j, -1)) if j is not None else None
+        if c is not None and c.signature == r.signature:
+            pairs.append((r, c))
+    return pairs
+
+
+def _pair_by_signature(ref: list[CanonSegment], cand: list[CanonSegment]):
+    """Segments paired by kind and size: in allocation order first, then in any order."""
+    matcher = difflib.SequenceMatcher(None, [s.signature for s in ref], [s.signature for s in cand], autojunk=False)
+    pairs, left_ref, left_cand = [], [], []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            pairs.extend(zip(ref[i1:i2], cand[j1:j2]))
+        else:
+            left_ref.extend(ref[i1:i2])
+            left_cand.extend(cand[j1:j2])
+    for r in list(left_ref):
+        c = next((c for c in left_cand if c.signature == r.signature), None)
+        if c is not None:
+            left_ref.remove(r)
+            left_cand.remove(c)
+            pairs.append((r, c))
+    return pairs
 
 
 def compare_snapshots(reference: Sequence[dict], candidate: Sequence[dict],
@@ -400,6 +522,11 @@ def compare_snapshots(reference: Sequence[dict], candidate: Sequence[dict],
                       candidate_trace: Optional[Sequence[dict]] = None,
                       workspace_sizes: Iterable[int] = (32 * 2**20,)) -> Comparison:
     """Compare two pools' segments block for block; traces (expanded) name the causes.
+
+    Segments pair by the trace when both are given (the segment made by the same aligned
+    ``segment_alloc`` on both sides), else, and for any left over, by kind and size in
+    allocation order. Paired segments agree block for block when every block has the
+    same offset, size and state.
 
     Args:
         reference, candidate: torch-format snapshot segments of the same pool on two devices.
@@ -411,27 +538,20 @@ def compare_snapshots(reference: Sequence[dict], candidate: Sequence[dict],
     """
     ref = canonical_segments(reference, reference_trace)
     cand = canonical_segments(candidate, candidate_trace)
-    matcher = difflib.SequenceMatcher(None, [s.signature for s in ref], [s.signature for s in cand], autojunk=False)
+    alignment = None
+    if reference_trace is not None and candidate_trace is not None:
+        alignment = align_traces(reference_trace, candidate_trace)
+    pairs = _pair_by_trace(ref, cand, alignment) if alignment is not None else []
+    paired_ref = {id(r) for r, _ in pairs}
+    paired_cand = {id(c) for _, c in pairs}
+    pairs += _pair_by_signature([r for r in ref if id(r) not in paired_ref],
+                                [c for c in cand if id(c) not in paired_cand])
+    paired_ref = {id(r) for r, _ in pairs}
+    paired_cand = {id(c) for _, c in pairs}
     differences: list[Difference] = []
-    pairs: list[tuple[CanonSegment, CanonSegment]] = []
-    leftover_ref: list[CanonSegment] = []
-    leftover_cand: list[CanonSegment] = []
-    paired = blocks_same = bytes_same = 0
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            pairs.extend(zip(ref[i1:i2], cand[j1:j2]))
-            continue
-        leftover_ref.extend(ref[i1:i2])
-        leftover_cand.extend(cand[j1:j2])
-    # segments allocated in another order still pair by kind and size
-    for r in list(leftover_ref):
-        c = next((c for c in leftover_cand if c.signature == r.signature), None)
-        if c is not None:
-            leftover_ref.remove(r)
-            leftover_cand.remove(c)
-            pairs.append((r, c))
-    for r, c in pairs:
-        paired += 1
+    blocks_same = bytes_same = 0
+    swapped = _swapped_layouts(pairs)
+    for r, c in sorted(pairs, key=lambda p: ref.index(p[0])):
         same = set(r.blocks) & set(c.blocks)
         blocks_same += len(same)
         bytes_same += sum(size for _, size, _ in same)
@@ -441,9 +561,10 @@ def compare_snapshots(reference: Sequence[dict], candidate: Sequence[dict],
             differences.append(Difference(
                 where=f"{r.kind} segment of {r.total_size} B (#{ref.index(r)} in allocation order)",
                 reference=text if mine else "", candidate="" if mine else text,
-                cause="block layout differs inside a segment both sides have (see the trace causes)",
+                cause=ADDRESS_ORDER if r.signature in swapped else BLOCK_LAYOUT,
             ))
-    for side, segs in (("reference", leftover_ref), ("candidate", leftover_cand)):
+    for side, segs in (("reference", [r for r in ref if id(r) not in paired_ref]),
+                       ("candidate", [c for c in cand if id(c) not in paired_cand])):
         for s in segs:
             text = f"{s.kind} segment of {s.total_size} B with {len(s.blocks)} blocks"
             differences.append(Difference(
@@ -452,13 +573,12 @@ def compare_snapshots(reference: Sequence[dict], candidate: Sequence[dict],
                 cause="segment only on one side (see the trace causes)",
             ))
     trace_events = (0, 0, 0)
-    if reference_trace is not None and candidate_trace is not None:
-        trace_diffs, trace_events = _trace_differences(reference_trace, candidate_trace, reference, candidate,
-                                                       set(workspace_sizes))
-        differences.extend(trace_diffs)
+    if alignment is not None:
+        differences.extend(_trace_differences(alignment, reference, candidate, set(workspace_sizes)))
+        trace_events = alignment.counts
     n_blocks = (sum(len(s.blocks) for s in ref), sum(len(s.blocks) for s in cand), blocks_same)
     n_bytes = (sum(s.total_size for s in ref), sum(s.total_size for s in cand), bytes_same)
-    return Comparison((len(ref), len(cand), paired), n_blocks, n_bytes, differences, trace_events)
+    return Comparison((len(ref), len(cand), len(pairs)), n_blocks, n_bytes, differences, trace_events)
 
 
 def compare_recordings(reference: dict, candidate: dict) -> Comparison:
@@ -466,9 +586,10 @@ def compare_recordings(reference: dict, candidate: dict) -> Comparison:
     def trace(rec):
         return expand_trace(rec["trace"], rec.get("sites", ())) if "trace" in rec else None
 
-    sizes = {32 * 2**20}
+    sizes = {32 * 2**20, 2**20}  # torch 2.11's cuBLAS and cuBLASLt workspaces, unless recorded otherwise
     for rec in (reference, candidate):
-        if rec.get("blas_workspace_bytes"):
-            sizes.add(int(rec["blas_workspace_bytes"]))
+        for key in ("blas_workspace_bytes", "blaslt_extra_bytes"):
+            if rec.get(key):
+                sizes.add(int(rec[key]))
     return compare_snapshots(reference["segments"], candidate["segments"], trace(reference), trace(candidate),
                              workspace_sizes=sizes)

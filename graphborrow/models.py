@@ -54,6 +54,7 @@ class ModelSpec:
 
     name: str
     config_class: str
+    model_class: str
     fields: dict
     tiny_fields: dict
     moe: bool = False
@@ -67,7 +68,7 @@ MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         ModelSpec(
-            "llama-3-8b", "LlamaConfig",
+            "llama-3-8b", "LlamaConfig", "LlamaForCausalLM",
             dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
                  rms_norm_eps=1e-5, tie_word_embeddings=False),
@@ -75,7 +76,7 @@ MODELS: dict[str, ModelSpec] = {
             note="Meta-Llama-3-8B widths",
         ),
         ModelSpec(
-            "qwen2.5-7b", "Qwen2Config",
+            "qwen2.5-7b", "Qwen2Config", "Qwen2ForCausalLM",
             dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
                  vocab_size=152064, rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
                  tie_word_embeddings=False, use_sliding_window=False),
@@ -83,7 +84,7 @@ MODELS: dict[str, ModelSpec] = {
             note="Qwen2.5-7B widths (q/k/v projections with bias)",
         ),
         ModelSpec(
-            "mistral-7b", "MistralConfig",
+            "mistral-7b", "MistralConfig", "MistralForCausalLM",
             dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=32768, rope_theta=1000000.0, max_position_embeddings=32768,
                  rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False),
@@ -91,7 +92,7 @@ MODELS: dict[str, ModelSpec] = {
             note="Mistral-7B-v0.3 widths (no sliding window)",
         ),
         ModelSpec(
-            "mixtral-8x7b", "MixtralConfig",
+            "mixtral-8x7b", "MixtralConfig", "MixtralForCausalLM",
             dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
                  rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
@@ -101,7 +102,7 @@ MODELS: dict[str, ModelSpec] = {
             note="Mixtral-8x7B widths: 8 experts, 2 per token",
         ),
         ModelSpec(
-            "qwen3-30b-a3b", "Qwen3MoeConfig",
+            "qwen3-30b-a3b", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
             dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
                  num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
@@ -253,6 +254,10 @@ class ModelLadder:
     # ------------------------------------------------------------------ building
     def _build_model(self):
         transformers = require_transformers()
+        # import the model's modules before the device block: libraries imported on the way
+        # (torchaudio, through transformers' audio utilities) would make their module-level
+        # tensors on the device, allocations that are not the workload's
+        getattr(transformers, self.spec.model_class)
         with torch.device(self.backend.device):
             model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
         model.eval()

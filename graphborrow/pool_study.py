@@ -37,6 +37,7 @@ __all__ = [
     "plot_workloads",
     "prefill_table",
     "replace_between_markers",
+    "segment_addresses",
     "simulate_recording",
     "study",
     "verify_fit",
@@ -252,12 +253,20 @@ def _record_sites(backend) -> list:
     return sites
 
 
-def simulate_recording(rec: dict):
+def segment_addresses(rec: dict) -> list[tuple[int, int]]:
+    """``(bytes, address)`` of every cudaMalloc in a recording's trace, in order."""
+    return [(int(row[2]), int(row[1])) for row in rec.get("trace", ()) if row[0] == "segment_alloc"]
+
+
+def simulate_recording(rec: dict, addresses: bool = True):
     """Run a recorded workload again on a layout-only simulated device; its recording.
 
-    The simulated device takes the recording's measured facts: the cuBLAS workspace size
-    and the attention backend torch picked for each call shape. Returns the candidate
-    recording for :func:`graphborrow.compare.compare_recordings`.
+    The simulated device takes the recording's measured facts: the cuBLAS and cuBLASLt
+    workspace sizes, the attention backend torch picked for each call shape and, with
+    ``addresses``, the addresses the driver gave each cudaMalloc (the allocator breaks
+    ties between equal free blocks by address, so segment order decides which of them a
+    request takes; see :meth:`graphborrow.sim.memory.PhysicalMemory.follow_addresses`).
+    Returns the candidate recording for :func:`graphborrow.compare.compare_recordings`.
     """
     from .compare import recording
     from .sim import SimBackend
@@ -272,8 +281,10 @@ def simulate_recording(rec: dict):
     if len(backends) == 1 and backends <= set(BACKENDS) and not attention.recorded:
         attention = AttentionModel(forced=backends.pop())  # one backend, no call shapes: use it throughout
     backend = SimBackend(backed=False, blas_workspace=int(rec.get("blas_workspace_bytes") or 32 * MiB),
-                         attention=attention)
+                         blaslt_workspace=int(rec.get("blaslt_extra_bytes") or MiB), attention=attention)
     try:
+        if addresses:
+            backend.memory.follow_addresses(segment_addresses(rec))
         backend.record_memory_history(True)
         sites = _record_sites(backend)
         ladder = build_workload(rec["model"], backend, **params).capture()
@@ -285,6 +296,7 @@ def simulate_recording(rec: dict):
                 e["frames"] = frames
         return recording(ladder.snapshot(), trace, model=rec["model"], params=params,
                          source={"device": backend.describe()}, blas_workspace_bytes=backend.blas_workspace,
+                         blaslt_extra_bytes=backend.blaslt_workspace, addresses_followed=addresses,
                          attention={"priority": list(attention.priority), "forced": attention.forced,
                                     "recorded": [list(r) for r in attention.recorded]})
     finally:
@@ -309,7 +321,8 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
     header = ["workload", "reserved MiB", "idle MiB (runs)", "largest run MiB", "whole-segment rule MiB",
               "largest fitting verify batch", "borrow saves MiB (batch)"]
     if compare:
-        header.append("simulator agreement: blocks / bytes")
+        header.append("simulator agreement: blocks / bytes / trace events")
+    causes: dict[str, int] = {}
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for w in summary["workloads"]:
         row = workload_table([w["study"]])[0]
@@ -319,11 +332,23 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
         if compare:
             rec = load_recording(Path(directory) / f"{w['workload']}.json.gz")
             c = compare_recordings(rec, simulate_recording(rec))
-            cells.append(f"{c.agreement_blocks:.3f} / {c.agreement_bytes:.3f}")
+            ref_events, cand_events, aligned = c.trace_events
+            cells.append(f"{c.agreement_blocks:.3f} / {c.agreement_bytes:.3f} / {aligned} of "
+                         f"{max(ref_events, cand_events)}")
+            for cause, n in c.causes().items():
+                causes[cause.split(":")[0]] = causes.get(cause.split(":")[0], 0) + n
         lines.append("| " + " | ".join(cells) + " |")
     for name, error in summary.get("errors", {}).items():
         lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} |" + " |" * (len(header) - 2))
     lines.append("")
+    if compare:
+        lines.append("Agreement: each recording rebuilt on the layout-only simulated device from its parameters, "
+                     "with the GPU's attention backends, library workspace sizes and cudaMalloc addresses "
+                     "(`graphborrow.pool_study.simulate_recording`), compared block for block and event by event "
+                     "(`graphborrow.compare`). Events that differ, by cause: "
+                     + ("; ".join(f"{n} {c}" for c, n in sorted(causes.items())) or "none") + "."
+                     + (" Each is explained in `known_differences.json` beside the recordings."
+                        if causes and (Path(directory) / "known_differences.json").exists() else ""))
     fits = [r for w in summary["workloads"] for r in w["study"]["verify_fit"]]
     if any(r["answered_by"].startswith("planner unavailable") for r in fits):
         lines.append("Fit column: largest batch whose fp32 target probabilities alone fit a run "

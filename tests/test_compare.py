@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 
 from graphborrow.compare import (
+    ADDRESS_ORDER,
+    BLOCK_LAYOUT,
+    IMPORT_SIDE_EFFECT,
+    KNOCK_ON,
+    align_traces,
     canonical_segments,
     classify,
     compact_trace,
@@ -72,6 +77,60 @@ def test_allocation_order_comes_from_the_trace():
                                          {"action": "segment_alloc", "addr": 0x1000000}])
     assert [s.total_size for s in by_address] == [20 * MiB, 2 * MiB]
     assert [s.total_size for s in by_trace] == [2 * MiB, 20 * MiB]
+
+
+def _made(address, size, owner_size, stream=1):
+    return [{"action": "segment_alloc", "addr": address, "size": size, "stream": stream},
+            {"action": "alloc", "addr": address, "size": owner_size, "stream": stream}]
+
+
+def test_segments_pair_by_the_cudamalloc_that_made_them():
+    first = [(4 * MiB, "active_allocated"), (16 * MiB, "inactive")]
+    second = [(8 * MiB, "active_allocated"), (12 * MiB, "inactive")]
+    extra = [(2 * MiB, "active_allocated"), (18 * MiB, "inactive")]
+    ref = [_seg(0x2000000, first), _seg(0x1000000, second)]
+    ref_trace = _made(0x2000000, 20 * MiB, 4 * MiB) + _made(0x1000000, 20 * MiB, 8 * MiB)
+    # the candidate makes one more segment of that size, first, and places all of them elsewhere
+    cand = [_seg(0x9000000, extra), _seg(0x5000000, first), _seg(0x7000000, second)]
+    cand_trace = (_made(0x9000000, 20 * MiB, 2 * MiB) + _made(0x5000000, 20 * MiB, 4 * MiB)
+                  + _made(0x7000000, 20 * MiB, 8 * MiB))
+    result = compare_snapshots(ref, cand, ref_trace, cand_trace)
+    assert result.segments == (2, 3, 2)
+    assert result.blocks == (4, 6, 4)  # both of the reference's segments found their twin
+    assert [d.candidate for d in result.differences if d.where == "segment on one side only"] == [
+        "large segment of 20971520 B with 2 blocks"]
+    # by kind and size alone (no traces), allocation order pairs the extra segment with the first
+    assert compare_snapshots(ref, cand).blocks[2] < 4
+    alignment = align_traces(ref_trace, cand_trace)
+    assert alignment.matched == {0: 2, 1: 3, 2: 4, 3: 5} and alignment.counts == (4, 6, 4)
+
+
+def test_equal_segments_with_swapped_layouts_name_the_address_order():
+    a = [(4 * MiB, "active_allocated"), (16 * MiB, "inactive")]
+    b = [(20 * MiB, "inactive")]
+    ref = [_seg(0x1000000, a), _seg(0x3000000, b)]
+    swapped = [_seg(0x1000000, b), _seg(0x3000000, a)]
+    result = compare_snapshots(ref, swapped)
+    assert result.agreement_blocks == 0.0 and set(result.causes()) == {ADDRESS_ORDER}
+    other = [_seg(0x1000000, [(8 * MiB, "active_allocated"), (12 * MiB, "inactive")]), _seg(0x3000000, b)]
+    assert set(compare_snapshots(ref, other).causes()) == {BLOCK_LAYOUT}
+
+
+def test_an_import_side_effect_and_the_segment_it_moves_are_named():
+    site = "kaldi.py:22:<module> < __init__.py:1:<module> < __init__.py:8:<module>"
+    norm = "modeling_llama.py:59:__init__"
+    ref_trace = ([{"action": "segment_alloc", "addr": 0x1000000, "size": 2 * MiB, "stream": 0, "site": site},
+                  {"action": "alloc", "addr": 0x1000000, "size": 4, "stream": 0, "site": site}]
+                 + [dict(e, stream=0, site=norm) for e in _made(0x3000000, 20 * MiB, 8 * MiB)]
+                 + [{"action": "alloc", "addr": 0x1000200, "size": 8192, "stream": 0, "site": "linear.py:1:__init__"}])
+    cand_trace = ([dict(e, stream=0, site=norm) for e in _made(0x5000000, 20 * MiB, 8 * MiB)]
+                  + [{"action": "segment_alloc", "addr": 0x7000000, "size": 2 * MiB, "stream": 0, "site": ""},
+                     {"action": "alloc", "addr": 0x7000000, "size": 8192, "stream": 0, "site": "linear.py:1:__init__"}])
+    result = compare_snapshots([], [], ref_trace, cand_trace)
+    assert result.causes() == {IMPORT_SIDE_EFFECT: 2, KNOCK_ON: 1}, result.summary()
+    # the same candidate segment with nothing before it to explain it stays unexplained
+    alone = compare_snapshots([], [], ref_trace[2:], cand_trace)
+    assert [c.split(":")[0] for c in alone.causes()] == ["unexplained"]
 
 
 def test_trace_compaction_round_trip_keeps_sites():
@@ -162,8 +221,12 @@ def test_gpu_script_dry_run_on_the_simulated_device(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["errors"] == {} and [w["workload"] for w in summary["workloads"]] == ["mistral-7b"]
+    # no machine paths in what the script writes: outside the repository only the names remain
+    assert str(tmp_path) not in (out / "summary.json").read_text()
+    assert summary["workloads"][0]["file"] == "mistral-7b.json.gz" and " --out pools " in summary["command"] + " "
     rec = load_recording(out / "mistral-7b.json.gz")
     assert rec["params"]["decode_batches"] == [4, 1] and rec["source"]["command"].startswith("python benchmarks/")
+    assert str(tmp_path) not in json.dumps(rec)
     assert rec["study"]["pool"]["reserved_bytes"] == sum(s["total_size"] for s in rec["segments"])
     assert {c["backend"] for c in rec["sdpa_choices"]} == {"cudnn"} and "torch.bool" in rec["sdpa_choices"][0]["call"]
     assert compare_recordings(rec, simulate_recording(rec)).identical
@@ -175,6 +238,22 @@ def test_gpu_script_dry_run_on_the_simulated_device(tmp_path):
     readme = f"before\n{README_BEGIN}\nold table\n{README_END}\nafter\n"
     updated = replace_between_markers(readme, table)
     assert "old table" not in updated and table in updated and updated.endswith(f"{README_END}\nafter\n")
+
+
+def test_the_script_writes_paths_inside_the_repository_relative_to_it():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import model_pools
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert model_pools.portable(ROOT / "data" / "models_h200" / "x.json.gz") == "data/models_h200/x.json.gz"
+    assert model_pools.portable("/somewhere/else/pools") == "pools"
+    assert model_pools.command_line(["--out", str(ROOT / "data" / "models_h200"), "--layers", "2"]) == (
+        "python benchmarks/model_pools.py --out data/models_h200 --layers 2")
+    assert model_pools.command_line([f"--out={ROOT}/data/x"]) == "python benchmarks/model_pools.py --out=data/x"
+    summary = json.loads((ROOT / "data" / "models_h200" / "summary.json").read_text())
+    assert summary["command"] == "python benchmarks/model_pools.py --out data/models_h200"
+    assert all(w["file"] == f"data/models_h200/{w['workload']}.json.gz" for w in summary["workloads"])
 
 
 def test_gpu_script_keeps_going_past_a_failing_workload(tmp_path):

@@ -50,6 +50,14 @@ def test_configs_have_the_published_widths():
         assert isinstance(c, transformers.PretrainedConfig)
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_class_is_the_one_transformers_builds(name):
+    # the class is imported before the device block (so imports make no device tensors): it must be the one used
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(model_config(name, layers=1, tiny=True))
+    assert type(model).__name__ == MODELS[name].model_class
+
+
 def test_tiny_keeps_the_architecture():
     tiny = model_config("mixtral-8x7b", tiny=True)
     assert type(tiny) is transformers.MixtralConfig

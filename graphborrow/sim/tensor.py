@@ -44,6 +44,9 @@ _BLAS_OPS = {
     _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten.mv, _aten.addmv,
     _aten.dot, _aten.vdot, _aten._addmm_activation,
 }
+# addmm's cuBLASLt path (bias fused in the epilogue): it also keeps a cuBLASLt workspace per stream
+_BLASLT_OPS = {_aten.addmm.default, _aten._addmm_activation.default}
+_BLASLT_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 # ops whose Python-scalar operand CUDA copies to the device (a tiny block for the op's duration)
 _SCALAR_TO_DEVICE = {_aten.where.self}
 _DEVICE_IS_CUDA: dict[Any, bool] = {}
@@ -223,11 +226,27 @@ def _dispatch(func, args, kwargs):
     else:
         result = out
     del scalars
-    if backend.blas_workspace and getattr(func, "overloadpacket", None) in _BLAS_OPS:
-        backend._ensure_blas_workspace()
+    if getattr(func, "overloadpacket", None) in _BLAS_OPS:
+        if backend.blas_workspace:
+            backend._ensure_blas_workspace()
+        if backend.blaslt_workspace and _uses_cublaslt(func, args, kwargs):
+            backend._ensure_blaslt_workspace()
     if capture is not None and backend.backed:
         capture._record(func, inner_args, inner_kwargs, fresh)
     return result
+
+
+def _uses_cublaslt(func, args, kwargs) -> bool:
+    """addmm_out_cuda_impl's choice of cuBLASLt (isInputCompliesAddmmCudaLt, CUDA >= 12.1)."""
+    if func not in _BLASLT_OPS:
+        return False
+    bias, mat1, mat2 = args[:3]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    activation = func is _aten._addmm_activation.default
+    fusable_bias = (bias.is_contiguous() and (bias.dim() == 1 or bias.squeeze().dim() == 1)
+                    and bias.shape[-1] == mat2.shape[1])
+    return (beta == 1 and (fusable_bias or (activation and bias.dim() == 2))
+            and mat1.dtype in _BLASLT_DTYPES and min(mat1.shape) > 1 and min(mat2.shape) > 1)
 
 
 def _names_cpu(device) -> bool:

@@ -4,16 +4,21 @@ The strongest test of the simulated device: run the same model code on a GPU and
 simulator and compare the graph pools they leave. Addresses differ between devices, so
 a pool is put in a canonical form first: its segments in allocation order (from the
 allocator trace when there is one, else by address), each segment as its kind, size and
-the ``(offset, size, state)`` of its blocks. Segments are paired by a sequence alignment
-of their kinds and sizes, and paired segments compare block for block:
+the ``(offset, size, state)`` of its blocks. With both traces, the traces are aligned
+event by event (action, size, stream) and a segment pairs with the one the *same*
+aligned ``segment_alloc`` made on the other side; without them, or for what is left,
+segments pair by kind and size in allocation order. Paired segments compare block for
+block:
 
 * **agreement** — blocks (and bytes) identical in offset, size and state, over the
   larger side's count (bytes);
 * **differences** — every segment or block present on one side only, each named by its
-  cause. Causes come from aligning the two allocator traces event by event (action,
-  size, stream): an allocation one side makes and the other does not is classified by
-  where it happened (the Python frames a GPU trace keeps: attention, a library
-  workspace, mixture-of-experts routing, warm-up outside the pool, ...).
+  cause. Equal segments whose layouts are merely swapped between them are named as
+  such (the driver's address order, see :data:`ADDRESS_ORDER`). Trace events on one
+  side only are classified by where they happened (the Python frames a GPU trace
+  keeps: attention, a library workspace, mixture-of-experts routing, an import, warm-up
+  outside the pool, ...); a segment made for an allocation both sides made is a
+  knock-on of an earlier difference, or, with none before it, left unexplained.
 
 A *recording* is the JSON-able dict both sides produce (:func:`recording`): the pool's
 segments, the compacted trace (frames reduced to a few ``file:line:function`` sites) and
@@ -177,7 +182,11 @@ def canonical_segments(segments: Sequence[dict], trace: Optional[Sequence[dict]]
     for s in segments:
         base = int(s["address"])
         blocks, offset = [], 0
-        for b in s["blocks"]:
+        listed = s["blocks"]
+        if all("address" in b for b in listed):  # offsets from the blocks' own addresses
+            listed = sorted(listed, key=lambda b: int(b["address"]))
+        for b in listed:
+            offset = int(b["address"]) - base if "address" in b else offset
             blocks.append((offset, int(b["size"]), b["state"]))
             offset += int(b["size"])
         canon.append(CanonSegment(s.get("segment_type", "?"), int(s["total_size"]), tuple(blocks), base))

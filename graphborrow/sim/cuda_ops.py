@@ -16,7 +16,7 @@ transformers models, ``data/models_h200``):
   ``DeviceScan`` temporary storage;
 * ``_grouped_mm`` (bf16 on sm90/sm100, CUTLASS): the kernel-argument buffer (three
   pointers, a problem shape and three strides per group) and the CUTLASS workspace
-  (per multiprocessor, the TMA descriptors of the grouped GEMM);
+  (a fixed size per multiprocessor);
 * ``histc`` on integers (CUDA takes them; the CPU kernel does not).
 
 What a library allocates but ATen's source does not say (CUB's scan storage, CUTLASS's
@@ -49,7 +49,8 @@ class KernelModel:
     (measured: 1023 bytes for int32 scans of 8 and of 128 items on the H200, CUDA 13.0;
     longer scans and other dtypes were not measured and use the same figure).
     ``grouped_gemm_workspace_per_sm``: the CUTLASS sm90 grouped GEMM's workspace per SM
-    (four 128-byte TMA descriptors; measured 67584 = 132 x 512 bytes for 8 and 128 groups).
+    (it keeps per-SM TMA descriptors; measured 67584 = 132 x 512 bytes for 8 and for 128
+    groups, several shapes).
     ``grouped_gemm_cutlass``: whether bf16 ``_grouped_mm`` takes the CUTLASS kernel (sm90
     and sm100) or the fallback that loops over groups with ``mm`` (no temporaries).
     """

@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-sweep gpu-wheels strip clean
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-sweep gpu-wheels model-pools model-pools-sim strip clean
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[notebooks,test]"
+	$(PY) -m pip install -q -e ".[notebooks,test,models]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
@@ -65,6 +65,17 @@ bench-sweep: setup
 # The wheels the GPU machine lacks for sweeps and the suite (Python 3.12), into .whl/.
 gpu-wheels: setup
 	$(PY) scripts/gpu_wheels.py --dest .whl
+
+# On a CUDA machine: real transformers models' pools, traces and fits (data/models_h200/), then the
+# README table with the simulator's block-for-block agreement.
+model-pools: setup
+	$(PY) benchmarks/model_pools.py --out data/models_h200
+	$(PY) scripts/model_pools_table.py data/models_h200 --readme README.md
+
+# CPU: the same study on the layout-only simulated device (a dry run of the GPU script).
+model-pools-sim: setup
+	$(PY) benchmarks/model_pools.py --device sim --out output/model-pools-sim
+	$(PY) scripts/model_pools_table.py output/model-pools-sim
 
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb

@@ -243,13 +243,13 @@ def test_inference_mode_views_and_parameters(sim):
 
 
 # alloc (+) / free_requested (-) sizes of `_mlp_and_sampling` on an H200, torch 2.11.0+cu130,
-# recorded with torch.cuda.memory._record_memory_history. Left out: the 2048-byte temporary
-# of CUB's segmented sort (a +2048/-2048 pair right after the sort's outputs), not modelled.
+# recorded with torch.cuda.memory._record_memory_history. The +2048/-2048 pair right after the
+# sort's outputs is the small sort's index temporary (arange over the 256-wide rows, int64).
 H200_TRACE = [
     65536, 32768, -65536, 1441792, 720896, -1441792, 720896, 360448, -720896, 512, 65536, 65536,
     -65536, 256, -65536, 256, -256, 256, -256, 128, -256, 32768, -128, 32768, -32768, 180224,
     33554432, 90112, 90112, -90112, 32768, -90112, 32768, -32768, 65536, 65536, -65536, 65536,
-    -65536, 65536, 131072, 65536, 2048, 4096, 131072, 16, 2048, -16, 16384, 4, 65536, -4, -16384,
+    -65536, 65536, 131072, 2048, -2048, 65536, 2048, 4096, 131072, 16, 2048, -16, 16384, 4, 65536, -4, -16384,
     256, 8, 2048, 65536, -32768, -180224, 32768, -32768, -720896, -360448, -512, -32768, -65536,
     -65536, -131072, -65536, -2048, -4096, -131072, -2048, -65536, -256, -8, -2048, -65536, -32768,
 ]

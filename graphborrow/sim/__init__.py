@@ -8,6 +8,7 @@ from . import compiled
 
 compiled.install()  # the Cython build of allocator.py when one matches the source
 
+from . import cuda_ops  # noqa: F401  (registers CUDA op models)
 from .device import MemPool, SimBackend, SimEvent
 from .tensor import SimCaptureError, SimLayoutOnlyError, SimTensor, is_sim_tensor
 

@@ -17,6 +17,8 @@ import torch
 
 from . import graphs
 from .allocator import CachingAllocator
+from .attention import AttentionModel
+from .cuda_ops import KernelModel
 from .memory import PhysicalMemory
 from .streams import Clockwork, Event, Stream
 from .tensor import SimCaptureError, SimFunctionMode, SimStorage, SimTensor, is_sim_tensor
@@ -140,6 +142,13 @@ class SimBackend:
     ``activate``: make ``device="cuda"`` mean this device on the calling thread.
     ``blas_workspace``: bytes of the cuBLAS workspace the first matmul on each stream
     allocates and keeps (32 MiB, as torch 2.11 on an H200); 0 leaves it out.
+    ``blaslt_workspace``: bytes of the cuBLASLt workspace the first bias-fused ``addmm``
+    (cuBLASLt) on each stream allocates after its output and keeps (1 MiB, as torch 2.11
+    on an H200); 0 leaves it out.
+    ``attention``: how ``scaled_dot_product_attention`` behaves as on CUDA (which backend,
+    its outputs and temporaries): a :class:`graphborrow.sim.attention.AttentionModel`.
+    ``kernels``: what other CUDA kernels allocate while they run (CUB scans, CUTLASS
+    grouped GEMM): a :class:`graphborrow.sim.cuda_ops.KernelModel`.
     """
 
     name = "sim"
@@ -153,6 +162,9 @@ class SimBackend:
         config: dict | None = None,
         activate: bool = True,
         blas_workspace: int = 32 * 2**20,
+        attention: AttentionModel | None = None,
+        blaslt_workspace: int = 2**20,
+        kernels: KernelModel | None = None,
     ) -> None:
         if not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive number of bytes, got {capacity!r}")
@@ -170,7 +182,11 @@ class SimBackend:
         self._mode = SimFunctionMode(self)
         self._active_threads: set[int] = set()
         self.blas_workspace = int(blas_workspace)
+        self.attention = attention if attention is not None else AttentionModel()
+        self.blaslt_workspace = int(blaslt_workspace)
+        self.kernels = kernels if kernels is not None else KernelModel()
         self._blas_workspaces: dict[int, SimStorage] = {}  # stream id -> workspace
+        self._blaslt_workspaces: dict[int, SimStorage] = {}  # stream id -> cuBLASLt workspace
         self._generator_state: list[SimStorage] | None = None
         self._closed = False
         if activate:
@@ -432,13 +448,19 @@ class SimBackend:
         return SimStorage(self, block, 0, nbytes, 0)
 
     def clear_library_workspaces(self) -> None:
-        """Release the cuBLAS workspaces kept per stream, as ``torch._C._cuda_clearCublasWorkspaces``."""
+        """Release the cuBLAS and cuBLASLt workspaces kept per stream, as ``torch._C._cuda_clearCublasWorkspaces``."""
         self._blas_workspaces.clear()
+        self._blaslt_workspaces.clear()
 
     def _ensure_blas_workspace(self) -> None:
         stream = self.current_stream().id
         if stream not in self._blas_workspaces:
             self._blas_workspaces[stream] = self._new_storage(self.blas_workspace)
+
+    def _ensure_blaslt_workspace(self) -> None:
+        stream = self.current_stream().id
+        if stream not in self._blaslt_workspaces:
+            self._blaslt_workspaces[stream] = self._new_storage(self.blaslt_workspace)
 
     def _register_generator(self) -> None:
         """The first capture makes the RNG's graph-safe seed and offset (two int64 tensors)."""

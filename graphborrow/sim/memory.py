@@ -8,6 +8,8 @@ tensors can be views of them; ``backed=False`` keeps only the layout (fast, for 
 from __future__ import annotations
 
 import math
+from collections import deque
+from typing import Iterable
 
 import torch
 from sortedcontainers import SortedDict
@@ -36,6 +38,7 @@ class PhysicalMemory:
         self._sizes: dict[int, int] = {}  # address -> bytes asked for
         self._backing: dict[int, torch.Tensor] = {}
         self._expected: int | None = None
+        self._plan: dict[int, deque] = {}  # nbytes -> addresses a recorded run's cudaMallocs got
 
     def cuda_malloc(self, nbytes: int) -> int:
         """Reserve ``nbytes``; returns the address, or 0 when it would exceed the capacity."""
@@ -53,7 +56,9 @@ class PhysicalMemory:
                     "free that range first or dictate another address"
                 )
         else:
-            address = self._lowest_fit(reserved)
+            address = self._planned_address(nbytes, reserved) if self._plan else None
+            if address is None:
+                address = self._lowest_fit(reserved)
         self._ranges[address] = reserved
         self._take_gap(address, address + reserved)
         self._sizes[address] = nbytes
@@ -78,6 +83,33 @@ class PhysicalMemory:
     def expect_next_address(self, address: int | None) -> None:
         """Make the next successful cuda_malloc return exactly ``address`` (None cancels)."""
         self._expected = None if address is None else int(address)
+
+    def follow_addresses(self, plan: Iterable[tuple[int, int]]) -> None:
+        """Give cudaMalloc the addresses a recorded run got, size by size, in their order.
+
+        ``plan``: ``(nbytes, address)`` of every ``segment_alloc`` of a GPU trace. Where a
+        segment lands is the driver's choice, not the caching allocator's, yet the
+        allocator's best fit breaks ties between equal free blocks by address, so the same
+        allocation sequence fills segments differently unless their address order is the
+        GPU's. The n-th cudaMalloc of a size takes the plan's next address for that size
+        that is free now (a run that allocates differently stays close: only that size's
+        queue moves); a size the plan has run out of gets the lowest free address.
+        """
+        queues: dict[int, deque] = {}
+        for nbytes, address in plan:
+            if int(address) % GRANULE:
+                raise ValueError(f"planned address {int(address):#x} is not 2 MiB aligned; "
+                                 "is this a cudaMalloc address?")
+            queues.setdefault(int(nbytes), deque()).append(int(address))
+        self._plan = queues
+
+    def _planned_address(self, nbytes: int, reserved: int) -> int | None:
+        queue = self._plan.get(nbytes)
+        while queue:
+            address = queue.popleft()
+            if not self._overlaps(address, reserved):
+                return address
+        return None
 
     def range_of(self, address: int) -> tuple[int, int] | None:
         """(start, reserved bytes) of the cudaMalloc range containing ``address``, if any."""

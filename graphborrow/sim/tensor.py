@@ -44,6 +44,9 @@ _BLAS_OPS = {
     _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten.mv, _aten.addmv,
     _aten.dot, _aten.vdot, _aten._addmm_activation,
 }
+# addmm's cuBLASLt path (bias fused in the epilogue): it also keeps a cuBLASLt workspace per stream
+_BLASLT_OPS = {_aten.addmm.default, _aten._addmm_activation.default}
+_BLASLT_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 # ops whose Python-scalar operand CUDA copies to the device (a tiny block for the op's duration)
 _SCALAR_TO_DEVICE = {_aten.where.self}
 _DEVICE_IS_CUDA: dict[Any, bool] = {}
@@ -115,6 +118,9 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        cuda_model = CUDA_MODELS.get(func)
+        if cuda_model is not None:  # an op whose CUDA implementation differs from the CPU one
+            return cuda_model(func, args, kwargs)
         if _is_composite(func):  # decompose as CUDA would, so each piece gets its memory
             out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -123,6 +129,30 @@ class SimTensor(torch.Tensor):
 
 
 _COMPOSITE: dict = {}
+# ops modelled on their CUDA implementation (which backend, which outputs, which temporaries);
+# filled by graphborrow.sim.attention through register_cuda_model
+CUDA_MODELS: dict = {}
+
+
+def register_cuda_model(*funcs):
+    """Route ``funcs`` on simulated tensors to a Python model of their CUDA implementation.
+
+    ``funcs`` are aten overloads (seen by ``__torch_dispatch__``; a composite op reaches it
+    whole only in inference mode) or the Python-level functions that call them (seen by
+    ``__torch_function__`` before any decomposition). The model is called as
+    ``model(func, args, kwargs)`` with the SimTensor arguments and allocates what the CUDA
+    kernel allocates, in the same order (see sim/attention.py).
+    """
+
+    def register(model):
+        for f in funcs:
+            if isinstance(f, torch._ops.OpOverload):
+                CUDA_MODELS[f] = model
+            else:
+                _OVERRIDES[f] = lambda *args, _f=f, **kwargs: model(_f, args, kwargs)
+        return model
+
+    return register
 
 
 def _is_composite(func) -> bool:
@@ -157,6 +187,9 @@ def _dispatch(func, args, kwargs):
     inner_args = _unwrap(args, sims)
     inner_kwargs = {k: _unwrap(v, sims) for k, v in kwargs.items()} if kwargs else kwargs
     backend = sims[0]._backend
+    if not backend.backed and inner_kwargs and _names_cpu(inner_kwargs.get("device")):
+        # a decomposition copied the wrapper's reported device (cpu): it means "this device"
+        inner_kwargs = dict(inner_kwargs, device=torch.device("meta"))
     for s in sims:
         if s._backend is not backend:
             raise RuntimeError(
@@ -193,11 +226,31 @@ def _dispatch(func, args, kwargs):
     else:
         result = out
     del scalars
-    if backend.blas_workspace and getattr(func, "overloadpacket", None) in _BLAS_OPS:
-        backend._ensure_blas_workspace()
+    if getattr(func, "overloadpacket", None) in _BLAS_OPS:
+        if backend.blas_workspace:
+            backend._ensure_blas_workspace()
+        if backend.blaslt_workspace and _uses_cublaslt(func, args, kwargs):
+            backend._ensure_blaslt_workspace()
     if capture is not None and backend.backed:
         capture._record(func, inner_args, inner_kwargs, fresh)
     return result
+
+
+def _uses_cublaslt(func, args, kwargs) -> bool:
+    """addmm_out_cuda_impl's choice of cuBLASLt (isInputCompliesAddmmCudaLt, CUDA >= 12.1)."""
+    if func not in _BLASLT_OPS:
+        return False
+    bias, mat1, mat2 = args[:3]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    activation = func is _aten._addmm_activation.default
+    fusable_bias = (bias.is_contiguous() and (bias.dim() == 1 or bias.squeeze().dim() == 1)
+                    and bias.shape[-1] == mat2.shape[1])
+    return (beta == 1 and (fusable_bias or (activation and bias.dim() == 2))
+            and mat1.dtype in _BLASLT_DTYPES and min(mat1.shape) > 1 and min(mat2.shape) > 1)
+
+
+def _names_cpu(device) -> bool:
+    return device is not None and torch.device(device).type == "cpu"
 
 
 def _scalars_on_device(func, args, backend) -> list | None:
@@ -341,6 +394,26 @@ def _cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_fo
     if device is not None:
         _check_index(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
     return self
+
+
+_SIM_CUDA = torch.device("cuda", 0)
+
+
+@_override(torch.Tensor.device.__get__)
+def _device(self):
+    """Python code sees ``cuda:0`` (so ``.to(x.device)`` and ``device=x.device`` stay on the
+    simulated device, as model code expects); the dispatcher still sees the CPU wrapper."""
+    return _SIM_CUDA
+
+
+@_override(torch.Tensor.is_cuda.__get__)
+def _is_cuda_attr(self):
+    return True
+
+
+@_override(torch.Tensor.is_cpu.__get__)
+def _is_cpu_attr(self):
+    return False
 
 
 @_override(torch.Tensor.numpy, torch.Tensor.__array__)

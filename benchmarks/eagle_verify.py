@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphborrow.backend import get_backend  # noqa: E402
 from graphborrow.draft_tree import build_draft_tree  # noqa: E402
-from graphborrow.eagle import BORROW_USER, eagle_verify, requests_per_chunk, verify_bytes  # noqa: E402
+from graphborrow.eagle import BORROW_USER, StepShape, eagle_verify, verify_bytes  # noqa: E402
+from graphborrow.eagle.sequence import requests_per_chunk  # noqa: E402
 from graphborrow.sizes import MB  # noqa: E402
 from graphborrow.workload import LLAMA3_8B, GraphLadder  # noqa: E402
 
@@ -112,12 +113,12 @@ def run_point(bs, d, vocab, state, args, budget_end) -> list[dict]:
                "softmax_ms": softmax_ms}
         chunk_rows = None
         if mode == "chunked":
-            try:
-                per = requests_per_chunk(bs, d, vocab, bool(top_k), bool(top_p), state)
-                row["chunk_requests"], chunk_rows = per, per * d
-            except ValueError as exc:  # not even one request fits
+            found = requests_per_chunk(state, StepShape(bs, d, vocab, bool(top_k), bool(top_p)))
+            if found.fits:
+                row["chunk_requests"], chunk_rows = found.requests_per_chunk, found.requests_per_chunk * d
+            else:  # not even one request fits
                 row["chunk_requests"] = 0
-                row["chunk_error"] = str(exc)
+                row["chunk_error"] = found.reason
         plan = verify_bytes(bs, d, vocab, mode, bool(top_k), bool(top_p), chunk_rows=chunk_rows)
         row["verify_bytes"] = plan
         row["fits_plan"] = bool(state.can_fit(plan)) if borrowing else None

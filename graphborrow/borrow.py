@@ -165,6 +165,10 @@ class BorrowState:
         seed = (run - self.precarve_reserve) // (2 * MB) * (2 * MB)
         return seed if seed >= self.precarve_min else 0
 
+    def precarve_sizes(self, runs: Sequence[Sequence[int]]) -> list[int]:
+        """The seed segments a fresh borrow pool over ``runs`` allocates (and frees), in order."""
+        return [s for s in (self._precarve_bytes(n) for _, n in runs) if s]
+
     def can_fit(self, nbytes: int) -> bool:
         """Could one more tensor of ``nbytes`` be borrowed right now?
 
@@ -262,7 +266,7 @@ class BorrowState:
         self.stream = self.backend.current_stream()
         self.stream_key = self._stream_key()
         self.builds += 1
-        seeds = [s for s in (self._precarve_bytes(n) for _, n in runs) if s]
+        seeds = self.precarve_sizes(runs)
         if seeds:
             # hold every seed until all exist: a freed seed would otherwise serve the next
             with self.backend.use_mem_pool(self.mem_pool):

@@ -64,9 +64,9 @@ class BorrowState:
     _runs: Optional[list] = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # the cheapest stream identity the backend offers: checked on every borrow
-        self._stream_key = getattr(self.backend, "current_stream_key", self.backend.current_stream)
-        self._route = getattr(self.backend, "route_to_pool", self.backend.use_mem_pool)
+        # bound once: checked and entered on every borrow
+        self._stream_key = self.backend.current_stream_key
+        self._route = self.backend.route_to_pool
 
     # ------------------------------------------------------------------ switches
     @property

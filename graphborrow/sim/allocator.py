@@ -659,6 +659,150 @@ class CachingAllocator:
                         found = block
         return found
 
+    # ------------------------------------------------------------------ restoring state
+
+    def restore(self, segments: list[dict], *, allocators: dict | None = None, pending=None,
+                stats: dict | None = None) -> "RestoredBlocks":
+        """Rebuild allocator state from torch-format snapshot segments, as if it had been allocated.
+
+        ``segments`` is what ``torch.cuda.memory_snapshot()`` (or ``memory_snapshot(pool_id)``,
+        or this model's :meth:`snapshot`) returns. Each segment is placed at its address with
+        its stream, pool (``segment_pool_id``; private pools are created as needed, use_count
+        1) and kind; ``active_allocated`` blocks become allocated blocks, ``inactive`` ones go
+        to their pool's free lists, ``active_pending_free`` ones wait on an event the caller
+        controls. Device memory under the segments is marked used, and the statistics are
+        those of an allocator that allocated these segments and blocks (peaks = current).
+
+        Why: the capacity planner replays a step against a copy of a pool, and trace replay
+        starts mid-run traces from a reconstructed state; both need exactly this state.
+
+        Args:
+            segments: snapshot segments (dicts with address, total_size, stream,
+                segment_type, segment_pool_id and blocks with size, state, requested_size).
+            allocators: ``{pool_id: raw allocator}`` for pluggable pools: their segments are
+                that allocator's memory (not device memory), and new segments come from it.
+            pending: the :class:`Event` the ``active_pending_free`` blocks wait on, or a
+                callable ``address -> Event`` giving each its own; required when there are any.
+            stats: a ``memory_stats()`` dict whose peaks, totals and counters to take over;
+                its current values must equal the restored ones.
+
+        Returns:
+            :class:`RestoredBlocks`: the allocated and the pending blocks by address.
+        """
+        if self._segments or self.captures_underway:
+            raise RuntimeError(
+                "restore() builds state into an empty allocator; this one already has segments or routing. "
+                "Create a fresh CachingAllocator first"
+            )
+        allocators = {_pool_id(pid): raw for pid, raw in (allocators or {}).items()}
+        parsed = [_restorable_segment(i, segment) for i, segment in enumerate(segments)]
+        _check_no_overlap(parsed, allocators)
+        for pool_id, raw in allocators.items():
+            if pool_id == DEFAULT_POOL:
+                raise ValueError("the default pool (0, 0) cannot have a pluggable allocator; name a private pool")
+            if pool_id not in self.graph_pools:
+                self.create_or_incref_pool(pool_id, allocator=raw)
+        restored = RestoredBlocks({}, {})
+        for address, size, stream, pool_id, is_small, blocks in sorted(parsed, key=lambda p: (p[0], -p[1])):
+            if pool_id != DEFAULT_POOL and pool_id not in self.graph_pools:
+                self.create_or_incref_pool(pool_id)
+            private = self.graph_pools.get(pool_id)
+            if private is None:
+                pool = self.small_blocks if is_small else self.large_blocks
+            else:
+                pool = private.small_blocks if is_small else private.large_blocks
+                private.cudaMalloc_count += 1
+                self._bump_pool_ids(pool_id)
+            if private is None or private.allocator is None:
+                self.memory.reserve(address, size)
+            self.total_allocated_memory += size
+            segment = Segment(address, size, stream, pool)
+            self._segments[segment] = None
+            _increase(pool, "segment", 1)
+            _increase(pool, "reserved_bytes", size)
+            if size >= self._max_split:
+                self._oversize_segments.increase(1)
+            self._counters["num_device_alloc"] += 1
+            prev = None
+            ptr = address
+            split = len(blocks) > 1
+            for block_size, state, requested in blocks:
+                block = Block(ptr, block_size, stream, pool, segment, prev=prev)
+                block.requested_size = requested
+                if prev is None:
+                    segment.head = block
+                else:
+                    prev.next = block
+                prev = block
+                ptr += block_size
+                if state == "inactive":
+                    pool.insert(block)
+                    if split:
+                        _increase(pool, "inactive_split", 1)
+                        _increase(pool, "inactive_split_bytes", block_size)
+                    continue
+                _increase(pool, "active", 1)
+                _increase(pool, "active_bytes", block_size)
+                _increase(pool, "requested_bytes", requested)
+                if state == "active_allocated":
+                    block.allocated = True
+                    _increase(pool, "allocation", 1)
+                    _increase(pool, "allocated_bytes", block_size)
+                    if block_size >= self._max_split:
+                        self._oversize_allocations.increase(1)
+                    restored.allocated[block.ptr] = block
+                else:
+                    event = pending(block.ptr) if callable(pending) else pending
+                    if not isinstance(event, Event):
+                        raise ValueError(
+                            f"the block of {block_size} bytes at {block.ptr:#x} is active_pending_free: pass "
+                            "pending=<Event> (or a callable address -> Event) that it should wait on"
+                        )
+                    stream_id = event.stream.id if event.stream is not None else stream
+                    block.event_count = 1
+                    self._cuda_events.setdefault(stream_id, deque()).append((event, block))
+                    restored.pending[block.ptr] = block
+        if stats is not None:
+            self._take_over_stats(stats)
+        return restored
+
+    def _bump_pool_ids(self, pool_id: tuple[int, int]) -> None:
+        """Keep new_pool_id from handing out an id that a restored pool already has."""
+        first, second = pool_id
+        self._next_capture_id = max(self._next_capture_id, first + 1)
+        self._next_mempool_id = max(self._next_mempool_id, second + 1)
+
+    def _take_over_stats(self, stats: dict) -> None:
+        """Peaks, totals and counters from a memory_stats() dict whose current values match ours."""
+        mine = self.memory_stats()
+        wrong = sorted(key for key in mine if key.endswith(".current") and stats.get(key, mine[key]) != mine[key])
+        if wrong:
+            key = wrong[0]
+            raise ValueError(
+                f"stats do not describe these segments: {key} is {stats[key]} there but {mine[key]} after restoring "
+                f"({len(wrong)} current values differ); pass the memory_stats() taken with this snapshot, or none"
+            )
+        small, large = self._counters_by_kind
+        for name in ARRAY_STATS:
+            total_name = {"active": "allocation", "active_bytes": "allocated_bytes"}.get(name, name)
+            for kind, counters in (("small_pool", small), ("large_pool", large)):
+                current = getattr(counters, name)
+                peak = stats.get(f"{name}.{kind}.peak", current)
+                setattr(counters, name + "_peak", peak)
+                if total_name == name:
+                    total = stats.get(f"{name}.{kind}.allocated", current)
+                    freed = stats.get(f"{name}.{kind}.freed", 0)
+                    setattr(counters, name + "_total", total)
+                    setattr(counters, name + "_base", freed - total + current)
+            setattr(self._counters_all, name + "_peak", stats.get(f"{name}.all.peak", getattr(small, name) + getattr(large, name)))
+        for name, stat in (("oversize_allocations", self._oversize_allocations), ("oversize_segments", self._oversize_segments)):
+            stat.peak = stats.get(f"{name}.peak", stat.peak)
+            stat.allocated = stats.get(f"{name}.allocated", stat.allocated)
+            stat.freed = stats.get(f"{name}.freed", stat.freed)
+        for name in COUNTERS:
+            if name in stats:
+                self._counters[name] = stats[name]
+
     # ------------------------------------------------------------------ search, split, merge
 
     def _get_pool(self, size: int, stream: int, thread: int) -> BlockPool:
@@ -1310,3 +1454,74 @@ def _pool_id(pool_id) -> tuple[int, int]:
         return (int(first), int(second))
     except (TypeError, ValueError):
         raise ValueError(f"a pool id is a pair of ints like (0, 1), got {pool_id!r}") from None
+
+
+class RestoredBlocks:
+    """What :meth:`CachingAllocator.restore` rebuilt: active blocks by address."""
+
+    __slots__ = ("allocated", "pending")
+
+    def __init__(self, allocated: dict, pending: dict) -> None:
+        self.allocated: dict[int, Block] = allocated  # active_allocated blocks
+        self.pending: dict[int, Block] = pending  # active_pending_free blocks, waiting on the caller's events
+
+    def __repr__(self) -> str:
+        return f"RestoredBlocks({len(self.allocated)} allocated, {len(self.pending)} pending)"
+
+
+_BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
+
+
+def _restorable_segment(index: int, segment: dict) -> tuple:
+    """(address, size, stream, pool id, is_small, [(size, state, requested)]) of one snapshot segment, checked."""
+    where = f"segment {index}"
+    try:
+        address, total = int(segment["address"]), int(segment["total_size"])
+        blocks = segment["blocks"]
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"{where} is not a snapshot segment ({type(error).__name__}: {error}); pass the segments of "
+            "torch.cuda.memory_snapshot() (dicts with address, total_size and blocks)"
+        ) from None
+    if segment.get("is_expandable"):
+        raise NotImplementedError(f"{where} is an expandable segment; restoring those is not supported yet")
+    kind = segment.get("segment_type", "small" if total <= K_SMALL_BUFFER else "large")
+    if kind not in ("small", "large"):
+        raise ValueError(f"{where}: segment_type must be 'small' or 'large', got {kind!r}")
+    pool_id = _pool_id(segment.get("segment_pool_id", DEFAULT_POOL))
+    if address <= 0 or total <= 0 or not blocks:
+        raise ValueError(f"{where} at {address:#x}: needs a positive address and size and at least one block")
+    parsed, ptr, previous_state = [], address, None
+    for j, block in enumerate(blocks):
+        size, state = int(block["size"]), block["state"]
+        if size <= 0 or size % K_MIN_BLOCK_SIZE:
+            raise ValueError(f"{where} block {j}: size {size} is not a positive multiple of {K_MIN_BLOCK_SIZE}")
+        if state not in _BLOCK_STATES:
+            raise ValueError(f"{where} block {j}: unknown state {state!r}; expected one of {_BLOCK_STATES}")
+        if "address" in block and int(block["address"]) != ptr:
+            raise ValueError(
+                f"{where} block {j} claims address {int(block['address']):#x} but the blocks before it end at "
+                f"{ptr:#x}: blocks must tile their segment without gaps or overlaps"
+            )
+        if state == "inactive" and previous_state == "inactive":
+            raise ValueError(
+                f"{where} blocks {j - 1} and {j} are both inactive: the allocator merges free neighbours, so this "
+                "snapshot is inconsistent"
+            )
+        parsed.append((size, state, int(block.get("requested_size", 0))))
+        ptr += size
+        previous_state = state
+    if ptr - address != total:
+        raise ValueError(f"{where} at {address:#x}: its blocks add up to {ptr - address} bytes, not total_size {total}")
+    return (address, total, int(segment.get("stream", 0)), pool_id, kind == "small", parsed)
+
+
+def _check_no_overlap(parsed: list[tuple], allocators: dict) -> None:
+    """Device segments must not overlap; pluggable pools' segments may lie inside other segments."""
+    device = sorted((p[0], p[0] + p[1]) for p in parsed if p[3] not in allocators)
+    for (start, end), (next_start, next_end) in zip(device, device[1:]):
+        if next_start < end:
+            raise ValueError(
+                f"segments [{start:#x}, {end:#x}) and [{next_start:#x}, {next_end:#x}) overlap; if one belongs to a "
+                "pluggable pool, pass its raw allocator in allocators={pool_id: allocator}"
+            )

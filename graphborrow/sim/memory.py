@@ -62,6 +62,23 @@ class PhysicalMemory:
             self._backing[address] = torch.empty(reserved, dtype=torch.uint8)
         return address
 
+    def reserve(self, address: int, nbytes: int) -> None:
+        """Mark ``[address, address + nbytes)`` used, as a cudaMalloc that returned ``address`` would.
+
+        For rebuilding a device's state from a snapshot; raises when the range overlaps a live
+        range or exceeds the capacity.
+        """
+        reserved = _round_up(nbytes, GRANULE)
+        if address % GRANULE:
+            raise ValueError(f"reserve({address:#x}): device ranges start at 2 MiB aligned addresses")
+        if self.used + reserved > self.capacity:
+            raise ValueError(
+                f"reserving {reserved} bytes at {address:#x} exceeds the device capacity ({self.used} of "
+                f"{self.capacity} bytes already used); give the device more capacity"
+            )
+        self.expect_next_address(address)
+        self.cuda_malloc(nbytes)
+
     def cuda_free(self, address: int) -> None:
         reserved = self._ranges.pop(address, None)
         if reserved is None:

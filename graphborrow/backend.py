@@ -76,6 +76,13 @@ class CudaBackend:
         """One small allocation outside any pool: lets the allocator process completed events."""
         self._touch()
 
+    def clear_library_workspaces(self) -> None:
+        """Release the cuBLAS workspaces torch keeps per stream (they are made again on demand)."""
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is None:
+            raise RuntimeError("this torch build cannot release cuBLAS workspaces (no _cuda_clearCublasWorkspaces)")
+        clear()
+
     # pools
     def graph_pool_handle(self):
         return torch.cuda.graph_pool_handle()

@@ -413,6 +413,10 @@ class SimBackend:
             return _BackedStorage(self, block, host, nbytes)
         return SimStorage(self, block, 0, nbytes, 0)
 
+    def clear_library_workspaces(self) -> None:
+        """Release the cuBLAS workspaces kept per stream, as ``torch._C._cuda_clearCublasWorkspaces``."""
+        self._blas_workspaces.clear()
+
     def _ensure_blas_workspace(self) -> None:
         stream = self.current_stream().id
         if stream not in self._blas_workspaces:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -239,7 +240,7 @@ class PoolImage:
     segments: tuple = ()
     runs: tuple = ()
     stream: int = 0
-    config: Optional[str] = None
+    config: Any = None
     disabled: Optional[str] = None
 
     @classmethod
@@ -277,14 +278,21 @@ class PoolImage:
         return max((n for _, n in self.extents), default=0)
 
 
-def _allocator_config(backend) -> Optional[str]:
-    """The device allocator's settings string, so the model rounds and splits the same way."""
-    allocator = getattr(backend, "allocator", None)
-    if allocator is not None:  # the simulated device
-        return allocator.config.source or None
-    import os
+def _allocator_config(backend):
+    """The device allocator's settings, so the model rounds and splits the same way."""
+    from .sim import SimBackend
 
-    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None
+    if isinstance(backend, SimBackend):
+        return backend.allocator.config
+    return _cuda_allocator_config()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_allocator_config():
+    """The CUDA allocator's settings as its snapshot records them (read once per process)."""
+    from .sim.config import AllocatorConfig
+
+    return AllocatorConfig.from_settings(torch.cuda.memory._snapshot()["allocator_settings"])
 
 
 # ----------------------------------------------------------------------------- replay
@@ -418,14 +426,23 @@ def replay(sequence: AllocationSequence, image: PoolImage,
 
 def _restore(allocator, image: PoolImage, arena: BumpArena) -> tuple[int, int]:
     """Rebuild a built borrow pool's cached segments in ``allocator``; new segments come from ``arena``."""
-    if not hasattr(allocator, "restore"):
-        raise NotImplementedError(
-            "planning against a borrow pool that is already built needs CachingAllocator.restore; "
-            "call state.retire() first so the next borrow (and the plan) starts from a fresh pool"
-        )
     pool_id = tuple(image.segments[0]["segment_pool_id"])
-    allocator.restore(list(image.segments), allocators={pool_id: arena})
+    pending = None
+    if any(b["state"] == "active_pending_free" for s in image.segments for b in s["blocks"]):
+        pending = _never(allocator)  # frees still waiting on another stream: not counted on
+    allocator.restore(list(image.segments), allocators={pool_id: arena}, pending=pending)
     return pool_id
+
+
+def _never(allocator):
+    """An event on a stream whose work never ends, for blocks whose frees are still pending."""
+    from .sim.streams import Event
+
+    stream = allocator.clockwork.new_stream()
+    stream.enqueue(float("inf"))
+    event = Event()
+    event.record(stream)
+    return event
 
 
 def plan(state, step, inputs: Sequence[tuple] = (), describe: Optional[Callable[[int], str]] = None) -> Replay:

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from .. import planner
+from ..sizes import SMALL_SIZE, round_size
 from ..draft_tree import DraftTree
 from .modes import MODES, VerifyResult, lean_rows, standard_rows
 from .step import StepShape, VerifyStep, prepare
@@ -106,22 +107,43 @@ def requests_per_chunk(state, shape: StepShape) -> ChunkPlan:
     image = state if isinstance(state, planner.PoolImage) else planner.PoolImage.of(state)
     if shape.batch_size == 0:
         return ChunkPlan(planner.Replay(True, 0, 0, 0, None), 0, shape, "chunked")
-    for per in range(shape.batch_size, 0, -1):
-        found = plan_step(image, shape, "chunked", per)
-        if found.fits or image.disabled is not None:
-            return found
-    return found
+    room = _free_space(image)
+    for per in range(shape.batch_size, 1, -1):
+        if _could_fit(room, shape, per):
+            found = plan_step(image, shape, "chunked", per)
+            if found.fits or image.disabled is not None:
+                return found
+    return plan_step(image, shape, "chunked", 1)
+
+
+def _free_space(image: planner.PoolImage) -> tuple[int, int]:
+    """(largest, total) bytes a step could ever get from the pool: cached free large blocks and
+    the arena's room (over-estimates: precarve seeds lie inside the extents)."""
+    cached = [b["size"] for s in image.segments if s.get("segment_type") == "large"
+              for b in s["blocks"] if b["state"] == "inactive"]
+    rooms = [n for _, n in image.extents]
+    return max(cached + rooms, default=0), sum(cached) + sum(rooms)
+
+
+def _could_fit(room: tuple[int, int], shape: StepShape, per: int) -> bool:
+    """A necessary condition, never a verdict: a group of ``per`` requests holds its float32 target
+    probabilities [per*D, V] and a draft scratch of that size at once, each in one block."""
+    block = round_size(per * shape.draft_tokens * shape.vocab * 4)
+    largest, total = room
+    return block <= SMALL_SIZE or (block <= largest and 2 * block <= total)
 
 
 def describe_tensor(shape: StepShape, per_chunk: int):
     """A namer for the step's requests: "[rows, V] float32 matrix" where the size says so."""
     bs, d, vocab = shape.batch_size, shape.draft_tokens, shape.vocab
     row_counts = sorted({bs * d, per_chunk * d, (bs % per_chunk or per_chunk) * d, bs, per_chunk}, reverse=True)
-    kinds = {1: "bool mask", 2: "16-bit logits rows", 4: "float32 matrix", 8: "float64 matrix"}
+    kinds = {4: "float32 matrix", 8: "float64 matrix", 1: "bool mask"}
+    if shape.logits_dtype != torch.float32:
+        kinds[2] = f"matrix of {str(shape.logits_dtype).replace('torch.', '')} logits rows"
 
     def describe(nbytes: int) -> str:
-        for rows in row_counts:
-            for width, name in kinds.items():
+        for width, name in kinds.items():
+            for rows in row_counts:
                 if rows * vocab * width == nbytes:
                     return f"a [{rows}, {vocab}] {name}"
         return ""

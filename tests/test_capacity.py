@@ -1,0 +1,160 @@
+"""plan_verify and the size classes, against borrows made with the real BorrowState."""
+
+import pytest
+import torch
+
+from graphborrow.borrow import BorrowState
+from graphborrow.capacity import describe_plan, largest_borrowable, plan_verify, size_class_table, unborrowable_runs
+from graphborrow.draft_tree import DraftTree
+from graphborrow.eagle import eagle_verify, verify_bytes
+from graphborrow.errors import BorrowCapacityError
+from graphborrow.planner import PoolImage, plan, record, size_class
+from graphborrow.sim import SimBackend
+
+MB = 2**20
+
+
+@pytest.fixture
+def layout():
+    device = SimBackend(capacity=2**36, backed=False, blas_workspace=0)
+    yield device
+    device.close()
+
+
+def static_state(device, *run_sizes, precarve=False):
+    """A borrow state over fresh external buffers of these sizes (runs no capture shaped)."""
+    buffers = [device.external_alloc(n) for n in run_sizes]
+    state = BorrowState(device, precarve=precarve)
+    state.set_static_runs([(b.address, b.nbytes) for b in buffers])
+    state.buffers = buffers
+    return state
+
+
+def borrows(state, device, nbytes) -> bool:
+    try:
+        with state.borrow("probe"):
+            t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            del t
+        return True
+    except device.OutOfMemoryError:
+        return False
+    finally:
+        state.retire()
+
+
+@pytest.mark.parametrize("run_mib,largest_mib", [(1, 0), (3, 1), (9, 1), (12, 12), (15, 14), (19, 18),
+                                                 (20, 20), (21, 20), (100, 100)])
+def test_largest_borrowable_tensor_by_run_size(layout, run_mib, largest_mib):
+    largest = largest_borrowable(run_mib * MB)
+    assert largest == largest_mib * MB
+    state = static_state(layout, run_mib * MB)
+    if largest:
+        assert borrows(state, layout, largest)
+    assert not borrows(state, layout, largest + 512)
+
+
+def test_a_medium_tensor_needs_a_twenty_mib_segment(layout):
+    state = static_state(layout, 15 * MB)
+    assert borrows(state, layout, 12 * MB)  # large: a 12 MiB segment
+    assert not borrows(state, layout, 5 * MB)  # medium: a whole 20 MiB segment
+    rows = size_class_table([1 * MB, 4 * MB, 15 * MB, 40 * MB])
+    assert [r["class"] for r in rows] == ["none", "small", "large", "large"]
+    assert unborrowable_runs([(0x1000, 1 * MB), (0x2000000, 4 * MB)]) == [(0x1000, 1 * MB)]
+
+
+def test_precarve_holds_tensors_up_to_its_seed(layout):
+    """A precarved run lends its seed segment (any large tensor up to it) and the reserve behind it."""
+    state = static_state(layout, 100 * MB, precarve=True)
+    seeds = state.precarve_sizes([(0, 100 * MB)])
+    assert seeds == [68 * MB]  # the run less the 32 MiB reserve for small-pool segments
+    assert largest_borrowable(100 * MB, seeds=seeds) == 68 * MB
+    assert borrows(state, layout, 68 * MB)
+    assert not borrows(state, layout, 68 * MB + 512)
+
+
+def test_a_step_fits_by_its_sequence_not_by_its_bytes(layout):
+    """The motivating case: the step's whole peak fits the run as one tensor, the step does not:
+    its small tensors take a 2 MiB small-pool segment first, and then the 1-10 MiB
+    probabilities need a 20 MiB segment that no longer fits."""
+    bs, d, vocab = 4, 4, 32000  # float32 probabilities [16, 32000]: 1.95 MiB each (medium)
+    peak = verify_bytes(bs, d, vocab, "standard")
+    state = static_state(layout, 21 * MB)
+    assert state.can_fit(peak)  # the single-tensor question says yes
+    p = plan_verify(state, bs, d, vocab)
+    assert not p.fits and p.peak_bytes < peak  # it failed before reaching its peak
+    assert "[16, 32000] float32 matrix" in p.reason and "20 MiB segment" in p.reason
+    assert "largest run 21.0 MiB" in p.reason
+    long = torch.empty(bs, d, dtype=torch.long, device="cuda")
+    with pytest.raises(layout.OutOfMemoryError):
+        eagle_verify(torch.empty(bs * d, vocab, device="cuda"), None, DraftTree(long, long, long, long, 3), 1.0,
+                     borrow=state, validate=False)
+    fits = plan_verify(static_state(layout, 30 * MB), bs, d, vocab)
+    assert fits.fits and fits.peak_bytes == peak
+
+
+def test_chunked_refuses_before_allocating_anything(layout):
+    state = static_state(layout, 6 * MB)
+    p = plan_verify(state, 8, 4, 128256, "chunked")  # one request's [4, 128256] probabilities: 2 MiB, medium
+    assert not p.fits and p.requests_per_chunk == 1
+    assert plan_verify(state, 8, 4, 32000, "chunked").requests_per_chunk == 2  # [8, 32000]: small blocks
+    long = torch.empty(8, 4, dtype=torch.long, device="cuda")
+    logits = torch.empty(32, 128256, device="cuda")
+    before = layout.memory_snapshot()
+    with pytest.raises(BorrowCapacityError, match="cannot run in the borrowed runs: .*medium"):
+        eagle_verify(logits, None, DraftTree(long, long, long, long, 2), 1.0, borrow=state, mode="chunked",
+                     validate=False)
+    assert state.mem_pool is None and state.builds == 0
+    assert layout.memory_snapshot() == before
+
+
+def test_plans_answer_for_a_built_pool_too(layout):
+    """After a borrow the pool is built: its cached segments are restored in the model."""
+    state = static_state(layout, 100 * MB)
+    long = torch.empty(8, 4, dtype=torch.long, device="cuda")
+    logits = torch.empty(32, 32000, device="cuda")
+    tree = DraftTree(long, long, long, long, 3)
+    assert plan_verify(state, 8, 4, 32000).fits
+    eagle_verify(logits, None, tree, 1.0, borrow=state, validate=False)
+    assert state.mem_pool is not None
+    built = PoolImage.of(state)
+    assert built.segments and built.largest_room < 100 * MB
+    for bs, d in ((8, 4), (16, 8), (40, 8)):
+        p = plan_verify(state, bs, d, 32000)
+        long = torch.empty(bs, d, dtype=torch.long, device="cuda")
+        try:
+            eagle_verify(torch.empty(bs * d, 32000, device="cuda"), None, DraftTree(long, long, long, long, 3), 1.0,
+                         borrow=state, validate=False)
+            ran = True
+        except layout.OutOfMemoryError:
+            ran = False
+        assert p.fits == ran, (bs, d, p)
+
+
+def test_disabled_and_empty_cases(layout):
+    state = static_state(layout, 40 * MB)
+    assert plan_verify(state, 0, 4, 1000).fits
+    state.disable("graph pool is externally managed")
+    p = plan_verify(state, 1, 1, 10)
+    assert not p.fits and "disabled: graph pool is externally managed" in p.reason
+    assert "does not fit: borrowing is disabled" in describe_plan(p)
+
+
+def test_bad_arguments_are_named(layout):
+    state = static_state(layout, 40 * MB)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 0"):
+        plan_verify(state, -1, 4, 1000)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        plan_verify(state, 1, 4, 1000, mode="fast")
+    with pytest.raises(ValueError, match="top_k says whether"):
+        plan_verify(state, 1, 4, 1000, top_k=50)
+
+
+def test_any_step_can_be_planned(layout):
+    """The general planner: a log-softmax over chunks of logits, a user's own function."""
+    state = static_state(layout, 24 * MB)
+    sequence = record(lambda x: torch.log_softmax(x, dim=-1), inputs=[((64, 32000), torch.float32)])
+    assert sequence.allocations == 1 and size_class(64 * 32000 * 4).name == "medium"
+    assert plan(state, sequence).fits  # one 7.8 MiB output: a 20 MiB segment
+    assert not plan(static_state(layout, 16 * MB), sequence).fits
+    three = plan(state, lambda x: (x.exp(), x.exp(), x.exp()), inputs=[((64, 32000), torch.float32)])
+    assert not three.fits and three.failed.index == 2  # two share the 20 MiB segment, the third needs another

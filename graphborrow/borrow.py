@@ -33,6 +33,14 @@ CAPTURE_USER = "CUDA graph capture"
 REPLAY_USER = "CUDA graph replay"
 
 
+def precarve_bytes(run: int, reserve: int = 32 * MB, minimum: int = 64 * MB) -> int:
+    """The seed segment a fresh borrow pool precarves in a run of ``run`` bytes (0: none):
+    the run less ``reserve`` (room for small-pool segments), rounded down to 2 MiB, if at
+    least ``minimum``."""
+    seed = (run - reserve) // (2 * MB) * (2 * MB)
+    return seed if seed >= minimum else 0
+
+
 @dataclasses.dataclass(eq=False)
 class BorrowState:
     """Owner slot, free-run cache and borrow pool of one runtime.
@@ -162,8 +170,7 @@ class BorrowState:
     def _precarve_bytes(self, run: int) -> int:
         if not self.precarve:
             return 0
-        seed = (run - self.precarve_reserve) // (2 * MB) * (2 * MB)
-        return seed if seed >= self.precarve_min else 0
+        return precarve_bytes(run, self.precarve_reserve, self.precarve_min)
 
     def precarve_sizes(self, runs: Sequence[Sequence[int]]) -> list[int]:
         """The seed segments a fresh borrow pool over ``runs`` allocates (and frees), in order."""

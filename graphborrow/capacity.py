@@ -19,16 +19,22 @@ those classes; :func:`unborrowable_runs` names runs that can never hold a borrow
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
+import torch
+
+from .borrow import BorrowState
 from .eagle.modes import MODES
 from .eagle.sequence import plan_step, requests_per_chunk
 from .eagle.step import StepShape
 from .planner import AllocationSequence, PoolImage, replay, size_class
-from .sizes import MB, SMALL_BUFFER
+from .sizes import MB
 
 __all__ = [
+    "FitPolicyPool",
     "VerifyPlan",
+    "describe_plan",
+    "fit_policy_pool",
     "largest_borrowable",
     "plan_verify",
     "size_class_table",
@@ -42,10 +48,12 @@ class VerifyPlan:
 
     ``fits``: the step completes in the borrowed runs. ``requests_per_chunk``: the whole
     batch for standard and lean; chunked mode's group size (the most that fits, or 1
-    with ``fits`` False when not even one request does). ``peak_bytes``: most bytes of
-    allocator blocks the step holds at once. ``carved_bytes``: bytes the arena carves
-    from the runs for new segments (the pool's precarve included). ``reason``: why it
-    does not fit, in words: which tensor, its size class, the largest run and room.
+    with ``fits`` False when not even one request does). ``peak_bytes``: most bytes
+    (512-byte-rounded blocks) the step holds at once when it runs, wherever it runs.
+    ``carved_bytes``: bytes the arena carved from the runs for new segments in the
+    replay (the pool's precarve included). ``allocations``: how many of the step's
+    requests the replay served. ``reason``: why it does not fit, in words: which tensor,
+    its size class, the largest run and the room left.
     """
 
     fits: bool
@@ -93,7 +101,7 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
         return VerifyPlan(True, 0, 0, "", mode, 0, draft_tokens, vocab, top_k, top_p, largest_run=image.largest_run)
     found = requests_per_chunk(image, shape) if mode == "chunked" else plan_step(image, shape, mode)
     r = found.replay
-    return VerifyPlan(r.fits, found.requests_per_chunk, r.peak_bytes, r.reason, mode, batch_size, draft_tokens,
+    return VerifyPlan(r.fits, found.requests_per_chunk, found.peak_bytes, r.reason, mode, batch_size, draft_tokens,
                       vocab, top_k, top_p, r.carved_bytes, r.allocations, image.largest_run)
 
 
@@ -168,4 +176,49 @@ def describe_plan(plan: VerifyPlan) -> str:
     return f"{what} does not fit: {plan.reason}"
 
 
-SMALLEST_USEFUL_RUN = SMALL_BUFFER  # below this, a run lends nothing
+# ----------------------------------------------------------------------------- fit policy
+
+
+class FitPolicyPool:
+    """A captured graph pool whose free runs make the arena's fit policy decide what fits.
+
+    Two graphs leave a 20 MiB run (a whole segment whose 9 MiB intermediates died) and a
+    12 MiB one (behind an 8 MiB output kept alive), plus small-pool slivers under 2 MiB
+    that can never hold a borrow. A step whose small tensors come first and that then
+    needs one 20 MiB segment (any 1-10 MiB tensor) fits under best fit, which carves the
+    2 MiB small-pool segment out of the 12 MiB run, and not under first fit, which carves
+    it out of the 20 MiB run (the first extent: runs come largest first). Precarve is off,
+    so the arena alone decides.
+    """
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.state = BorrowState(backend, pool_id=backend.graph_pool_handle(), precarve=False)
+        self.pool_id = self.state.pool_id
+        b = backend
+        self.inputs = [torch.empty(8 * MB // 4, device=b.device), torch.empty(9 * MB // 4, device=b.device)]
+        b.synchronize()
+        self.graphs, self.outputs = [b.CUDAGraph(), b.CUDAGraph()], []
+        with self.state.capture_scope(), b.graph(self.graphs[0], pool=self.pool_id):
+            self.outputs.append(self.inputs[0] * 2)  # kept: 12 MiB stay free behind it
+        with self.state.capture_scope(), b.graph(self.graphs[1], pool=self.pool_id):
+            doubled = self.inputs[1] * 2  # takes the 12 MiB block
+            shifted = self.inputs[1] + 1  # needs a segment of its own: 20 MiB
+            self.outputs.append(doubled[:8] + shifted[:8])
+            del doubled, shifted
+        b.synchronize()
+
+    def snapshot(self) -> list[dict]:
+        return self.backend.memory_snapshot(self.pool_id)
+
+
+def fit_policy_pool(backend) -> FitPolicyPool:
+    """A pool where best fit and first fit change what fits (see :class:`FitPolicyPool`).
+
+    Args:
+        backend: the device (any :class:`~graphborrow.device_api.DeviceAPI`; active if simulated).
+
+    Returns:
+        The :class:`FitPolicyPool`, its ``state`` ready to borrow.
+    """
+    return FitPolicyPool(backend)

@@ -35,6 +35,7 @@ class ChunkPlan:
     requests_per_chunk: int
     shape: StepShape
     mode: str
+    peak_bytes: int  # most bytes (512-byte-rounded blocks) the step holds at once when it runs
 
     @property
     def fits(self) -> bool:
@@ -93,8 +94,9 @@ def verify_bytes(batch_size: int, draft_tokens: int, vocab: int, mode: str, top_
 def plan_step(image: planner.PoolImage, shape: StepShape, mode: str, per_chunk: Optional[int] = None) -> ChunkPlan:
     """Replay the step's sequence against ``image``."""
     per = shape.batch_size if mode != "chunked" or per_chunk is None else per_chunk
-    result = planner.replay(verify_sequence(shape, mode, per), image, describe_tensor(shape, per))
-    return ChunkPlan(result, per, shape, mode)
+    sequence = verify_sequence(shape, mode, per)
+    result = planner.replay(sequence, image, describe_tensor(shape, per))
+    return ChunkPlan(result, per, shape, mode, sequence.peak_bytes)
 
 
 def requests_per_chunk(state, shape: StepShape) -> ChunkPlan:
@@ -106,7 +108,7 @@ def requests_per_chunk(state, shape: StepShape) -> ChunkPlan:
     """
     image = state if isinstance(state, planner.PoolImage) else planner.PoolImage.of(state)
     if shape.batch_size == 0:
-        return ChunkPlan(planner.Replay(True, 0, 0, 0, None), 0, shape, "chunked")
+        return ChunkPlan(planner.Replay(True, 0, 0, 0, None), 0, shape, "chunked", 0)
     room = _free_space(image)
     for per in range(shape.batch_size, 1, -1):
         if _could_fit(room, shape, per):

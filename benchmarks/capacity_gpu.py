@@ -118,6 +118,10 @@ def make_inputs(backend, bs, d, vocab, seed):
     topk, depth = TREES.get(d, (2, max(d // 2, 1)))
     tree = build_draft_tree(min(topk, d), depth, d, bs, vocab, generator=torch.Generator().manual_seed(seed),
                             device=backend.device)
+    if backend.name == "cuda":  # draw on the device: a CPU draw of 128 x 16 x 128256 takes seconds
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        logits = torch.randn(bs * d, vocab, device="cuda", generator=g).mul_(2.0)
+        return tree, logits, torch.rand(bs, d, device="cuda", generator=g), torch.rand(bs, device="cuda", generator=g)
     g = torch.Generator().manual_seed(seed)
     logits = (2.0 * torch.randn(bs * d, vocab, generator=g)).to(backend.device)
     coins = torch.rand(bs, d, generator=g).to(backend.device)
@@ -139,7 +143,7 @@ def run_step(backend, state, inputs, mode, args, chunk_rows=None):
     try:
         eagle_verify(logits, None, tree, args.temperature, top_ks=args.top_k or None, top_ps=args.top_p or None,
                      coins=coins, coins_final=coins_final, borrow=state, mode=mode, chunk_rows=chunk_rows,
-                     validate=backend.backed)
+                     impl="reference", validate=backend.backed)  # the implementation the planner records
         backend.synchronize()
     except backend.OutOfMemoryError as exc:
         ran, error = False, f"OutOfMemoryError: {str(exc).splitlines()[0][:160]}"

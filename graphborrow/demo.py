@@ -20,6 +20,8 @@ from .runs import find_free_runs, summarize
 from .sizes import MB
 from .workload import LLAMA3_8B, GraphLadder, ModelShape
 
+__all__ = ["main", "run_demo"]
+
 # Small enough for a CPU, large enough that the probabilities need 20 MiB segments.
 SIM_SHAPE = ModelShape(hidden=256, intermediate=1024, layers=2, vocab=32000, dtype=torch.float32)
 

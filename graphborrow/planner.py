@@ -290,9 +290,14 @@ def _allocator_config(backend):
 @functools.lru_cache(maxsize=None)
 def _cuda_allocator_config():
     """The CUDA allocator's settings as its snapshot records them (read once per process)."""
+    import os
+
     from .sim.config import AllocatorConfig
 
-    return AllocatorConfig.from_settings(torch.cuda.memory._snapshot()["allocator_settings"])
+    settings = torch.cuda.memory._snapshot().get("allocator_settings")
+    if settings:
+        return AllocatorConfig.from_settings(settings)
+    return AllocatorConfig(os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None)
 
 
 # ----------------------------------------------------------------------------- replay

@@ -18,6 +18,8 @@ from matplotlib.patches import Patch, Rectangle
 from .capacity import unborrowable_runs
 from .errors import SnapshotFormatError
 
+__all__ = ["BORROWED_COLOR", "RUN_COLOR", "STATE_COLORS", "UNBORROWABLE_COLOR", "bar_policy_comparison", "capacity_map", "largest_borrowable_plot", "memory_map", "sweep_plot"]
+
 STATE_COLORS = {
     "active_allocated": "#d95f02",
     "active_pending_free": "#7570b3",

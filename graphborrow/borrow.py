@@ -177,7 +177,9 @@ class BorrowState:
         return [s for s in (self._precarve_bytes(n) for _, n in runs) if s]
 
     def can_fit(self, nbytes: int) -> bool:
-        """Could one more tensor of ``nbytes`` be borrowed right now?
+        """Could one more tensor of ``nbytes`` be borrowed right now? (The single-tensor question:
+        whether a whole step fits depends on its allocation sequence; ask
+        :func:`graphborrow.capacity.plan_verify` or :func:`graphborrow.planner.plan`.)
 
         Applies the allocator's rounding: a request gets a 512-byte-rounded block, from a
         cached free block of the borrow pool (a precarved segment included), or in a new

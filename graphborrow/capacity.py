@@ -143,16 +143,19 @@ def _fits_one(image: PoolImage, nbytes: int) -> bool:
     return replay(AllocationSequence((("alloc", -1, nbytes, 0),)), image).fits
 
 
-def size_class_table(run_sizes: Iterable[int]) -> list[dict]:
-    """Rows for the figure "largest borrowable tensor against run size".
+def size_class_table(run_sizes: Iterable[int] | None = None) -> list[dict]:
+    """Rows for the figure "largest borrowable tensor against run size"
+    (:func:`graphborrow.plots.largest_borrowable_plot`).
 
     Args:
-        run_sizes: run sizes in bytes.
+        run_sizes: run sizes in bytes (default: every 256 KiB up to 40 MiB).
 
     Returns:
         One dict per run: ``run_bytes``, ``largest_bytes`` and ``class`` (the size class of
         the largest borrowable tensor, or "none").
     """
+    if run_sizes is None:
+        run_sizes = range(MB // 4, 40 * MB + 1, MB // 4)
     rows = []
     for run in run_sizes:
         largest = largest_borrowable(int(run))

@@ -8,7 +8,7 @@ from graphborrow.capacity import describe_plan, largest_borrowable, plan_verify,
 from graphborrow.draft_tree import DraftTree
 from graphborrow.eagle import eagle_verify, verify_bytes
 from graphborrow.errors import BorrowCapacityError
-from graphborrow.planner import PoolImage, plan, record, size_class
+from graphborrow.planner import AllocationSequence, PoolImage, plan, record, replay, size_class
 from graphborrow.sim import SimBackend
 
 MB = 2**20
@@ -159,3 +159,74 @@ def test_any_step_can_be_planned(layout):
     assert not plan(static_state(layout, 16 * MB), sequence).fits
     three = plan(state, lambda x: (x.exp(), x.exp(), x.exp()), inputs=[((64, 32000), torch.float32)])
     assert not three.fits and three.failed.index == 2  # two share the 20 MiB segment, the third needs another
+
+
+# ----------------------------------------------------------------------------- the replay itself
+
+BASE = 1 << 40
+
+
+def seq(*events):
+    """("alloc", id, nbytes) / ("free", id) shorthand on stream 0."""
+    return AllocationSequence(tuple((e[0], e[1], e[2] if len(e) > 2 else 0, 0) for e in events))
+
+
+def test_replay_counts_peak_carved_bytes_and_allocations():
+    image = PoolImage.from_runs([(BASE, 64 * MB)])
+    r = replay(seq(("alloc", 1, 1000), ("alloc", 2, 15 * MB), ("free", 2), ("alloc", 3, 12 * MB)), image)
+    assert (r.fits, r.allocations, r.failed, r.disabled) == (True, 3, None, None)
+    # blocks as the allocator hands them out: 1000 B -> 1024; 15 MiB takes its whole 16 MiB segment
+    # (1 MiB would remain, and a large block splits only when more than 1 MiB remains)
+    assert r.peak_bytes == 1024 + 16 * MB
+    assert r.carved_bytes == 2 * MB + 16 * MB  # a small-pool segment and a 16 MiB one
+
+
+def test_a_failed_request_is_described_with_what_the_pool_had_left():
+    image = PoolImage.from_runs([(BASE, 30 * MB)])
+    r = replay(seq(("alloc", 1, 1000), ("alloc", 2, 15 * MB), ("free", 2), ("alloc", 3, 25 * MB)), image,
+               describe=lambda n: "the big one" if n == 25 * MB else "")
+    assert (r.fits, r.allocations, r.carved_bytes) == (False, 2, 18 * MB)
+    f = r.failed
+    assert (f.index, f.held_bytes, f.largest_cached, f.largest_room, f.largest_run, f.label) == (
+        2, 1024, 16 * MB, 12 * MB, 30 * MB, "the big one")
+    assert f.size == size_class(25 * MB) and (f.size.name, f.size.segment_bytes) == ("large", 26 * MB)
+    assert r.reason.startswith("the step's allocation #3, the big one (25.0 MiB), does not fit")
+    assert "the largest cached free block is 16.0 MiB" in r.reason and "(largest 12.0 MiB; largest run 30.0 MiB" in r.reason
+    small = replay(seq(("alloc", 1, 4096)), PoolImage.from_runs([(BASE, 1 * MB)]))
+    assert small.failed.size.name == "small" and small.failed.largest_cached == 0
+    assert "no cached free block is large enough" in small.reason and "2.0 MiB small-pool segment" in small.reason
+
+
+def test_the_fit_policy_of_the_image_decides():
+    image = PoolImage.from_runs([(BASE, 20 * MB), (BASE + 64 * MB, 12 * MB)], best_fit=True)
+    steps = seq(("alloc", 1, 1000), ("alloc", 2, 5 * MB))
+    assert replay(steps, image).fits
+    first = replay(steps, PoolImage.from_runs(image.runs, best_fit=False))
+    assert not first.fits and first.failed.largest_room == 18 * MB
+
+
+def test_a_precarve_that_does_not_fit_fails_the_build():
+    r = replay(seq(("alloc", 1, 1000)), PoolImage.from_runs([(BASE, 40 * MB)], seeds=[30 * MB, 20 * MB]))
+    assert (r.fits, r.allocations, r.carved_bytes) == (False, 0, 30 * MB)
+    assert r.failed.index == -1 and r.reason.startswith("building the borrow pool (its precarve)")
+
+
+def test_a_disabled_state_replays_nothing():
+    r = replay(seq(("alloc", 1, 1000)), PoolImage(disabled="externally managed"))
+    assert (r.fits, r.peak_bytes, r.carved_bytes, r.allocations, r.failed) == (False, 0, 0, 0, None)
+    assert r.reason == "borrowing is disabled: externally managed"
+
+
+def test_the_devices_allocator_settings_carry_into_the_plan():
+    """17 MiB rounds to an 18 MiB segment by default, to 20 MiB with power-of-two divisions."""
+    results = []
+    for config in (None, "roundup_power2_divisions:4"):
+        device = SimBackend(capacity=2**34, backed=False, blas_workspace=0, config=config)
+        try:
+            state = static_state(device, 19 * MB)
+            image = PoolImage.of(state)
+            assert image.config is device.allocator.config
+            results.append(plan(state, seq(("alloc", 1, 17 * MB))).fits)
+        finally:
+            device.close()
+    assert results == [True, False]

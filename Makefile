@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 export MPLBACKEND := Agg
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean mutation-capacity
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -56,6 +56,13 @@ test-gpu: setup
 # CPU: the simulated allocator's speed, compiled against pure Python (figure in the README).
 bench: setup
 	$(PY) benchmarks/sim_allocator.py docs/sim_allocator_speed.png --json data/sim_allocator_cpu.json --pairs 50000 --repeats 5
+
+# Mutation testing of the capacity planner (not in CI; about 15 minutes on 2 cores).
+mutation-capacity: setup
+	$(PY) -m pip install -q ".[mutation]"
+	rm -rf mutants
+	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 || true
+	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py data/mutation_capacity.json
 
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb

@@ -230,3 +230,35 @@ def test_the_devices_allocator_settings_carry_into_the_plan():
         finally:
             device.close()
     assert results == [True, False]
+
+
+def test_the_plan_echoes_its_step_and_its_replay(layout):
+    state = static_state(layout, 64 * MB)
+    p = plan_verify(state, 2, 4, 32000, "lean", top_k=True)
+    assert (p.fits, p.mode, p.batch_size, p.draft_tokens, p.vocab, p.top_k, p.top_p) == (
+        True, "lean", 2, 4, 32000, True, False)
+    assert (p.requests_per_chunk, p.largest_run, p.reason) == (2, 64 * MB, "")
+    assert p.carved_bytes >= 2 * MB and p.allocations > 0 and p.peak_bytes > 2 * 4 * 32000
+    empty = plan_verify(state, 0, 4, 32000, "lean", top_p=True)
+    assert empty == type(empty)(True, 0, 0, "", "lean", 0, 4, 32000, False, True, largest_run=64 * MB)
+
+
+def test_the_pool_image_of_a_state_fresh_and_built(layout):
+    state = static_state(layout, 100 * MB, 30 * MB, precarve=True)
+    state.best_fit = False
+    fresh = PoolImage.of(state)
+    runs = tuple(state.free_runs())
+    assert (fresh.extents, fresh.runs, fresh.best_fit, fresh.align, fresh.segments, fresh.stream) == (
+        runs, runs, False, 512, (), 0)
+    assert fresh.seeds == tuple(state.precarve_sizes(runs)) == (68 * MB,)
+    assert fresh.config is layout.allocator.config and fresh.disabled is None
+    assert (fresh.largest_run, fresh.largest_room) == (100 * MB, 100 * MB)
+    with state.borrow("build"):
+        t = torch.empty(5 * MB, dtype=torch.uint8, device="cuda")
+        del t
+    state.best_fit = True  # applies to the next build, not to the built pool
+    built = PoolImage.of(state)
+    cursors = state.arena.extent_cursors()
+    assert built.extents == tuple((b + c, n - c) for (b, n), c in zip(state.arena.extents, cursors) if n > c)
+    assert built.best_fit is False and built.seeds == () and built.runs == runs
+    assert built.segments and built.stream == built.segments[0]["stream"]

@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-sweep gpu-wheels model-pools model-pools-sim strip clean
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-sweep gpu-wheels model-pools model-pools-sim strip clean mutation-capacity
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -76,6 +76,13 @@ model-pools: setup
 model-pools-sim: setup
 	$(PY) benchmarks/model_pools.py --device sim --out output/model-pools-sim
 	$(PY) scripts/model_pools_table.py output/model-pools-sim
+
+# Mutation testing of the capacity planner (not in CI; about 15 minutes on 2 cores).
+mutation-capacity: setup
+	$(PY) -m pip install -q ".[mutation]"
+	rm -rf mutants
+	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 || true
+	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py data/mutation_capacity.json
 
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb

@@ -42,8 +42,9 @@ LOCKSTEP = textwrap.dedent(
         def raw_delete(self, ptr, nbytes, stream):
             pass
 
-    def make(module, config):
+    def make(module, config, fraction):
         a = module.CachingAllocator(PhysicalMemory(capacity=768 * MiB, backed=False), Clockwork(), config)
+        a.set_memory_fraction(fraction)
         a.record_history(True)
         return a
 
@@ -86,9 +87,9 @@ LOCKSTEP = textwrap.dedent(
             a.empty_cache()
         return None
 
-    def run(config, seed, steps):
+    def run(config, fraction, seed, steps):
         rng_f, rng_p = random.Random(seed), random.Random(seed)
-        f, p = make(fast, config), make(pure, config)
+        f, p = make(fast, config, fraction), make(pure, config, fraction)
         live_f, live_p, routes_f, routes_p = [], [], [], []
         for i in range(steps):
             out_f, out_p = step(f, rng_f, live_f, routes_f), step(p, rng_p, live_p, routes_p)
@@ -100,10 +101,12 @@ LOCKSTEP = textwrap.dedent(
         return len(f.full_snapshot()["device_traces"][0])
 
     events = 0
-    for config in (None, "max_split_size_mb:40", "roundup_power2_divisions:4",
-                   "max_split_size_mb:64,roundup_power2_divisions:[256:4,>:1]"):
-        for seed in range(3):
-            events += run(config, seed, 1500)
+    for config, fraction in ((None, 1.0), ("max_split_size_mb:40", 1.0), ("roundup_power2_divisions:4", 1.0),
+                             ("max_split_size_mb:64,roundup_power2_divisions:[256:4,>:1]", 1.0),
+                             ("expandable_segments:True", 1.0), ("garbage_collection_threshold:0.5", 0.7),
+                             ("expandable_segments:True,max_split_size_mb:30,garbage_collection_threshold:0.6", 0.8)):
+        for seed in range(2):
+            events += run(config, fraction, seed, 1500)
     print("trace events compared:", events)
     """
 )

@@ -6,7 +6,6 @@ import threading
 import pytest
 import torch
 
-from graphborrow.backend import CudaBackend
 from graphborrow.sim import SimBackend, is_sim_tensor
 from graphborrow.sim.export import dump_snapshot, load_snapshot
 
@@ -26,14 +25,6 @@ def segment_of(backend, address):
         if segment["address"] <= address < segment["address"] + segment["total_size"]:
             return segment
     return None
-
-
-def test_sim_backend_has_every_cuda_backend_method():
-    public = [n for n in dir(CudaBackend) if not n.startswith("_")]
-    missing = [n for n in public if not hasattr(SimBackend, n)]
-    assert missing == []
-    assert SimBackend.name == "sim" and SimBackend.device == "cuda"
-    assert SimBackend.OutOfMemoryError is torch.OutOfMemoryError
 
 
 def test_streams_are_thread_local_contexts(sim):

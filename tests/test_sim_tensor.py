@@ -1,7 +1,6 @@
 """Tensors on the simulated device: placement, aliasing, lifetime, and ops running unchanged."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -136,7 +135,8 @@ def test_oom_past_capacity_uses_torch_error():
         backend.close()
 
 
-def test_layout_only_mode_is_fast_and_places_blocks_like_backed_mode():
+def test_layout_only_mode_places_blocks_like_backed_mode():
+    """Llama-sized shapes without their bytes (its speed: benchmarks/layout_only.py)."""
     def run(backend):
         with torch.inference_mode():
             x = torch.empty(64, 4096, dtype=torch.bfloat16, device="cuda")
@@ -151,10 +151,7 @@ def test_layout_only_mode_is_fast_and_places_blocks_like_backed_mode():
 
     layout = SimBackend(capacity=80 * 2**30, backed=False)
     try:
-        start = time.perf_counter()
         blocks_layout, top = run(layout)
-        elapsed = time.perf_counter() - start
-        assert elapsed < 2.0
         assert top.indices.shape == (64, 8)
         with pytest.raises(SimLayoutOnlyError, match="backed=True"):
             top.values[0, 0].item()

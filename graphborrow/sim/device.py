@@ -1,4 +1,4 @@
-"""The simulated CUDA device: ``SimBackend`` mirrors :class:`graphborrow.backend.CudaBackend`.
+"""The simulated CUDA device: ``SimBackend`` implements :class:`graphborrow.device_api.DeviceAPI`.
 
 One SimBackend is one device: physical memory, streams with clocks, a caching
 allocator that behaves like PyTorch's, tensors that are views of its bytes and CUDA
@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..device_api import ExternalBuffer
 from . import graphs
 from .allocator import CachingAllocator
 from .attention import AttentionModel
@@ -46,22 +47,6 @@ class SimEvent:
 
     def wait(self, stream: Stream | None = None) -> None:
         (stream if stream is not None else self._backend.current_stream()).wait_event(self._event)
-
-
-class ArenaRawAllocator:
-    """Adapts a :class:`graphborrow.arena.BumpArena` to the allocator's raw_alloc/raw_delete.
-
-    The arena's host calls run the same compiled C as torch's pluggable allocator on CUDA.
-    """
-
-    def __init__(self, arena) -> None:
-        self.arena = arena
-
-    def raw_alloc(self, nbytes: int, stream: int) -> int:
-        return int(self.arena.malloc(nbytes) or 0)
-
-    def raw_delete(self, address: int, nbytes: int, stream: int) -> None:
-        self.arena.free(address, nbytes)
 
 
 class MemPool:
@@ -133,7 +118,7 @@ class _StreamContext:
 
 
 class SimBackend:
-    """A simulated CUDA device with the method names of :class:`CudaBackend`.
+    """A simulated CUDA device implementing :class:`~graphborrow.device_api.DeviceAPI`.
 
     ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM).
     ``backed``: real bytes behind every segment; ``False`` is layout-only (META tensors:
@@ -304,8 +289,7 @@ class SimBackend:
 
     def arena_pool(self, arena) -> MemPool:
         """A MemPool whose segments come from ``arena`` (host calls into the C bump arena)."""
-        raw = arena if hasattr(arena, "raw_alloc") else ArenaRawAllocator(arena)
-        return MemPool(self, raw)
+        return MemPool(self, arena)
 
     def route_to_pool(self, pool):
         """The borrow scope's per-step routing; on the simulator simply ``use_mem_pool``."""
@@ -389,8 +373,6 @@ class SimBackend:
 
     def external_alloc(self, nbytes: int):
         """Device memory from cudaMalloc itself, outside the caching allocator (static runs)."""
-        from ..backend import ExternalBuffer
-
         if nbytes <= 0:
             raise ValueError(f"external_alloc needs a positive size, got {nbytes}")
         with self._lock:

@@ -305,7 +305,7 @@ class _Replayer:
         else:
             host = self.live.innermost(addr, addr + max(size, 1))
             pool_id = host.pool if host is not None else DEFAULT_POOL
-        segments_before = self.sim._counters["num_device_alloc"]
+        segments_before = self.sim.stats.num_device_alloc
         try:
             block = self._malloc(pool_id, size, stream)
         except (RuntimeError, ValueError) as error:  # OutOfMemoryError is a RuntimeError
@@ -314,7 +314,7 @@ class _Replayer:
         finally:
             self.memory.expect_next_address(None)
             self.traced_addresses.expected = None
-        created = self.sim._counters["num_device_alloc"] != segments_before
+        created = self.sim.stats.num_device_alloc != segments_before
         expected_seg = None if traced_segment is None else (traced_segment.address, traced_segment.size)
         simulated_seg = (block.segment.address, block.segment.size) if created else None
         self.check(
@@ -334,7 +334,7 @@ class _Replayer:
         if segment.pool in self.pluggable:
             self.traced_addresses.expected = segment.address
             return
-        if self.memory._overlaps(segment.address, -(-segment.size // GRANULE) * GRANULE):
+        if self.memory.overlaps(segment.address, -(-segment.size // GRANULE) * GRANULE):
             self.check(False, f"event {i} segment_alloc at {segment.address:#x}: the simulator still holds memory there")
             return
         self.memory.expect_next_address(segment.address)

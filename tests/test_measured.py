@@ -3,6 +3,7 @@
 import pytest
 
 from graphborrow import measured
+from graphborrow.package_data import data_dir as shipped_data_dir
 from graphborrow.runs import summarize
 from graphborrow.sizes import MB
 
@@ -16,7 +17,7 @@ def test_core_measurements_are_complete():
 def test_pool_rows_set_the_h200_beside_this_run():
     core = measured.load("core_h200")
     # the snapshot recorded in the same H200 run, summarised here: it must agree with the JSON
-    recorded = summarize(measured.DATA / "h200_ladder_segments.pickle")
+    recorded = summarize(shipped_data_dir() / "h200_ladder_segments.pickle")
     rows = measured.pool_rows(core["pool"], recorded)
     assert [r[0] for r in rows][:2] == ["pool reserved", "idle bytes in free runs"]
     assert rows[1][1] == rows[1][2] == "1010.9 MiB"
@@ -50,7 +51,7 @@ def test_markdown_table():
 
 def test_planned_capacity_of_the_h200_pool():
     """The planner's table for the H200 ladder pool, beside what the H200 benchmark ran."""
-    rows = measured.planned_capacity(measured.DATA / "h200_ladder_segments.pickle", batches=(16, 32, 64, 128),
+    rows = measured.planned_capacity(shipped_data_dir() / "h200_ladder_segments.pickle", batches=(16, 32, 64, 128),
                                      draft_tokens=(8,), modes=("standard", "chunked"))
     assert measured.largest_fitting_batches(rows) == {8: 32}
     chunked = {r["batch_size"]: r for r in rows if r["mode"] == "chunked"}

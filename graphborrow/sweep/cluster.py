@@ -12,9 +12,9 @@ results as bytes: the client stores them, so workers need no shared file system.
 - A worker that dies mid-point: the scheduler gives the point to another worker; after
   ``distributed.scheduler.allowed-failures`` deaths (3 by default) the point is recorded
   failed with the reason. Points already finished are stored and stay stored. A worker is
-  given only as many points as it has threads (``worker-saturation`` 1.0, set for the local
-  cluster; recommended for a scheduler of your own), so a death touches only the points
-  that were running on it.
+  given only as many points as it has threads: the client submits a point only when a
+  thread (a GPU, for GPU points) is free, so a death touches only the points that were
+  running on it.
 - Ctrl-C cancels every pending point; a worker kills the papermill process (and its kernel)
   of a cancelled point within a second, and an embedded cluster is shut down.
 """
@@ -181,6 +181,14 @@ def dask_client(scheduler: str | None = None, workers: int = 1, *, gpu: bool = F
         cluster.close()
 
 
+def _free_slots(client, gpu: bool) -> int:
+    """How many points the cluster can run at once: its worker threads, or its GPUs."""
+    workers = client.scheduler_info().get("workers", {}).values()
+    if gpu:
+        return max(1, int(sum(w.get("resources", {}).get("GPU", 0) for w in workers)))
+    return max(1, sum(int(w.get("nthreads", 1)) for w in workers))
+
+
 def run_jobs(client, jobs: Sequence[NotebookJob], on_done: Callable[[int, Execution | None, str | None], None]) -> None:
     """Submit every job; call ``on_done(index, execution, failure)`` as each completes.
 
@@ -193,13 +201,28 @@ def run_jobs(client, jobs: Sequence[NotebookJob], on_done: Callable[[int, Execut
     pin = bool(getattr(client, "graphborrow_pin_gpu", False))
     index_of = {}
     futures = []
-    for i, job in enumerate(jobs):
-        future = client.submit(run_point_on_worker, job, pin, key=f"{job.label}-{uuid.uuid4().hex[:8]}",
-                               pure=False, resources={"GPU": 1} if job.gpu else None)
-        index_of[future.key] = i
-        futures.append(future)
+    waiting = list(enumerate(jobs))
+    running = 0
+
+    def submit_while_slots_are_free() -> list:
+        # The client hands out only as many points as the cluster has threads (GPUs for GPU
+        # points): a point still waiting stays here, not queued on a worker that may die.
+        nonlocal running
+        submitted = []
+        while waiting and running < _free_slots(client, waiting[0][1].gpu):
+            i, job = waiting.pop(0)
+            future = client.submit(run_point_on_worker, job, pin, key=f"{job.label}-{uuid.uuid4().hex[:8]}",
+                                   pure=False, resources={"GPU": 1} if job.gpu else None)
+            index_of[future.key] = i
+            futures.append(future)
+            submitted.append(future)
+            running += 1
+        return submitted
+
     try:
-        for future in as_completed(futures):
+        pending = as_completed(submit_while_slots_are_free())
+        for future in pending:
+            running -= 1
             i = index_of[future.key]
             if future.status == "finished":
                 on_done(i, future.result(), None)
@@ -207,6 +230,7 @@ def run_jobs(client, jobs: Sequence[NotebookJob], on_done: Callable[[int, Execut
                 on_done(i, None, "the point was cancelled on the cluster before it finished")
             else:
                 on_done(i, None, describe_failure(future.exception()))
+            pending.update(submit_while_slots_are_free())
     except BaseException:
         client.cancel(futures, force=True)
         raise

@@ -62,8 +62,10 @@ def snapshot_of(entries, segments=()):
             "external_annotations": []}
 
 
-def segment(address, blocks):
-    return {"device": 0, "address": address, "total_size": sum(size for size, _ in blocks),
+def segment(address, blocks, stream=0):
+    total = sum(size for size, _ in blocks)
+    return {"device": 0, "address": address, "total_size": total, "stream": stream,
+            "segment_type": "small" if total <= 2 * MiB else "large", "is_expandable": False,
             "segment_pool_id": (0, 0), "blocks": [{"size": size, "state": state} for size, state in blocks]}
 
 

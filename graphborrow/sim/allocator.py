@@ -1534,7 +1534,9 @@ class CachingAllocator:
     def snapshot(self, pool_id=None) -> list[dict]:
         """``torch.cuda.memory_snapshot(mempool_id)``: segments in torch's format, by address.
 
-        An expandable segment appears as one segment per contiguous mapped range.
+        An expandable segment appears as one segment per contiguous mapped range. Like torch,
+        a range whose first block is free in a private pool that was already deleted (its
+        count of device allocations reached 0 while expandable pages stayed mapped) is missing.
         """
         only = None
         if pool_id is not None and _pool_id(pool_id) != DEFAULT_POOL:
@@ -1551,9 +1553,12 @@ class CachingAllocator:
                     if not block.mapped:
                         block = block.next
                         continue
+                    reported = block.state != "inactive" or pool.owner is None or self.graph_pools.get(
+                        pool.owner.id) is pool.owner
                     info, block = self._segment_info(segment, block)
-                    total_active += info["active_size"]
-                    result.append(info)
+                    if reported:  # torch lists free blocks only of pools it still has (see below)
+                        total_active += info["active_size"]
+                        result.append(info)
         result.sort(key=lambda s: s["address"])
         if self._history is not None:
             self._trace("snapshot", 0, total_active, 0)

@@ -246,6 +246,8 @@ class _Plan:
                         pending_in_trace[addr] = pending_in_trace.get(addr, 0) + 1
                 else:
                     pre_blocks.append((addr, size, "active_allocated", i))
+                    if not plain:
+                        pending_in_trace[addr] = pending_in_trace.get(addr, 0) + 1
             elif action == "free_completed":
                 previous = entries[i - 1] if i else {}
                 if previous.get("action") == "free_requested" and previous.get("addr") == addr:
@@ -399,6 +401,7 @@ class _Replayer:
         self.pending: dict[int, list] = {}  # traced address -> [(block, phantom stream)] awaiting completion
         self.uncertain: set = set()  # sim segments whose layout before the trace is a guess
         self.skipped: set = set()  # traced addresses of allocations that could not be replayed (mid-run)
+        self.diverged: set = set()  # sim segments that went their own way after an unverifiable decision
         self.blaming = True  # False in the last replay, when the patience for refutations has run out
         self.release_cause: dict[Any, tuple | None] = {}  # pool label -> choice of the segment whose release released it
         self._pending_key = None  # (decision key, pool label) of the choice the current malloc rests on
@@ -479,6 +482,8 @@ class _Replayer:
         return owner.id
 
     def _is_uncertain(self, segment) -> bool:
+        if segment is not None and segment in self.diverged:
+            return True
         if segment is None or segment not in self.uncertain:
             return False
         head = segment.head
@@ -533,6 +538,8 @@ class _Replayer:
             ranked.insert(0, self._oom_hint)
         ranked += sorted((label for label in self.pools if label not in ranked),
                          key=lambda label: -self.pools[label].last_used)
+        if key[0] == "oom" and self._oom_hint not in (None, DEFAULT_POOL):
+            ranked = [label for label in ranked if label != DEFAULT_POOL]  # it left frees pending: not the default
         size = round_size(nbytes, self.sim.divisions)
         for label in ranked:
             pool = self.pools.get(label)
@@ -568,17 +575,18 @@ class _Replayer:
         Outside captures and MemPools the out-of-memory path first completes every pending free
         and releases what an empty_cache would; routed to a private pool it does neither.
         """
+        collected = {(block.ptr, block.size) for block in self.sim.garbage_collection_victims()}
         emptied = bool(completed) or any(not (e["action"] == "segment_free" and e["size"] >= self.sim.max_split
-                                               and e["stream"] == stream) for e in released)
+                                               and e["stream"] == stream) and (e["addr"], e["size"]) not in collected
+                                         for e in released)
         if emptied:
             return DEFAULT_POOL
         pending = any(block.state == "active_pending_free" for waiting in self.pending.values() for block, _ in waiting)
-        if pending and self.sim.gc_enabled is not None:
+        if pending:
             if self.last_label != DEFAULT_POOL:
                 return self.last_label
             private = [label for label, pool in self.pools.items() if label != DEFAULT_POOL and not pool.released]
-            if private:
-                return max(private, key=lambda label: self.pools[label].last_used)
+            return max(private, key=lambda label: self.pools[label].last_used) if private else "new"
         return None
 
     def _has_reservation(self, pool_id: tuple[int, int], size: int, stream: int) -> bool:
@@ -617,8 +625,8 @@ class _Replayer:
     def run(self) -> None:
         if self.plan.mid_run:
             self._rebuild_start()
-        for problem in self.plan.problems:
-            self.check(False, problem)
+        for problem in self.plan.problems:  # memory from before the trace that nothing places
+            self.check(False, problem, uncertain=self.plan.mid_run)
         entries = self.entries
         i = 0
         while i < len(entries):
@@ -730,6 +738,8 @@ class _Replayer:
             self.check(ok, f"{where}: expected out of memory, simulated "
                            f"{failure if failure is not None else 'an allocation at %#x' % block.ptr}", uncertain)
             self.check(calls_ok, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}", uncertain)
+            if uncertain and (not ok or not calls_ok):
+                self._diverge([a for _, a, _ in got + expected if a])
             if block is not None:
                 self.sim.free(block)
                 self.sim.drain_trace()
@@ -744,6 +754,8 @@ class _Replayer:
             return i + 1
         addr = entry["addr"]
         uncertain = uncertain or self._is_uncertain(self._segment_at(addr)) or self._is_uncertain(block.segment)
+        if uncertain and (block.ptr != addr or not calls_ok):  # from here on these segments are not comparable
+            self._diverge([block.ptr, addr] + [a for _, a, _ in got + expected if a])
         if block.ptr != addr and not uncertain:
             self._blame(block.ptr, addr, where)
         if not calls_ok and not uncertain:
@@ -836,6 +848,12 @@ class _Replayer:
             self.memory.expect_next_address(first["addr"])
         elif self._segment_at(first["addr"]) is None:  # a new reservation starts at its first page
             self.memory.expect_next_address(first["addr"])
+
+    def _diverge(self, addresses: list) -> None:
+        for address in addresses:
+            segment = self._segment_at(address)
+            if segment is not None:
+                self.diverged.add(segment)
 
     def _blame(self, taken: int, expected: int, where: str) -> None:
         """The simulator took a block the real allocator did not: a pool choice may be wrong.
@@ -956,8 +974,20 @@ class _Replayer:
     # releases ------------------------------------------------------------------
 
     def _releases(self, i: int, completed: list) -> int:
-        """A run of segment_free / segment_unmap entries: inside the next allocation, or an empty_cache."""
+        """A run of segment_free / segment_unmap entries: inside the next allocation, or an empty_cache.
+
+        ``completed``: the free_completed entries just before it. A synchronisation (empty_cache,
+        the out-of-memory path) completes every pending free; if some stay pending, these
+        completed on their own (a malloc's event processing) before the releases.
+        """
         entries = self.entries
+        if completed:
+            waiting = sorted(addr for addr, items in self.pending.items() for block, _ in items
+                             if block.state == "active_pending_free")
+            if sorted(e["addr"] for e in completed) != waiting:
+                for k in range(len(completed)):
+                    self._free_completed(i - len(completed) + k)
+                completed = []
         j = i
         while j < len(entries) and entries[j].get("action") in _RELEASES:
             j += 1
@@ -1046,6 +1076,7 @@ class _Replayer:
         owners = {s.pool.owner.id for s in segments if s is not None and s.pool.owner is not None}
         default = any(s is not None and s.pool.owner is None for s in segments)
         before = {s.address: (self._label_of(s), s) for s in self.sim.segments()}
+        diverged = [s for _, s in before.values() if s in self.diverged]
         for segment in segments:
             self._mark_released(segment)
         only = None
@@ -1062,8 +1093,20 @@ class _Replayer:
                 self._refute(key, label, f"{where}: released without completing pending frees: one pool's memory")
         self.sim.empty_cache(only)
         emitted = self.sim.drain_trace()
+        synced = [e["addr"] for e in emitted if e["action"] == "free_completed"]
+        if synced and not uncertain:  # it completed frees the real one left pending: another pool's, or no empty_cache
+            keys = [self.choice_keys[s.address] for s in segments if s is not None and s.address in self.choice_keys]
+            for addr in synced:
+                segment = self._segment_at(addr)
+                if segment is not None and segment.address in self.choice_keys:
+                    keys.append(self.choice_keys[segment.address])
+            if keys:
+                key, label = max(keys, key=lambda k: k[0][1])
+                self._refute(key, label, f"{where}: completed pending frees the trace kept pending")
         self._settle(emitted, [], where)
         got = sorted((e["action"], e["addr"], e["size"]) for e in emitted if e["action"] in _RELEASES)
+        differ = {addr for _, addr, _ in set(got) ^ set(expected)}
+        uncertain = uncertain or any(s.address <= a < s.address + s.size for s in diverged for a in differ)
         if got != expected and not uncertain:
             self._blame_release([g for g in got if g not in expected], segments, before, where)
         self.check(got == expected, f"{where}: expected to release {_fmt(expected)}, simulated {_fmt(got)}", uncertain)
@@ -1141,8 +1184,9 @@ class _Replayer:
             self.blocks.setdefault(addr, []).append(block)
         for addr, block in restored.pending.items():
             self.pending.setdefault(addr, []).append((block, phantoms[addr]))
-        for life in self.plan.pre:
-            if not life.expandable and any(size is None for _, size, *_ in self.plan.pre_blocks.get(id(life), ())):
+        for life in self.plan.pre:  # small blocks are never handed out with slack: only large guesses are unsure
+            guessed = any(size is None for _, size, *_ in self.plan.pre_blocks.get(id(life), ()))
+            if not life.expandable and guessed and life.size != SMALL_BUFFER:
                 segment = self._segment_at(life.address)
                 if segment is not None:
                     self.uncertain.add(segment)

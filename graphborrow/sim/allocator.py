@@ -309,6 +309,10 @@ class FreeKeys(SortedList):
         """SortedList's own invariants (order, run maxima and lengths, position index)."""
         self._check()
 
+    def set_load(self, load: int) -> None:
+        """Keys per run (SortedList's load factor); small values make re-keys cross runs, for tests."""
+        self._reset(load)
+
 
 class FreeList:
     """Free blocks of one stream in one pool, ordered by (size, ptr): keys and the block of each key."""

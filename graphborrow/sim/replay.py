@@ -71,7 +71,7 @@ _RELEASES = {"segment_free", "segment_unmap"}
 _DEVICE_CALLS = {"segment_alloc", "segment_map", "segment_free", "segment_unmap"}
 _REPLAY_BASE = 1 << 60  # memory the trace does not place lands far above any traced address
 _INFERRED_BASE = 1 << 20  # synthetic ids (0, n) of pools the trace does not name
-_MAX_REPLAYS = 400
+_MAX_REPLAYS = 120
 # statistics a trace does not determine: an empty_cache that releases nothing leaves no entry
 # (num_sync_all_streams), and an allocation that fails with nothing releasable looks the same
 # whether it was routed to a private pool or retried after emptying the cache (num_alloc_retries)
@@ -1028,7 +1028,11 @@ class _Replayer:
             return over_cap and not private
         if over_cap and (oversize or not private):
             return True
-        if sim.gc_enabled and not self.layout:  # exactly what garbage collection would release now
+        if sim.gc_enabled:
+            threshold = int(self.config.garbage_collection_threshold * float(sim.allowed_memory_maximum))
+            if self.layout:  # no default pool to age blocks in: a run garbage collection could make proves nothing
+                return sim.total_allocated_memory > threshold and all(
+                    e["action"] == "segment_free" and e["size"] > 2 * 2**20 for e in run)
             victims = {(block.ptr, block.size) for block in sim.garbage_collection_victims()}
             return bool(victims) and victims == {(e["addr"], e["size"]) for e in run if e["action"] == "segment_free"}
         return over_cap

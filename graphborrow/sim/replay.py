@@ -746,6 +746,8 @@ class _Replayer:
             self._pending_key = None
             return i + 1
         if failure is not None:
+            if self.plan.mid_run and isinstance(failure, ValueError) and "overlaps" in str(failure):
+                uncertain = True  # the trace places memory where the unrebuilt state before it differs
             if "cannot be used again" in str(failure) or "out of memory" in str(failure):
                 self._refute_pending(f"{where}: {failure}")
             self.check(False, f"{where}: simulator raised {type(failure).__name__}: {failure}", uncertain)
@@ -753,7 +755,9 @@ class _Replayer:
             self._pending_key = None
             return i + 1
         addr = entry["addr"]
-        uncertain = uncertain or self._is_uncertain(self._segment_at(addr)) or self._is_uncertain(block.segment)
+        home = self._segment_at(addr)
+        uncertain = (uncertain or self._is_uncertain(home) or self._is_uncertain(block.segment)
+                     or (self.plan.mid_run and home is None))  # memory from before the trace that was not rebuilt
         if uncertain and (block.ptr != addr or not calls_ok):  # from here on these segments are not comparable
             self._diverge([block.ptr, addr] + [a for _, a, _ in got + expected if a])
         if block.ptr != addr and not uncertain:
@@ -920,8 +924,8 @@ class _Replayer:
         plain = following.get("action") == "free_completed" and following.get("addr") == addr
         block = self._take_block(addr, size)
         if block is None:
-            if addr in self.skipped:
-                self.unverifiable += 1
+            if addr in self.skipped or (self.plan.mid_run and self._segment_at(addr) is None):
+                self.unverifiable += 1  # memory from before the trace that could not be rebuilt
             else:
                 self.check(False, f"event {i} free_requested {addr:#x}: the simulator has no allocated block there",
                            self._is_uncertain(self._segment_at(addr)))
@@ -942,7 +946,7 @@ class _Replayer:
         addr = self.entries[i]["addr"]
         waiting = self.pending.get(addr)
         if not waiting:
-            if addr in self.skipped:
+            if addr in self.skipped or (self.plan.mid_run and self._segment_at(addr) is None):
                 self.unverifiable += 1
                 return
             self.check(False, f"event {i} free_completed {addr:#x}: no cross-stream free is pending there",
@@ -1076,7 +1080,7 @@ class _Replayer:
         expected = sorted((e["action"], e["addr"], e["size"]) for e in run)
         where = f"events {i}..{i + len(run) - 1} empty_cache"
         segments = [self._segment_at(e["addr"]) for e in run]
-        uncertain = any(self._is_uncertain(s) for s in segments)
+        uncertain = any(self._is_uncertain(s) for s in segments) or (self.plan.mid_run and None in segments)
         owners = {s.pool.owner.id for s in segments if s is not None and s.pool.owner is not None}
         default = any(s is not None and s.pool.owner is None for s in segments)
         before = {s.address: (self._label_of(s), s) for s in self.sim.segments()}

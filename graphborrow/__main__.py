@@ -113,8 +113,12 @@ def _run(args: argparse.Namespace) -> int:
 def _build(args: argparse.Namespace) -> int:
     from .sim import compiled
 
-    existed = compiled.build_path().exists()
-    path = compiled.build(force=args.force, quiet=not args.verbose)
+    existed = compiled.verify(compiled.build_path()) is None
+    try:
+        path = compiled.build(force=args.force, quiet=not args.verbose)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"compiled allocator model: {path}" + (" (already built)" if existed and not args.force else ""))
     return 0
 

@@ -586,7 +586,7 @@ def test_block_at_finds_active_blocks_only():
 def test_free_list_rekeys_keep_the_sorted_list_valid(initial, rekeys, load):
     """Shrink and grow re-keys across many short runs (a small load factor) against a sorted reference."""
     free = FreeList()
-    free.keys._reset(load)  # short runs, so keys move within and across runs (SortedList's load factor)
+    free.keys.set_load(load)  # short runs, so keys move within and across runs
     for key in initial:
         free.add(key, key)
     for pick, amount, grow in rekeys:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from graphborrow.sim import SimBackend, is_sim_tensor
-from graphborrow.sim.export import dump_snapshot, load_snapshot
+from graphborrow.sim.export import dump_snapshot
+from graphborrow.sim.replay import load_trace
 
 MiB = 2**20
 
@@ -159,7 +160,7 @@ def test_stats_snapshot_and_memory_viz_file(sim, tmp_path):
     actions = [e["action"] for e in snap["device_traces"][0]]
     assert actions[:3] == ["segment_alloc", "alloc", "alloc"]
     assert "free_requested" in actions and "free_completed" in actions
-    assert load_snapshot(path)["segments"][0]["blocks"][1]["size"] == 4096
+    assert load_trace(path)["segments"][0]["blocks"][1]["size"] == 4096
     del y
 
 

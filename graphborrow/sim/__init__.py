@@ -20,13 +20,14 @@ __all__ = [
     "SimLayoutOnlyError",
     "SimTensor",
     "is_sim_tensor",
+    "load_trace",
     "replay_trace",
 ]
 
 
 def __getattr__(name):
     # replay.py is optional at import time and pulls in more than most callers need
-    if name in ("replay_trace", "ReplayReport"):
+    if name in ("replay_trace", "ReplayReport", "load_trace"):
         from . import replay
 
         return getattr(replay, name)

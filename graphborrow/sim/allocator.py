@@ -309,6 +309,10 @@ class FreeKeys(SortedList):
         """SortedList's own invariants (order, run maxima and lengths, position index)."""
         self._check()
 
+    def set_load(self, load: int) -> None:
+        """Keys per run (SortedList's load factor); small values make re-keys cross runs, for tests."""
+        self._reset(load)
+
 
 class FreeList:
     """Free blocks of one stream in one pool, ordered by (size, ptr): keys and the block of each key."""
@@ -580,6 +584,29 @@ class CachingAllocator:
                         found = block
         return found
 
+    def cached_block_for(self, nbytes: int, stream: int = 0, pool_id=DEFAULT_POOL) -> Block | None:
+        """The cached block a malloc of ``nbytes`` on ``stream`` routed to ``pool_id`` would take, or None.
+
+        A query without side effects (trace replay asks it to rule pools out).
+        """
+        pool_id = _pool_id(pool_id)
+        size = round_size(nbytes, self.divisions)
+        if pool_id == DEFAULT_POOL:
+            pool = self.small_blocks if size <= SMALL_SIZE else self.large_blocks
+        else:
+            private = self._private(pool_id)
+            pool = private.small_blocks if size <= SMALL_SIZE else private.large_blocks
+        found = self._get_free_block(pool, size, stream, pool.expandable, False)
+        return None if found is None else found[0]
+
+    def drain_trace(self) -> list[dict]:
+        """The trace entries recorded since the last call (history must be on), oldest first."""
+        if self._history is None:
+            raise RuntimeError("drain_trace() needs record_history() first")
+        entries = list(self._history)
+        self._history.clear()
+        return entries
+
     # ------------------------------------------------------------------ search, split, merge
 
     def _get_pool(self, size: int, stream: int, thread: int) -> BlockPool:
@@ -589,14 +616,15 @@ class CachingAllocator:
                 return private.small_blocks if size <= SMALL_SIZE else private.large_blocks
         return self.small_blocks if size <= SMALL_SIZE else self.large_blocks
 
-    def _get_free_block(self, pool: BlockPool, size: int, stream: int, es_active: bool) -> tuple | None:
+    def _get_free_block(self, pool: BlockPool, size: int, stream: int, es_active: bool, count: bool = True) -> tuple | None:
         """Best fit on the same stream: the single smallest block >= size, lowest address on ties.
 
         Returns the block and its free list; it stays there until _alloc_found_block
         re-keys or removes it. Among expandable blocks, the one that can grow the least
-        is preferred; with expandable segments off they are skipped.
+        is preferred; with expandable segments off they are skipped. ``count`` False
+        makes it a pure query (garbage collection's block ages count searches).
         """
-        if self.gc_enabled:
+        if self.gc_enabled and count:
             pool.gc_calls += 1
         free = pool.free.get(stream)
         if free is None:
@@ -880,6 +908,16 @@ class CachingAllocator:
                 del self.graph_pools_freeable[freeable_id]
         return True
 
+    def release_pool_memory(self, pool_id) -> None:
+        """Release a private pool's whole free segments and free pages now, whether or not it is freeable.
+
+        Not something torch can do: trace replay uses it to follow each segment's layout in a
+        pool of its own, releasing memory exactly when the trace does.
+        """
+        private = self._private(_pool_id(pool_id))
+        self._release_blocks(private.small_blocks)
+        self._release_blocks(private.large_blocks)
+
     def empty_cache(self, pool_id: tuple[int, int] | None = None) -> None:
         """``torch.cuda.empty_cache()`` (pool_id None) or the MemPool destructor's ``emptyCache(id)``."""
         self.release_cached_blocks(DEFAULT_POOL if pool_id is None else pool_id)
@@ -1042,26 +1080,41 @@ class CachingAllocator:
 
     def _garbage_collect_cached_blocks(self) -> None:
         """Release whole free segments of the default large pool, oldest first, down to the threshold."""
+        for block in self.garbage_collection_victims():
+            self._release_block(block)
+
+    def garbage_collection_victims(self) -> list[Block]:
+        """The blocks garbage collection would release now, in order (a query: nothing is released).
+
+        Above the threshold (a fraction of the allowed memory), whole free segments of the
+        default large pool at least as old as the average (in searches of that pool since they
+        became free) go, pass after pass, until enough is reclaimed.
+        """
+        if self.allowed_memory_maximum is None or self.config.garbage_collection_threshold <= 0.0:
+            return []
         threshold = int(self.config.garbage_collection_threshold * float(self.allowed_memory_maximum))
         if self.total_allocated_memory <= threshold:
-            return
+            return []
         target = self.total_allocated_memory - threshold
         pool = self.large_blocks
+        candidates = list(pool)
         total_age = 0
         freeable = 0
-        for block in pool:
+        for block in candidates:
             if block.prev is None and block.next is None:
                 total_age += pool.gc_calls - block.gc_base
                 freeable += 1
+        victims: list[Block] = []
         if freeable == 0:
-            return
+            return victims
+        chosen = set()
         reclaimed = 0
         freed_one = True
         while reclaimed < target and freed_one and freeable > 0:
             age_threshold = total_age / freeable  # blocks at least as old as the average go first
             freed_one = False
-            for block in list(pool):
-                if block.key is None:  # released earlier in this pass
+            for block in candidates:
+                if id(block) in chosen:
                     continue
                 age = pool.gc_calls - block.gc_base
                 if block.prev is None and block.next is None and not block.segment.expandable and age >= age_threshold:
@@ -1069,7 +1122,9 @@ class CachingAllocator:
                     reclaimed += block.size
                     total_age -= age
                     freeable -= 1
-                    self._release_block(block)
+                    chosen.add(id(block))
+                    victims.append(block)
+        return victims
 
     # ------------------------------------------------------------------ events
 
@@ -1483,7 +1538,9 @@ class CachingAllocator:
     def snapshot(self, pool_id=None) -> list[dict]:
         """``torch.cuda.memory_snapshot(mempool_id)``: segments in torch's format, by address.
 
-        An expandable segment appears as one segment per contiguous mapped range.
+        An expandable segment appears as one segment per contiguous mapped range. Like torch,
+        a range whose first block is free in a private pool that was already deleted (its
+        count of device allocations reached 0 while expandable pages stayed mapped) is missing.
         """
         only = None
         if pool_id is not None and _pool_id(pool_id) != DEFAULT_POOL:
@@ -1500,9 +1557,12 @@ class CachingAllocator:
                     if not block.mapped:
                         block = block.next
                         continue
+                    reported = block.state != "inactive" or pool.owner is None or self.graph_pools.get(
+                        pool.owner.id) is pool.owner
                     info, block = self._segment_info(segment, block)
-                    total_active += info["active_size"]
-                    result.append(info)
+                    if reported:  # torch lists free blocks only of pools it still has (see below)
+                        total_active += info["active_size"]
+                        result.append(info)
         result.sort(key=lambda s: s["address"])
         if self._history is not None:
             self._trace("snapshot", 0, total_active, 0)

@@ -194,7 +194,7 @@ def _padded_bias(mask, alignment: int = 8):
 
 def _empty(backend, size, stride, dtype) -> SimTensor:
     template = torch.empty_strided(size, stride, dtype=dtype, device="meta")
-    return backend._place(template, copy=False)
+    return backend.place(template, copy=False)
 
 
 def _contiguous_strides(size):
@@ -242,7 +242,7 @@ def _fill(backend, out: SimTensor, q, k, v, mask, is_causal, scale, enable_gqa) 
     inner = [t._inner if t is not None else None for t in (q, k, v, mask)]
     with torch._C.DisableTorchFunction():
         out._inner.copy_(_values(*inner, is_causal, scale, enable_gqa))
-    capture = backend._capture_for_current_stream() if backend._captures else None
+    capture = backend.capture_for_current_stream()
     if capture is not None:
         capture._record(_values, (*inner, is_causal, scale, enable_gqa), {}, [(-1, out._inner)])
 

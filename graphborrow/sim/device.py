@@ -60,11 +60,11 @@ class MemPool:
         if allocator is not None and not (hasattr(allocator, "raw_alloc") and hasattr(allocator, "raw_delete")):
             raise TypeError(
                 "MemPool allocator must have raw_alloc(nbytes, stream) and raw_delete(address, nbytes, "
-                f"stream); got {type(allocator).__name__}. Use backend.arena_pool(arena) for a BumpArena."
+                f"stream), as graphborrow.arena.BumpArena has; got {type(allocator).__name__}"
             )
         self._backend = backend
         self.allocator = allocator
-        self._id = backend._new_pool_id(graph=False)
+        self._id = backend.new_pool_id(graph=False)
         self._closed = False
         with backend._allocator_call():
             backend.allocator.create_or_incref_pool(self._id, allocator, use_on_oom, no_split)
@@ -82,7 +82,7 @@ class MemPool:
             return
         self._closed = True
         backend = self._backend
-        if backend._closed:
+        if backend.closed:
             return
         with backend._allocator_call():
             backend.allocator.release_pool(self._id)
@@ -162,7 +162,7 @@ class SimBackend:
         self._depth = 0  # > 0 while inside an allocator call (frees then wait in _pending)
         self._pending: list = []
         self._tls = threading.local()
-        self._captures: dict[int, graphs.CUDAGraph] = {}  # capturing stream id -> graph
+        self.captures = graphs.CaptureRegistry()  # capturing stream id -> graph (graphs.py owns it)
         self._capture_stream: Stream | None = None
         self._mode = SimFunctionMode(self)
         self._active_threads: set[int] = set()
@@ -258,7 +258,7 @@ class SimBackend:
         return SimEvent(self)
 
     def synchronize(self) -> None:
-        if self._captures and self._capture_for_current_stream() is not None:
+        if self.capture_for_current_stream() is not None:
             raise SimCaptureError(
                 "synchronize() is not permitted while a stream is capturing a CUDA graph; "
                 "synchronise before entering or after leaving the capture"
@@ -276,7 +276,7 @@ class SimBackend:
 
     # ------------------------------------------------------------------- pools, graphs
     def graph_pool_handle(self) -> tuple[int, int]:
-        return self._new_pool_id(graph=False)
+        return self.new_pool_id(graph=False)
 
     def CUDAGraph(self) -> graphs.CUDAGraph:
         return graphs.CUDAGraph(self)
@@ -312,18 +312,27 @@ class SimBackend:
     def pool_id(self, pool) -> tuple[int, int]:
         return tuple(pool.id) if hasattr(pool, "id") else tuple(pool)
 
-    def _new_pool_id(self, graph: bool) -> tuple[int, int]:
+    def new_pool_id(self, graph: bool) -> tuple[int, int]:
         """``(uid, 0)`` for a capture without a pool, ``(0, uuid)`` for handles and MemPools."""
         with self._lock:
             return self.allocator.new_pool_id("graph" if graph else "handle")
 
-    def _default_capture_stream(self) -> Stream:
+    def default_capture_stream(self) -> Stream:
+        """The side stream ``graph(...)`` captures on when given none (one per device, like torch's)."""
         if self._capture_stream is None:
             self._capture_stream = self.Stream()
         return self._capture_stream
 
-    def _capture_for_current_stream(self):
-        return self._captures.get(self.current_stream().id)
+    def capture_for_current_stream(self):
+        """The graph the current stream is capturing into, or None."""
+        if not self.captures:
+            return None
+        return self.captures.graph_on(self.current_stream().id)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: tensors still alive are inert."""
+        return self._closed
 
     # ----------------------------------------------------------------- introspection
     def memory_snapshot(self, pool_id=None) -> list[dict]:
@@ -338,6 +347,15 @@ class SimBackend:
 
     def memory_allocated(self) -> int:
         return self.allocator.memory_allocated()
+
+    def set_per_process_memory_fraction(self, fraction: float, device=None) -> None:
+        """``torch.cuda.set_per_process_memory_fraction``: new segments may take at most this share of
+        the device; with ``garbage_collection_threshold`` set, old cached segments are collected above it."""
+        with self._allocator_call():
+            self.allocator.set_memory_fraction(float(fraction))
+
+    def get_per_process_memory_fraction(self, device=None) -> float:
+        return self.allocator.get_memory_fraction()
 
     def mem_get_info(self) -> tuple[int, int]:
         return self.memory.mem_get_info()
@@ -434,17 +452,17 @@ class SimBackend:
         self._blas_workspaces.clear()
         self._blaslt_workspaces.clear()
 
-    def _ensure_blas_workspace(self) -> None:
+    def ensure_blas_workspace(self) -> None:
         stream = self.current_stream().id
         if stream not in self._blas_workspaces:
             self._blas_workspaces[stream] = self._new_storage(self.blas_workspace)
 
-    def _ensure_blaslt_workspace(self) -> None:
+    def ensure_blaslt_workspace(self) -> None:
         stream = self.current_stream().id
         if stream not in self._blaslt_workspaces:
             self._blaslt_workspaces[stream] = self._new_storage(self.blaslt_workspace)
 
-    def _register_generator(self) -> None:
+    def register_generator(self) -> None:
         """The first capture makes the RNG's graph-safe seed and offset (two int64 tensors)."""
         if self._generator_state is None:
             self._generator_state = [self._new_storage(8), self._new_storage(8)]
@@ -472,7 +490,7 @@ class SimBackend:
         finally:
             self._depth -= 1
 
-    def _place(self, src: torch.Tensor, copy: bool = True) -> SimTensor:
+    def place(self, src: torch.Tensor, copy: bool = True) -> SimTensor:
         """A new device tensor with ``src``'s layout (its storage size, strides, offset)."""
         nbytes = src.untyped_storage().nbytes()
         if nbytes == 0:
@@ -488,12 +506,12 @@ class SimBackend:
             inner.copy_(src)
         return SimTensor(inner, storage, self)
 
-    def _from_host(self, host: torch.Tensor) -> SimTensor:
+    def from_host(self, host: torch.Tensor) -> SimTensor:
         """Copy a plain CPU tensor onto the device (``.to("cuda")``)."""
         if is_sim_tensor(host):
             return host
         layout = torch.empty_like(host, device="meta")
-        placed = self._place(layout, copy=False)
+        placed = self.place(layout, copy=False)
         if self.backed:
             placed._inner.copy_(host)
         return placed

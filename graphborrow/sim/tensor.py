@@ -196,7 +196,7 @@ def _dispatch(func, args, kwargs):
                 f"{func}: tensors from two different simulated devices were mixed "
                 f"({backend.describe()} and {s._backend.describe()}); move one with .cpu() first"
             )
-    capture = backend._capture_for_current_stream() if backend._captures else None
+    capture = backend.capture_for_current_stream()
     if capture is not None:
         _check_capturable(func, args, kwargs)
     if not backend.backed and func is _aten._local_scalar_dense.default:
@@ -228,9 +228,9 @@ def _dispatch(func, args, kwargs):
     del scalars
     if getattr(func, "overloadpacket", None) in _BLAS_OPS:
         if backend.blas_workspace:
-            backend._ensure_blas_workspace()
+            backend.ensure_blas_workspace()
         if backend.blaslt_workspace and _uses_cublaslt(func, args, kwargs):
-            backend._ensure_blaslt_workspace()
+            backend.ensure_blaslt_workspace()
     if capture is not None and backend.backed:
         capture._record(func, inner_args, inner_kwargs, fresh)
     return result
@@ -307,7 +307,7 @@ def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], backend, fresh: l
         return SimTensor(o, storage, backend)
     if o.device.type != ("cpu" if backend.backed else "meta"):
         return o  # e.g. an op that explicitly produced a meta tensor
-    t = backend._place(o, copy)
+    t = backend.place(o, copy)
     fresh.append((index, t._inner))
     return t
 
@@ -355,7 +355,7 @@ def to_host(t: SimTensor) -> torch.Tensor:
             "this tensor lives on a layout-only simulated device (backed=False) and has "
             "no values; create the backend with backed=True to read tensors"
         )
-    if backend._captures and backend._capture_for_current_stream() is not None:
+    if backend.capture_for_current_stream() is not None:
         raise SimCaptureError(
             "copying a tensor to the host is not permitted while a stream is capturing a "
             "CUDA graph; do it after the capture ends"
@@ -439,7 +439,7 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, **kwar
     if device is not None and not _is_cuda(device):
         return torch.tensor(data, dtype=dtype or self.dtype, device=device)
     plain = torch.tensor(data, dtype=dtype or self.dtype, requires_grad=False)
-    return self._backend._from_host(plain)
+    return self._backend.from_host(plain)
 
 
 @_override(torch.Tensor.__repr__)
@@ -521,8 +521,8 @@ class SimFunctionMode(TorchFunctionMode):
         if isinstance(out, SimTensor) or not isinstance(out, torch.Tensor):
             result = out
         else:
-            result = backend._place(out, func not in _UNINITIALISED)
-            capture = backend._capture_for_current_stream() if backend._captures else None
+            result = backend.place(out, func not in _UNINITIALISED)
+            capture = backend.capture_for_current_stream()
             if capture is not None and backend.backed:
                 capture._record(func, args, kw, [(-1, result._inner)])
         if requires_grad:
@@ -537,7 +537,7 @@ class SimFunctionMode(TorchFunctionMode):
             dev = args[1] if len(args) > 1 else kwargs.get("device")
             if dev is not None:
                 _check_index(torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev))
-            return self.backend._from_host(self_)
+            return self.backend.from_host(self_)
         kw = {k: v for k, v in kwargs.items() if k != "copy"}
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kw)
         if device is None or device.type != "cuda":
@@ -546,4 +546,4 @@ class SimFunctionMode(TorchFunctionMode):
         host = self_
         if dtype is not None and dtype != host.dtype:
             host = host.to(dtype)
-        return self.backend._from_host(host)
+        return self.backend.from_host(host)

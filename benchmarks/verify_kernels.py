@@ -39,10 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphborrow import fused_verify as fv  # noqa: E402
+from graphborrow.eagle import fused as fv  # noqa: E402
 from graphborrow.draft_tree import build_draft_tree  # noqa: E402
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only  # noqa: E402
-from graphborrow.renorm import top_k_renorm_probs, top_p_renorm_probs  # noqa: E402
+from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs  # noqa: E402
 
 TREES = {4: (1, 3), 8: (4, 3), 16: (4, 5)}
 # upstream_kernel_h200.md: (bs, D) -> (softmax us, kernel us, step us)

@@ -21,7 +21,7 @@ KERNELS = {"_row_max_kernel", "_row_sum_kernel", "_walk_kernel", "_residual_kern
            "_init_kernel", "_pass_kernel", "_gather_kernel", "_resolve_kernel", "_kept_kernel", "_apply_kernel"}
 
 # (triton itself is imported only in the subprocess: importing it here, before
-# graphborrow.fused_probs selects the interpreter, would break the interpreted tests)
+# graphborrow.eagle.fused_probs selects the interpreter, would break the interpreted tests)
 assert importlib.util.find_spec("triton") is not None, "install triton (the 'kernels' extra)"
 
 

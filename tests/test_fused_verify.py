@@ -7,7 +7,7 @@ exp), so these tests check the kernels' logic on CPU at small shapes:
 - for the same coins, bitwise the same predicts, accept_index and accept_length as the
   reference verification over ``target_probs_reference`` (upstream's kernel semantics on
   full matrices), and as ``eagle_verify(mode="standard")`` on a few cases;
-- the same renormalised rows as ``graphborrow.renorm``, whatever the pivot search's budget.
+- the same renormalised rows as ``graphborrow.eagle.renorm``, whatever the pivot search's budget.
 
 Tiles are shrunk to 256 entries so every row spans several vocabulary slices, and the
 exact-sort cap to 16 so the pivot search runs several passes (and its single-program
@@ -20,12 +20,12 @@ import math
 import pytest
 import torch
 
-from graphborrow import fused_verify as fv  # first: it selects Triton's interpreter on a CPU-only machine
-from graphborrow import fused_probs as fp
-from graphborrow import fused_select as fs
+from graphborrow.eagle import fused as fv  # first: it selects Triton's interpreter on a CPU-only machine
+from graphborrow.eagle import fused_probs as fp
+from graphborrow.eagle import fused_select as fs
 from graphborrow.draft_tree import build_draft_tree, tree_from_parents
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only
-from graphborrow.renorm import top_k_renorm_probs, top_p_renorm_probs
+from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
 
 DEVICE = "cpu" if fv.INTERPRETED else "cuda"
 assert fv.TRITON_AVAILABLE, "these tests run the kernels: install triton (the 'kernels' extra)"

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from graphborrow import fused_verify as fv
+from graphborrow.eagle import fused as fv
 from graphborrow.draft_tree import build_draft_tree, tree_from_parents
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only
 
@@ -218,7 +218,7 @@ def test_no_host_synchronisation_with_validate_off(renorm):
 
 
 def test_standalone_top_p_renorm_matches_the_reference_on_the_gpu():
-    from graphborrow.renorm import top_k_renorm_probs, top_p_renorm_probs
+    from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
 
     g = torch.Generator(device="cuda").manual_seed(1)
     probs = torch.softmax(3.0 * torch.randn(32, 128256, device="cuda", generator=g), dim=-1)

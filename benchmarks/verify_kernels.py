@@ -199,7 +199,7 @@ def run_point(bs, d, args, rows):
         ref = None
         if not renorm or bs * d <= args.reference_renorm_rows:
             def reference():
-                return eagle_verify(logits, None, tree, 1.0, mode="standard", **kw)
+                return eagle_verify(logits, None, tree, 1.0, mode="standard", impl="reference", **kw)
             row = {**common, "impl": "reference" + tag}
             try:
                 row["temporary_bytes"], ref = temporaries(reference)

@@ -25,6 +25,7 @@ from graphborrow.eagle import fused_probs as fp
 from graphborrow.eagle import fused_select as fs
 from graphborrow.draft_tree import build_draft_tree, tree_from_parents
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only
+from graphborrow.eagle.modes import target_probs
 from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
 
 DEVICE = "cpu" if fv.INTERPRETED else "cuda"
@@ -201,15 +202,25 @@ def test_every_search_budget_gives_the_same_pivots(passes, monkeypatch):
     assert_same(expected, got, f"{passes} passes")
 
 
-def test_same_tokens_as_eagle_verify():
-    """The reference path as it stands (torch.softmax probabilities): the same tokens here,
-    since no coin falls within an ulp of a boundary for these seeds."""
-    for seed, kw in ((21, {}), (22, dict(top_ks=25, top_ps=0.8))):
+@pytest.mark.parametrize("mode", ["standard", "lean", "chunked"])
+def test_eagle_verify_reference_and_fused_agree_bitwise(mode):
+    """eagle_verify's two implementations: the reference modes compute the kernels' formula
+    (target_probs_reference), so for the same coins they emit the same predicts,
+    accept_index and accept_length, and the candidates' probabilities are equal bit for bit."""
+    for seed, temps, kw in ((21, 0.8, {}), (22, torch.tensor([0.6, 1.3]), dict(top_ks=25, top_ps=0.8))):
         tree, logits, coins, coins_final = case(seed, 2, 6, 800, 2, 3)
-        expected = eagle_verify(logits, None, tree, 0.8, coins=coins, coins_final=coins_final, **kw)
-        dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
-        got = fv.fused_verify(dlogits, None, dtree, 0.8, coins=dcoins, coins_final=dfinal, **kw)
-        assert_same(expected, got, f"seed {seed}")
+        expected = eagle_verify(logits, None, tree, temps, coins=coins, coins_final=coins_final, mode=mode,
+                                chunk_rows=6 if mode == "chunked" else None, impl="reference", **kw)
+        dtree, dlogits, dcoins, dfinal, dtemps = on_device(tree, logits, coins, coins_final, torch.as_tensor(temps))
+        got = eagle_verify(dlogits, None, dtree, dtemps, coins=dcoins, coins_final=dfinal, mode=mode, impl="fused",
+                           **kw)
+        assert_same(expected, got, f"seed {seed}, {mode}")
+    d = 6
+    rows = torch.as_tensor(temps).repeat_interleave(d)
+    tokens = tree.candidates.repeat_interleave(d, dim=0)  # every row at its request's candidates
+    kernel = fv.fused_token_probs(dlogits, dtemps, d, tokens.to(DEVICE)).cpu()
+    reference_rows = target_probs(logits, rows, None, None).gather(1, tokens)
+    assert torch.equal(kernel, reference_rows)
 
 
 def test_per_request_parameters_and_bfloat16_logits():

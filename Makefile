@@ -55,6 +55,10 @@ test-notebooks: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests
 
+# CPU: every case of the fused kernels' interpreter tests (several minutes on 2 cores; CI runs one case per rule).
+test-kernels-deep: setup
+	GRAPHBORROW_KERNEL_TESTS=deep $(PY) -m pytest -q tests/test_fused_verify.py tests/test_fused_compile.py
+
 # On a CUDA machine: the fused verification kernels against the reference and the upstream figures.
 bench-kernels: setup
 	$(PY) benchmarks/verify_kernels.py --out data/verify_kernels_h200.json --profile

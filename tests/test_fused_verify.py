@@ -13,9 +13,14 @@ Tiles are shrunk to 256 entries so every row spans several vocabulary slices, an
 exact-sort cap to 16 so the pivot search runs several passes (and its single-program
 fallback). The GPU twins (serving shapes, chi-square, graph capture, no host sync) are in
 test_fused_verify_gpu.py.
+
+The interpreter is slow (numpy, one program at a time): by default each rule is checked
+by one case; ``GRAPHBORROW_KERNEL_TESTS=deep`` (``make test-kernels-deep``) runs every
+case of each grid.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -29,6 +34,12 @@ from graphborrow.eagle.modes import target_probs
 from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
 
 DEVICE = "cpu" if fv.INTERPRETED else "cuda"
+DEEP = os.environ.get("GRAPHBORROW_KERNEL_TESTS", "") == "deep"
+
+
+def cases(all_cases, default):
+    """Every case with DEEP, else the ``default`` ones (indices): each a rule the others do not check."""
+    return list(all_cases) if DEEP else [all_cases[i] for i in default]
 assert fv.TRITON_AVAILABLE, "these tests run the kernels: install triton (the 'kernels' extra)"
 
 
@@ -176,7 +187,9 @@ GRID = [  # seed, bs, D, V, tree (topk, depth), temperature, top_k, top_p, thres
 ]
 
 
-@pytest.mark.parametrize("seed,bs,d,vocab,shape,temp,top_k,top_p,thr,ties,masked", GRID)
+# by default: several slices and depths; thresholds with a masked tail; threshold 0 (the bonus path);
+# ties at the top-k and top-p pivots; k >= V (keeps all, still renormalises)
+@pytest.mark.parametrize("seed,bs,d,vocab,shape,temp,top_k,top_p,thr,ties,masked", cases(GRID, [0, 1, 2, 5, 6]))
 def test_same_tokens_as_the_reference(seed, bs, d, vocab, shape, temp, top_k, top_p, thr, ties, masked):
     tree, logits, coins, coins_final = case(seed, bs, d, vocab, *shape, ties=ties, masked=masked)
     expected = reference(logits, tree, temp, top_k, top_p, coins, coins_final, thr)
@@ -190,7 +203,7 @@ def test_same_tokens_as_the_reference(seed, bs, d, vocab, shape, temp, top_k, to
         assert lengths.min() < tree.tree_depth  # and rejections' residuals sampled
 
 
-@pytest.mark.parametrize("passes", [0, 1, 3])
+@pytest.mark.parametrize("passes", cases([0, 1, 3], [0]))  # 0: all of it in the fallback
 def test_every_search_budget_gives_the_same_pivots(passes, monkeypatch):
     """Fewer multi-program passes leave more of the top-k / top-p search to the gather
     kernel's single-program fallback: the tokens must not change."""
@@ -202,19 +215,18 @@ def test_every_search_budget_gives_the_same_pivots(passes, monkeypatch):
     assert_same(expected, got, f"{passes} passes")
 
 
-@pytest.mark.parametrize("mode", ["standard", "lean", "chunked"])
-def test_eagle_verify_reference_and_fused_agree_bitwise(mode):
+def test_eagle_verify_reference_and_fused_agree_bitwise():
     """eagle_verify's two implementations: the reference modes compute the kernels' formula
     (target_probs_reference), so for the same coins they emit the same predicts,
     accept_index and accept_length, and the candidates' probabilities are equal bit for bit."""
     for seed, temps, kw in ((21, 0.8, {}), (22, torch.tensor([0.6, 1.3]), dict(top_ks=25, top_ps=0.8))):
         tree, logits, coins, coins_final = case(seed, 2, 6, 800, 2, 3)
-        expected = eagle_verify(logits, None, tree, temps, coins=coins, coins_final=coins_final, mode=mode,
-                                chunk_rows=6 if mode == "chunked" else None, impl="reference", **kw)
         dtree, dlogits, dcoins, dfinal, dtemps = on_device(tree, logits, coins, coins_final, torch.as_tensor(temps))
-        got = eagle_verify(dlogits, None, dtree, dtemps, coins=dcoins, coins_final=dfinal, mode=mode, impl="fused",
-                           **kw)
-        assert_same(expected, got, f"seed {seed}, {mode}")
+        got = eagle_verify(dlogits, None, dtree, dtemps, coins=dcoins, coins_final=dfinal, impl="fused", **kw)
+        for mode in ("standard", "lean", "chunked"):
+            expected = eagle_verify(logits, None, tree, temps, coins=coins, coins_final=coins_final, mode=mode,
+                                    chunk_rows=6 if mode == "chunked" else None, impl="reference", **kw)
+            assert_same(expected, got, f"seed {seed}, {mode}")
     d = 6
     rows = torch.as_tensor(temps).repeat_interleave(d)
     tokens = tree.candidates.repeat_interleave(d, dim=0)  # every row at its request's candidates
@@ -326,7 +338,7 @@ def renorm_rows(seed, vocab, ties):
     return torch.softmax(3.0 * torch.randn(RENORM_ROWS, vocab, generator=g), dim=-1)
 
 
-@pytest.mark.parametrize("ties,cap,passes", [(False, 16, 3), (True, 16, 3), (False, 64, 1), (True, 16, 0)])
+@pytest.mark.parametrize("ties,cap,passes", cases([(False, 16, 3), (True, 16, 3), (False, 64, 1), (True, 16, 0)], [1]))
 def test_standalone_renorm_matches_the_reference_bitwise(ties, cap, passes, monkeypatch):
     """Multi-program passes, then the single-program fallback (passes=0 leaves it all to it);
     the serving cap (1024) would sort slowly in the interpreter."""

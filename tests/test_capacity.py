@@ -97,7 +97,7 @@ def test_chunked_refuses_before_allocating_anything(layout):
     state = static_state(layout, 6 * MB)
     p = plan_verify(state, 8, 4, 128256, "chunked")  # one request's [4, 128256] probabilities: 2 MiB, medium
     assert not p.fits and p.requests_per_chunk == 1
-    assert plan_verify(state, 8, 4, 32000, "chunked").requests_per_chunk == 2  # [8, 32000]: small blocks
+    assert plan_verify(state, 8, 4, 16000, "chunked").requests_per_chunk == 2  # [8, 16000] (int64 sum terms too): small blocks
     long = torch.empty(8, 4, dtype=torch.long, device="cuda")
     logits = torch.empty(32, 128256, device="cuda")
     before = layout.memory_snapshot()

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from graphborrow.eagle import fused as fv  # first: it selects Triton's interpreter on a CPU-only machine
-from graphborrow.eagle import fused_probs as fp
+from graphborrow.eagle import probs as formula
 from graphborrow.eagle import fused_select as fs
 from graphborrow.draft_tree import build_draft_tree, tree_from_parents
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only
@@ -148,8 +148,12 @@ def test_summing_a_few_rows_at_a_time_changes_nothing(monkeypatch):
     g = torch.Generator().manual_seed(7)
     logits = 2.0 * torch.randn(9, 1000, generator=g)
     whole = fv.target_probs_reference(logits, 1.1)
-    monkeypatch.setattr(fp, "SUM_CHUNK_ENTRIES", 2500)  # two rows per chunk, the last one alone
+    monkeypatch.setattr(formula, "SUM_CHUNK_ENTRIES", 2500)  # two rows per chunk, the last one alone
+    calls = []
+    real_sum = torch.sum
+    monkeypatch.setattr(torch, "sum", lambda *a, **k: calls.append(1) or real_sum(*a, **k))  # counts the chunks
     assert torch.equal(fv.target_probs_reference(logits, 1.1), whole)
+    assert len(calls) == 5
 
 
 def test_the_sum_does_not_depend_on_the_order():

@@ -38,7 +38,7 @@ from .renorm import renorm_rows, top_k_renorm_probs, top_p_renorm_probs
 
 __all__ = ["SUM_CHUNK_ENTRIES", "softmax_rows", "sum_bits", "target_probs_reference"]
 
-SUM_CHUNK_ENTRIES = 1 << 22  # entries whose int64 terms softmax_rows holds at once (48 MiB)
+SUM_CHUNK_ENTRIES = 1 << 22  # entries whose int64 terms softmax_rows holds at once (32 MiB)
 
 
 def sum_bits(vocab: int) -> int:
@@ -61,18 +61,18 @@ def softmax_rows(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
 
     Returns:
         A new [rows, V] float32 tensor. Besides it, the call holds the int64 terms of
-        the sum a few rows at a time (at most ``SUM_CHUNK_ENTRIES`` entries).
+        the sum a few rows at a time (at most ``SUM_CHUNK_ENTRIES`` entries, 32 MiB).
     """
     rows, vocab = logits.shape
     scale = 2.0 ** sum_bits(vocab)
     e = logits.float() / temps.unsqueeze(1)  # a tensor divisor: IEEE division (a CPU scalar multiplies by 1/t)
-    e.sub_(e.amax(dim=1, keepdim=True)).exp_()  # in place: the same kernels as y - m and exp
+    e.sub_(e.amax(dim=1, keepdim=True)).exp_().mul_(scale)  # in place: y - m, exp, then e * 2**K (exact)
     total = e.new_empty((rows, 1), dtype=torch.int64)
     step = max(1, SUM_CHUNK_ENTRIES // max(vocab, 1))
     for lo in range(0, rows, step):  # the int64 terms a few rows at a time
-        torch.sum((e[lo:lo + step] * scale).to(torch.int64), dim=1, keepdim=True, out=total[lo:lo + step])
-    s = total.to(torch.float64).to(torch.float32).mul_(1.0 / scale)
-    return e.div_(s)
+        torch.sum(e[lo:lo + step].to(torch.int64), dim=1, keepdim=True, out=total[lo:lo + step])
+    # (e * 2**K) / float32(S) is e / s exactly: both sides scaled by the same power of two
+    return e.div_(total.to(torch.float64).to(torch.float32))
 
 
 def target_probs(logits: torch.Tensor, temps: torch.Tensor, top_k, top_p) -> torch.Tensor:

@@ -7,11 +7,12 @@ the upstream measurement: D=4 topk 1 depth 3, D=8 topk 4 depth 3, D=16 topk 4 de
 each candidate holds 10-70 % of its parent's row, so paths are accepted and rejected):
 
 - ``softmax_us``: one torch.softmax pass over the same [bs*D, V] logits (CUDA events, median);
-- ``reference``: eagle_verify(mode="standard") — device_us, host_us, temporaries;
+- ``reference``: eagle_verify(mode="standard", impl="reference") — device_us, host_us, temporaries;
 - ``fused``: fused_verify eager (device_us, host_us) and replayed from a CUDA graph
   (``graph_us``), temporaries (max_memory_allocated growth minus the outputs), whether it
   emitted the tokens of the reference over target_probs_reference (``agrees``) and of
-  today's eagle_verify (``agrees_eagle_verify``), its candidate probabilities against
+  eagle_verify's reference path (``agrees_eagle_verify``; the same formula, so True is
+  expected wherever the reference ran), its candidate probabilities against
   target_probs_reference and torch.softmax, and (``--profile``) device time per kernel;
 - ``fused_renorm``: the same with top_k=50, top_p=0.9 (reference too at small batches);
 - ``upstream``: the figures of ../shared/reference/upstream_kernel_h200.md (sgl-kernel,

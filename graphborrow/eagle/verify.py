@@ -77,7 +77,8 @@ def eagle_verify(
             ``borrow.borrow("EAGLE verify")``.
         mode: ``"standard"``, ``"lean"`` or ``"chunked"`` (see the module docstring).
         chunk_rows: chunked mode's group size in rows (a multiple of D) instead of the
-            planner's; without a borrow, chunked mode runs one group.
+            planner's; without a borrow, chunked mode runs one group. The fused path holds
+            no [rows, V] matrix and runs every mode as one group.
         impl: ``"reference"`` (pure PyTorch), ``"fused"`` (the Triton kernels: CUDA tensors,
             or CPU tensors in Triton's interpreter; an error without Triton or on the
             simulated device) or ``"auto"`` (fused for real CUDA tensors where Triton is

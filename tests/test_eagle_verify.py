@@ -295,3 +295,21 @@ def test_fused_implementation_plugs_in(monkeypatch):
     assert all(a is b for a, b in zip(call["out"], got))  # written into the outputs made outside the scope
     assert call["coins"].shape == tree.candidates.shape  # coins drawn from the generator, in the scope
     assert state.events == [("enter", "EAGLE verify"), ("exit", "EAGLE verify")]
+
+
+def test_the_fused_path_is_refused_where_it_cannot_run(sim, monkeypatch):
+    """auto keeps the simulated device on the reference; "fused" there, or without triton, is named."""
+    from graphborrow.eagle import resolve_impl
+    from graphborrow.eagle import verify as verify_module
+
+    on_sim = torch.zeros(4, 10).to(sim.device)
+    assert on_sim.is_cuda  # the simulated device looks like CUDA to Python code
+    assert resolve_impl("auto", on_sim) == "reference"
+    assert resolve_impl("auto", torch.zeros(4, 10)) == "reference"
+    with pytest.raises(ValueError, match="simulated device cannot run"):
+        resolve_impl("fused", on_sim)
+    assert resolve_impl("fused", torch.zeros(4, 10)) == "fused"  # CPU tensors: Triton's interpreter
+    monkeypatch.setattr(verify_module, "fused_available", lambda: False)
+    tree, logits, _ = make_case(3, bs=2)
+    with pytest.raises(ValueError, match="triton is not installed"):
+        verify(tree, logits, "standard", impl="fused")

@@ -1,9 +1,10 @@
 """EAGLE verification at kernel speed: Triton kernels that read the logits directly.
 
 :func:`fused_verify` is :func:`graphborrow.eagle.eagle_verify` (mode ``"standard"``)
-without the [bs*D, V] probability matrices. Each row's target distribution is the
-formula of :mod:`graphborrow.eagle.fused_probs` (its torch form, :func:`target_probs_reference`,
-is re-exported here), computed where it is needed. The step is three launches:
+without the [bs*D, V] probability matrices; ``eagle_verify`` runs it on CUDA tensors
+(``impl="auto"``) through :func:`run_step`. Each row's target distribution is the
+formula of :mod:`graphborrow.eagle.probs`, which the reference computes too (its torch
+form, :func:`target_probs_reference`, is re-exported here), computed where it is needed. The step is three launches:
 
 1. ``_row_max_kernel`` — per (row, vocabulary slice): the largest logit. It also zeroes
    ``predicts`` and the step's counters, so nothing else runs before it;

@@ -105,6 +105,7 @@ def test_fused_path_on_the_gpu_borrows_and_emits_the_reference_tokens(backend, l
     dev_logits = on(backend, logits)
     assert resolve_impl("auto", dev_logits) == "fused"
     kw = dict(top_ks=40, top_ps=0.9, coins=on(backend, coins), coins_final=on(backend, coins_final))
+    eagle_verify(dev_logits, None, dev_tree, 0.8, **kw)  # compiles and loads the kernels (driver memory) first
     state = ladder.state
     borrowed, borrowed_drop = device_drop(backend, lambda: eagle_verify(dev_logits, None, dev_tree, 0.8, borrow=state,
                                                                         **kw))

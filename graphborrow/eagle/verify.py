@@ -38,7 +38,7 @@ from ..errors import BorrowCapacityError
 from ..sim.tensor import is_sim_tensor
 from .modes import MODES, VerifyResult, run_reference
 from .sequence import requests_per_chunk
-from .step import VerifyStep, draw
+from .step import VerifyStep
 
 __all__ = ["BORROW_USER", "IMPLS", "eagle_verify", "fused_available", "resolve_impl"]
 

@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-sweep gpu-wheels model-pools model-pools-sim strip clean mutation-capacity
+.PHONY: setup run demo test test-core test-notebooks test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep gpu-wheels model-pools model-pools-sim strip clean mutation-capacity
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -17,7 +17,8 @@ $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[notebooks,test,models]"
+	# torch first, so the extras (triton among them) never pull in a CUDA build of torch
+	$(PY) -m pip install -q -e ".[notebooks,test,models,kernels]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
@@ -53,6 +54,18 @@ test-notebooks: setup
 # On a CUDA machine: the GPU twins of the borrow tests.
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests
+
+# CPU: every case of the fused kernels' interpreter tests (several minutes on 2 cores; CI runs one case per rule).
+test-kernels-deep: setup
+	GRAPHBORROW_KERNEL_TESTS=deep $(PY) -m pytest -q tests/test_fused_verify.py tests/test_fused_compile.py
+
+# On a CUDA machine: the fused verification kernels against the reference and the upstream figures.
+bench-kernels: setup
+	$(PY) benchmarks/verify_kernels.py --out data/verify_kernels_h200.json --profile
+
+# Without a GPU: compile every fused kernel variant for sm_90 (Triton's bundled ptxas); registers, spills.
+compile-kernels: setup
+	TRITON_INTERPRET=0 $(PY) scripts/compile_kernels.py
 
 # CPU: the simulated allocator's speed, compiled against pure Python (figure in the README).
 bench: setup

@@ -161,7 +161,7 @@ def check(backend, state, inputs, shape, mode, args, label) -> dict:
     """Plan against the pool as it is, run, and compare."""
     bs, d, vocab = shape.batch_size, shape.draft_tokens, shape.vocab
     t0 = time.perf_counter()
-    plan = plan_verify(state, bs, d, vocab, mode, shape.top_k, shape.top_p)
+    plan = plan_verify(state, bs, d, vocab, mode, shape.top_k, shape.top_p, impl="reference")
     plan_s = time.perf_counter() - t0
     row = {"bs": bs, "draft_tokens": d, "mode": mode, "pool": label, "planned": plan.fits,
            "requests_per_chunk": plan.requests_per_chunk, "planned_peak_bytes": plan.peak_bytes,

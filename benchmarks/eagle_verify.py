@@ -115,7 +115,7 @@ def run_point(bs, d, vocab, state, args, budget_end) -> list[dict]:
         chunk_rows = None
         if borrowing:  # each borrowed mode gets a fresh borrow pool over the same runs
             state.retire()
-            planned = plan_verify(state, bs, d, vocab, mode, bool(top_k), bool(top_p))
+            planned = plan_verify(state, bs, d, vocab, mode, bool(top_k), bool(top_p), impl="reference")
             row["fits_plan"], row["plan_reason"] = planned.fits, planned.reason
             if mode == "chunked":
                 row["chunk_requests"] = planned.requests_per_chunk if planned.fits else 0
@@ -130,7 +130,8 @@ def run_point(bs, d, vocab, state, args, budget_end) -> list[dict]:
 
         def step():
             return eagle_verify(logits, None, tree, args.temperature, top_ks=top_k, top_ps=top_p, coins=coins,
-                                coins_final=coins_final, borrow=state if borrowing else None, mode=mode)
+                                coins_final=coins_final, borrow=state if borrowing else None, mode=mode,
+                                impl="reference")  # the reference modes (benchmarks/verify_kernels.py: fused)
 
         try:
             if borrowing:  # the fresh pool, built (and precarved) before the measured step

@@ -25,8 +25,9 @@ import torch
 
 from .borrow import BorrowState
 from .eagle.modes import MODES
-from .eagle.sequence import plan_step, requests_per_chunk
+from .eagle.sequence import plan_fused_step, plan_step, requests_per_chunk
 from .eagle.step import StepShape
+from .eagle.verify import IMPLS, fused_available
 from .planner import AllocationSequence, PoolImage, replay, size_class
 from .sizes import MB
 
@@ -69,10 +70,11 @@ class VerifyPlan:
     carved_bytes: int = 0
     allocations: int = 0
     largest_run: int = 0
+    impl: str = "reference"
 
 
 def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str = "standard",
-                top_k: bool = False, top_p: bool = False) -> VerifyPlan:
+                top_k: bool = False, top_p: bool = False, impl: str = "auto") -> VerifyPlan:
     """Would ``eagle_verify`` of this shape, borrowing from ``state`` now, fit?
 
     Args:
@@ -83,6 +85,11 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
         vocab: vocabulary size V (float32 logits, as samplers read them).
         mode: "standard", "lean" or "chunked".
         top_k, top_p: whether those renorms run.
+        impl: the implementation whose allocations are planned, as ``eagle_verify`` takes it:
+            ``"reference"``, ``"fused"`` (the Triton kernels' coins and workspace, recorded
+            with ``launch=False``; one group whatever the mode) or ``"auto"``: fused when
+            the state's device is a real CUDA device and Triton is installed (as
+            ``eagle_verify(impl="auto")`` decides for CUDA logits), else the reference.
 
     Returns:
         A :class:`VerifyPlan`.
@@ -95,14 +102,33 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
     for name, value in (("top_k", top_k), ("top_p", top_p)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} says whether that renorm runs: pass True or False, got {value!r}")
+    impl = _planned_impl(impl, state)
     image = state if isinstance(state, PoolImage) else PoolImage.of(state)
     shape = StepShape(batch_size, draft_tokens, vocab, top_k, top_p)
     if batch_size == 0:
-        return VerifyPlan(True, 0, 0, "", mode, 0, draft_tokens, vocab, top_k, top_p, largest_run=image.largest_run)
-    found = requests_per_chunk(image, shape) if mode == "chunked" else plan_step(image, shape, mode)
+        return VerifyPlan(True, 0, 0, "", mode, 0, draft_tokens, vocab, top_k, top_p, largest_run=image.largest_run,
+                          impl=impl)
+    if impl == "fused":
+        found = plan_fused_step(image, shape, mode)
+    elif mode == "chunked":
+        found = requests_per_chunk(image, shape)
+    else:
+        found = plan_step(image, shape, mode)
     r = found.replay
     return VerifyPlan(r.fits, found.requests_per_chunk, found.peak_bytes, r.reason, mode, batch_size, draft_tokens,
-                      vocab, top_k, top_p, r.carved_bytes, r.allocations, image.largest_run)
+                      vocab, top_k, top_p, r.carved_bytes, r.allocations, image.largest_run, impl)
+
+
+def _planned_impl(impl: str, state) -> str:
+    """The implementation ``eagle_verify(impl=impl)`` would run on ``state``'s device."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    from .backend import CudaBackend
+
+    backend = getattr(state, "backend", None)
+    return "fused" if isinstance(backend, CudaBackend) and fused_available() else "reference"
 
 
 # ----------------------------------------------------------------------------- size classes
@@ -173,8 +199,10 @@ def unborrowable_runs(runs: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
 def describe_plan(plan: VerifyPlan) -> str:
     """One line for a status bar: fits, or why not."""
     what = f"bs={plan.batch_size} x D={plan.draft_tokens}, V={plan.vocab}, {plan.mode}"
+    if plan.impl == "fused":
+        what += " (fused kernels)"
     if plan.fits:
-        chunk = f" in groups of {plan.requests_per_chunk}" if plan.mode == "chunked" else ""
+        chunk = f" in groups of {plan.requests_per_chunk}" if plan.mode == "chunked" and plan.impl != "fused" else ""
         return f"{what} fits{chunk}: peak {plan.peak_bytes / MB:.1f} MiB of blocks"
     return f"{what} does not fit: {plan.reason}"
 

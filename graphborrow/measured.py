@@ -77,6 +77,32 @@ def savings_table(eagle: Mapping[str, Any], mode: str = "chunked+borrow") -> lis
     return rows
 
 
+def fused_kernel_table(verify: Mapping[str, Any]) -> list[dict]:
+    """Per (batch, draft tokens) of ``verify_kernels_h200``: the fused step's device time
+    (the better of eager and graph-replayed), one softmax pass, the upstream step, and
+    whether the step met the goals (<= upstream, <= 3x softmax); with top-k 50 / top-p 0.9
+    too where it was measured."""
+    by_point: dict = {}
+    for r in verify["rows"]:
+        by_point.setdefault((r["bs"], r["draft_tokens"]), {})[r["impl"]] = r
+    rows = []
+    for (bs, d), impls in sorted(by_point.items()):
+        fused, upstream = impls.get("fused", {}), impls.get("upstream", {})
+        if not fused.get("ok"):
+            continue
+        best = min(fused["device_us"], fused["graph_us"])
+        row = {"batch_size": bs, "draft_tokens": d, "fused_us": best, "eager_us": fused["device_us"],
+               "softmax_us": fused["softmax_us"], "upstream_us": upstream.get("device_us"),
+               "vs_softmax": best / fused["softmax_us"], "agrees": fused.get("agrees")}
+        row["meets_goals"] = (row["upstream_us"] is not None and best <= row["upstream_us"]
+                              and best <= 3 * fused["softmax_us"])
+        renorm = impls.get("fused_renorm", {})
+        if renorm.get("ok"):
+            row["renorm_us"] = min(renorm["device_us"], renorm["graph_us"])
+        rows.append(row)
+    return rows
+
+
 def pool_rows(h200_pool: Mapping[str, int], here_pool: Mapping[str, int]) -> list[tuple[str, str, str]]:
     """(metric, H200, this run) rows for two ``runs.summarize`` dicts."""
     def mib(v):

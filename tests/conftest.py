@@ -1,12 +1,19 @@
 """Shared fixtures: a backend per device kind, and a small graph ladder to borrow from."""
 
 import gc
+import os
 
-import pytest
 import torch
 
-from graphborrow.backend import get_backend
-from graphborrow.borrow import BorrowState
+if not torch.cuda.is_available():
+    # The fused kernels run in Triton's interpreter here, which must be chosen before anything
+    # (a library, another test module) imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from graphborrow.backend import get_backend  # noqa: E402
+from graphborrow.borrow import BorrowState  # noqa: E402
 
 MiB = 1 << 20
 

@@ -97,7 +97,7 @@ def test_chunked_refuses_before_allocating_anything(layout):
     state = static_state(layout, 6 * MB)
     p = plan_verify(state, 8, 4, 128256, "chunked")  # one request's [4, 128256] probabilities: 2 MiB, medium
     assert not p.fits and p.requests_per_chunk == 1
-    assert plan_verify(state, 8, 4, 32000, "chunked").requests_per_chunk == 2  # [8, 32000]: small blocks
+    assert plan_verify(state, 8, 4, 16000, "chunked").requests_per_chunk == 2  # [8, 16000] (int64 sum terms too): small blocks
     long = torch.empty(8, 4, dtype=torch.long, device="cuda")
     logits = torch.empty(32, 128256, device="cuda")
     before = layout.memory_snapshot()
@@ -262,3 +262,55 @@ def test_the_pool_image_of_a_state_fresh_and_built(layout):
     assert built.extents == tuple((b + c, n - c) for (b, n), c in zip(state.arena.extents, cursors) if n > c)
     assert built.best_fit is False and built.seeds == () and built.runs == runs
     assert built.segments and built.stream == built.segments[0]["stream"]
+
+
+def run_fused_allocations(state, device, bs, d, vocab, renorm) -> bool:
+    """The fused path's body as eagle_verify runs it, without launching: its allocations, in the borrow scope."""
+    from graphborrow.eagle import fused
+    from graphborrow.eagle.modes import VerifyResult
+    from graphborrow.eagle.step import VerifyStep
+
+    long = torch.empty(bs, d, dtype=torch.long, device="cuda")
+    tree = DraftTree(long, long, long, long, 3)
+    step = VerifyStep(torch.empty(bs * d, vocab, device="cuda"), long, tree, 1.0,
+                      torch.full((bs,), 50) if renorm else None, torch.full((bs,), 0.9) if renorm else None)
+    out = VerifyResult(long.new_zeros(bs * d, dtype=torch.int32), long.new_zeros((bs, 3), dtype=torch.int32),
+                       long.new_zeros(bs, dtype=torch.int32))
+    try:
+        with state.borrow("EAGLE verify"):
+            fused.run_step(step, out, launch=False)
+        return True
+    except device.OutOfMemoryError:
+        return False
+    finally:
+        state.retire()
+
+
+@pytest.mark.parametrize("bs,d,vocab,renorm", [(4, 4, 32000, False), (32, 8, 128256, True), (128, 16, 128256, True)])
+def test_fused_plan_fits_exactly_when_the_fused_allocations_succeed(layout, bs, d, vocab, renorm):
+    """impl="fused" plans the fused step's own workspace (recorded with launch=False), not the
+    reference's matrices: the plan holds against the same allocations made on the device."""
+    outcomes = set()
+    for run_mib in (1.5, 3, 21, 23):
+        state = static_state(layout, int(run_mib * MB))
+        p = plan_verify(state, bs, d, vocab, "standard", renorm, renorm, impl="fused")
+        ran = run_fused_allocations(state, layout, bs, d, vocab, renorm)
+        assert p.fits == ran, (run_mib, p)
+        assert p.impl == "fused" and p.requests_per_chunk == bs
+        outcomes.add(ran)
+    assert outcomes == {True, False}  # every shape meets a run too small for it
+
+
+def test_the_plan_follows_the_implementation_that_will_run(layout):
+    """The fused step holds no [rows, V] matrix: it fits runs where the reference cannot; on the
+    simulated device "auto" plans the reference, which is what eagle_verify runs there."""
+    state = static_state(layout, 3 * MB)
+    fused = plan_verify(state, 32, 8, 128256, impl="fused")
+    reference = plan_verify(state, 32, 8, 128256, impl="reference")
+    assert fused.fits and not reference.fits
+    assert fused.peak_bytes < 64 * 1024 < reference.peak_bytes
+    assert plan_verify(state, 32, 8, 128256) == reference  # auto on the simulated device
+    chunked = plan_verify(state, 32, 8, 128256, "chunked", impl="fused")
+    assert chunked.fits and chunked.requests_per_chunk == 32  # the fused step never splits the batch
+    with pytest.raises(ValueError, match="impl must be one of"):
+        plan_verify(state, 32, 8, 128256, impl="triton")

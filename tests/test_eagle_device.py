@@ -41,7 +41,7 @@ def device_drop(backend, step):
 @pytest.mark.parametrize("mode", MODES)
 def test_device_matches_cpu_and_borrowing_takes_no_device_memory(backend, ladder, mode):
     tree, logits, coins, coins_final = cpu_case()
-    kw = dict(top_ks=40, top_ps=0.9, coins=coins, coins_final=coins_final, mode=mode)
+    kw = dict(top_ks=40, top_ps=0.9, coins=coins, coins_final=coins_final, mode=mode, impl="reference")
     expected = eagle_verify(logits, None, tree, 0.8, **kw)
     assert expected.accept_length.max() > 1
     dev_tree = tree._replace(**{f: on(backend, getattr(tree, f)) for f in tree._fields[:4]})
@@ -89,3 +89,28 @@ def test_temporaries_appear_in_the_borrow_pool_and_are_gone_after_the_step(backe
     assert all(b["state"] == "inactive" for s in pool for b in s["blocks"])
     assert all(any(r <= e["addr"] < r + n for r, n in state.free_runs()) for e in taken)
     assert result.accept_length.min() >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda"], indirect=True)
+def test_fused_path_on_the_gpu_borrows_and_emits_the_reference_tokens(backend, ladder):
+    """impl="auto" on CUDA is the fused kernels: the CPU reference's tokens (the same formula),
+    a workspace of a few KiB that lives and dies in the borrow pool, no device growth."""
+    from graphborrow.eagle import resolve_impl
+
+    tree, logits, coins, coins_final = cpu_case()
+    expected = eagle_verify(logits, None, tree, 0.8, top_ks=40, top_ps=0.9, coins=coins, coins_final=coins_final,
+                            impl="reference")
+    dev_tree = tree._replace(**{f: on(backend, getattr(tree, f)) for f in tree._fields[:4]})
+    dev_logits = on(backend, logits)
+    assert resolve_impl("auto", dev_logits) == "fused"
+    kw = dict(top_ks=40, top_ps=0.9, coins=on(backend, coins), coins_final=on(backend, coins_final))
+    eagle_verify(dev_logits, None, dev_tree, 0.8, **kw)  # compiles and loads the kernels (driver memory) first
+    state = ladder.state
+    borrowed, borrowed_drop = device_drop(backend, lambda: eagle_verify(dev_logits, None, dev_tree, 0.8, borrow=state,
+                                                                        **kw))
+    for x, y in zip(borrowed, expected):
+        assert torch.equal(x.cpu(), y)
+    assert state.live_borrowed_bytes() == 0
+    ladder.replay(0)
+    assert borrowed_drop <= 2 * MiB  # the outputs' small-pool segment at most

@@ -269,39 +269,48 @@ def test_bad_arguments_are_named():
         verify(tree, logits, "standard", impl="triton")
 
 
-class FusedStandIn:
-    """A stand-in for the Triton module (the collaborator): records calls, writes the
-    reference's answer (accept_length already counting the emitted token)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def fused_verify(self, logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coins=None,
-                     coins_final=None, threshold_single=1.0, threshold_acc=1.0, out=None, validate=True):
-        self.calls.append(dict(validate=validate, out=out, coins=coins))
-        result = eagle_verify(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final,
-                              impl="reference")
-        for dst, src in zip(out, result):
-            dst.copy_(src)
-        return out
-
-
 def test_fused_implementation_plugs_in(monkeypatch):
-    import sys
+    """impl="fused" runs the Triton kernels (here in Triton's interpreter) inside the borrow
+    scope, into the outputs made before it, after the checks ran once; "auto" keeps CPU
+    tensors on the reference. Both emit the same tokens (the fused tests show why)."""
+    from graphborrow.eagle import fused, fused_select
 
+    monkeypatch.setattr(fused_select, "SELECT_CAP", 16)  # the interpreter sorts slowly: a short exact sort
+    calls = []
+    real = fused.fused_verify
+
+    def spy(*args, **kwargs):  # the real kernels run; the spy only notes how they were called
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "fused_verify", spy)
     tree, logits, _ = make_case(11, bs=5)
-    with pytest.raises(ValueError, match="impl='fused' needs the Triton verification kernel"):
-        verify(tree, logits, "standard", impl="fused")
-    fused = FusedStandIn()
-    monkeypatch.setitem(sys.modules, "graphborrow.eagle.fused", fused)
     expected = verify(tree, logits, "standard", impl="reference", top_ks=7)
     assert_same(verify(tree, logits, "standard", impl="auto", top_ks=7), expected)
-    assert fused.calls == []  # auto: CPU tensors take the reference
+    assert calls == []  # auto: CPU tensors take the reference
     state = RecordingBorrow()
     got = verify(tree, logits, "standard", impl="fused", top_ks=7, borrow=state)
     assert_same(got, expected)
-    (call,) = fused.calls
-    assert call["validate"] is False  # the checks ran once, before the scope
+    (call,) = calls
+    assert call["validate"] is False and call["launch"] is True  # the checks ran once, before the scope
     assert all(a is b for a, b in zip(call["out"], got))  # written into the outputs made outside the scope
     assert call["coins"].shape == tree.candidates.shape  # coins drawn from the generator, in the scope
     assert state.events == [("enter", "EAGLE verify"), ("exit", "EAGLE verify")]
+
+
+def test_the_fused_path_is_refused_where_it_cannot_run(sim, monkeypatch):
+    """auto keeps the simulated device on the reference; "fused" there, or without triton, is named."""
+    from graphborrow.eagle import resolve_impl
+    from graphborrow.eagle import verify as verify_module
+
+    on_sim = torch.zeros(4, 10).to(sim.device)
+    assert on_sim.is_cuda  # the simulated device looks like CUDA to Python code
+    assert resolve_impl("auto", on_sim) == "reference"
+    assert resolve_impl("auto", torch.zeros(4, 10)) == "reference"
+    with pytest.raises(ValueError, match="simulated device cannot run"):
+        resolve_impl("fused", on_sim)
+    assert resolve_impl("fused", torch.zeros(4, 10)) == "fused"  # CPU tensors: Triton's interpreter
+    monkeypatch.setattr(verify_module, "fused_available", lambda: False)
+    tree, logits, _ = make_case(3, bs=2)
+    with pytest.raises(ValueError, match="triton is not installed"):
+        verify(tree, logits, "standard", impl="fused")

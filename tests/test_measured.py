@@ -39,6 +39,26 @@ def test_eagle_headline_and_savings_agree_with_the_points():
     assert set(head["largest_batch_standard_borrow"]) == {4, 8, 16}
 
 
+def test_fused_kernel_table_reads_every_point_and_its_goals():
+    verify = measured.load("verify_kernels_h200")
+    assert verify["device"].startswith("NVIDIA") and verify["torch"].startswith("2.")
+    table = measured.fused_kernel_table(verify)
+    assert {(r["batch_size"], r["draft_tokens"]) for r in table} == {
+        (bs, d) for bs in (1, 4, 16, 32, 64, 128) for d in (4, 8, 16)}
+    for r in table:
+        assert r["fused_us"] <= r["eager_us"]
+        assert r["meets_goals"] == (r["fused_us"] <= r["upstream_us"] and r["fused_us"] <= 3 * r["softmax_us"])
+        assert r["renorm_us"] > r["fused_us"]
+    assert sum(r["meets_goals"] for r in table) == verify["goals_met_points"]  # as the benchmark judged
+    made_up = {"rows": [{"bs": 1, "draft_tokens": 4, "impl": "fused", "ok": True, "device_us": 300.0, "graph_us": 90.0,
+                         "softmax_us": 40.0},
+                        {"bs": 1, "draft_tokens": 4, "impl": "upstream", "device_us": 95.0}]}
+    (row,) = measured.fused_kernel_table(made_up)
+    assert row["fused_us"] == 90.0 and row["meets_goals"] is True and row["vs_softmax"] == 90.0 / 40.0
+    made_up["rows"][0]["graph_us"] = 130.0  # above 3x softmax (120) and above upstream
+    assert measured.fused_kernel_table(made_up)[0]["meets_goals"] is False
+
+
 def test_missing_files_say_how_they_are_made(tmp_path):
     with pytest.raises(FileNotFoundError, match="produced on a GPU"):
         measured.load("core_h200", tmp_path)

@@ -4,11 +4,14 @@ One concept per module:
 
 - :mod:`.kernel` — the upstream kernel's semantics (:func:`tree_speculative_sampling_target_only`);
 - :mod:`.renorm` — top-k / top-p renormalisation with flashinfer's semantics;
+- :mod:`.probs` — the target probabilities' formula, shared bit for bit by both paths;
 - :mod:`.step` — the step record (:class:`VerifyStep`) and its device-side parameters;
 - :mod:`.validate` — the checks that read values, kept apart so they can be skipped;
 - :mod:`.modes` — the reference step's modes (standard, lean, chunked);
 - :mod:`.sequence` — the step's allocation sequence, for the capacity planner;
-- :mod:`.verify` — :func:`eagle_verify`, the whole step, reference or fused.
+- :mod:`.verify` — :func:`eagle_verify`, the whole step, reference or fused;
+- :mod:`.fused`, :mod:`.fused_probs`, :mod:`.fused_select` — the Triton kernels (imported
+  only when used: they need triton, and select its interpreter on a machine without CUDA).
 """
 
 from ..draft_tree import DraftTree, build_draft_tree, tree_from_parents
@@ -17,7 +20,7 @@ from .modes import MODES, VerifyResult
 from .renorm import top_k_renorm_probs, top_p_renorm_probs
 from .sequence import verify_bytes
 from .step import StepShape, VerifyStep
-from .verify import BORROW_USER, IMPLS, eagle_verify
+from .verify import BORROW_USER, IMPLS, eagle_verify, fused_available, resolve_impl
 
 __all__ = [
     "BORROW_USER",
@@ -29,6 +32,8 @@ __all__ = [
     "VerifyStep",
     "build_draft_tree",
     "eagle_verify",
+    "fused_available",
+    "resolve_impl",
     "top_k_renorm_probs",
     "top_p_renorm_probs",
     "tree_from_parents",

@@ -4,7 +4,9 @@ Every mode runs in three phases: :func:`~graphborrow.eagle.step.prepare` (parame
 coins, tree tables), the mode's work (:func:`standard_rows` over groups of requests, or
 :func:`lean_rows`), then the release of what ``prepare`` made. Each phase's
 allocations depend on the step's shape alone; the capacity planner records them phase
-by phase and composes a mode's sequence from them (:mod:`.sequence`).
+by phase and composes a mode's sequence from them (:mod:`.sequence`). Target rows come
+from :func:`~graphborrow.eagle.probs.target_probs`, the formula the fused kernels share
+bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from .kernel import arange_like, sample_final_token, subtract_draft, walk_tree
-from .renorm import renorm_rows
+from .probs import target_probs
 from .step import DeviceParams, VerifyStep, prepare
 
 __all__ = ["MODES", "VerifyResult", "lean_rows", "run_reference", "standard_rows", "target_probs"]
@@ -101,15 +103,6 @@ def lean_rows(step: VerifyStep, params: DeviceParams, out: VerifyResult) -> None
     cdf = residual.to(torch.float64)
     del residual
     sample_final_token(cdf, params.coins_final, walk, step.tree.retrive_index, out.predicts)
-
-
-def target_probs(logits, temps, top_k, top_p) -> torch.Tensor:
-    """softmax(logits / temperature), then top-k and top-p renormalisation, per row."""
-    scaled = logits / temps.unsqueeze(1)
-    del logits  # frees rows gathered just for this call
-    probs = torch.softmax(scaled, dim=-1)
-    del scaled
-    return renorm_rows(probs, top_k, top_p)
 
 
 def _repeat(value, d):

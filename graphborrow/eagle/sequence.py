@@ -6,6 +6,11 @@ once per shape on the layout-only device (:mod:`graphborrow.planner`) and cached
 mode's sequence is their concatenation, e.g. chunked with 128 requests in groups of 48:
 ``prepare(128) + body(48) * 2 + body(32) + release(128)``. That is exactly what
 :func:`~graphborrow.eagle.modes.run_reference` executes, phase for phase.
+
+The fused step (:mod:`.fused`) has one sequence whatever the mode: its coins and its
+workspace, recorded by running :func:`~graphborrow.eagle.fused.run_step` with
+``launch=False`` (the allocations without a kernel) on the same device
+(:func:`fused_sequence`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from ..draft_tree import DraftTree
 from .modes import MODES, VerifyResult, lean_rows, standard_rows
 from .step import StepShape, VerifyStep, prepare
 
-__all__ = ["ChunkPlan", "describe_tensor", "plan_step", "requests_per_chunk", "verify_bytes", "verify_sequence"]
+__all__ = ["ChunkPlan", "describe_tensor", "fused_sequence", "plan_fused_step", "plan_step", "requests_per_chunk",
+           "verify_bytes", "verify_sequence"]
 
 CACHE_SIZE = 1024
 
@@ -97,6 +103,13 @@ def plan_step(image: planner.PoolImage, shape: StepShape, mode: str, per_chunk: 
     sequence = verify_sequence(shape, mode, per)
     result = planner.replay(sequence, image, describe_tensor(shape, per))
     return ChunkPlan(result, per, shape, mode, sequence.peak_bytes)
+
+
+def plan_fused_step(image: planner.PoolImage, shape: StepShape, mode: str = "standard") -> ChunkPlan:
+    """Replay the fused step's sequence against ``image`` (every mode runs the whole batch at once)."""
+    sequence = fused_sequence(shape)
+    result = planner.replay(sequence, image, describe_tensor(shape, shape.batch_size))
+    return ChunkPlan(result, shape.batch_size, shape, mode, sequence.peak_bytes)
 
 
 def requests_per_chunk(state, shape: StepShape) -> ChunkPlan:
@@ -209,4 +222,29 @@ def _lean_body(shape: StepShape) -> planner.AllocationSequence:
         with rec.phase() as body:
             lean_rows(step, params, out)
         del params, out
+    return planner.AllocationSequence(tuple(body))
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def fused_sequence(shape: StepShape) -> planner.AllocationSequence:
+    """The fused step's allocation sequence: :func:`~graphborrow.eagle.fused.run_step` with
+    ``launch=False``, recorded on the layout-only device (outputs made before, as
+    ``eagle_verify`` makes them outside the borrow scope).
+
+    Args:
+        shape: the step's :class:`~graphborrow.eagle.step.StepShape`.
+
+    Returns:
+        The :class:`~graphborrow.planner.AllocationSequence` (cached per shape).
+    """
+    from . import fused  # imports triton (selecting its interpreter without CUDA): only when planned
+
+    if shape.batch_size == 0:
+        return planner.AllocationSequence()
+    with planner.recording() as rec:
+        step = _dummy_step(shape)
+        out = _outputs(step)
+        with rec.phase() as body:
+            fused.run_step(step, out, launch=False)
+        del out
     return planner.AllocationSequence(tuple(body))

@@ -125,6 +125,9 @@ class VerifyStep:
             raise ValueError("temperatures must be finite and > 0 (greedy requests take the argmax path instead)")
         if self.top_ks is not None and bool((_as_rows(self.top_ks, bs, torch.long) < 1).any()):
             raise ValueError(f"top_k must be >= 1 (a value >= the vocabulary {self.vocab} keeps all)")
+        if isinstance(self.top_ks, torch.Tensor) and bool((self.top_ks >= 2**31).any()):
+            raise ValueError(f"top_k must be < 2**31 (the fused kernels read int32; pass the vocabulary "
+                             f"{self.vocab} to keep all)")
         if self.top_ps is not None and bool((~(_as_rows(self.top_ps, bs, torch.float32) > 0)).any()):
             raise ValueError("top_p must be in (0, 1] (1 keeps all)")
         for name in ("coins", "coins_final"):

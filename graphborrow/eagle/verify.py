@@ -11,8 +11,14 @@ Modes of the reference implementation (pure PyTorch, any device):
   would not fit whole.
 
 All three emit identical tokens for identical coins: every probability comes from the
-same per-row arithmetic, whatever rows share a call. ``impl="fused"`` runs the step as
-one CUDA kernel (``graphborrow.eagle.fused``, where installed) with the same meaning.
+same per-row arithmetic (:mod:`.probs`), whatever rows share a call.
+
+Implementations: ``impl="fused"`` runs the step as a few Triton launches that read the
+logits directly (:mod:`.fused`; no [bs*D, V] matrix, so every mode is the same step
+there); ``"reference"`` runs the modes above; ``"auto"`` (the default) takes the fused
+path for tensors on a real CUDA device when Triton is installed, the reference
+elsewhere (CPU, the simulated device). Both compute the target probabilities by the same
+formula, so for the same coins they emit bitwise the same tokens.
 
 Outputs are allocated before the borrow scope; every temporary is created and released
 inside it. Value checks (:mod:`.validate`) run before it and can be skipped.
@@ -22,21 +28,23 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import traceback
 
 import torch
 
 from ..draft_tree import DraftTree
 from ..errors import BorrowCapacityError
+from ..sim.tensor import is_sim_tensor
 from .modes import MODES, VerifyResult, run_reference
 from .sequence import requests_per_chunk
-from .step import VerifyStep, draw
+from .step import VerifyStep
 
-__all__ = ["BORROW_USER", "IMPLS", "eagle_verify"]
+__all__ = ["BORROW_USER", "IMPLS", "eagle_verify", "fused_available", "resolve_impl"]
 
 IMPLS = ("auto", "reference", "fused")
 BORROW_USER = "EAGLE verify"
-FUSED_MODULES = ("graphborrow.eagle.fused", "graphborrow.fused_verify")
+FUSED_MODULE = "graphborrow.eagle.fused"
 
 
 def eagle_verify(
@@ -69,9 +77,12 @@ def eagle_verify(
             ``borrow.borrow("EAGLE verify")``.
         mode: ``"standard"``, ``"lean"`` or ``"chunked"`` (see the module docstring).
         chunk_rows: chunked mode's group size in rows (a multiple of D) instead of the
-            planner's; without a borrow, chunked mode runs one group.
-        impl: ``"reference"`` (pure PyTorch), ``"fused"`` (the CUDA kernel; an error where
-            it is not installed) or ``"auto"`` (fused for CUDA tensors where installed).
+            planner's; without a borrow, chunked mode runs one group. The fused path holds
+            no [rows, V] matrix and runs every mode as one group.
+        impl: ``"reference"`` (pure PyTorch), ``"fused"`` (the Triton kernels: CUDA tensors,
+            or CPU tensors in Triton's interpreter; an error without Triton or on the
+            simulated device) or ``"auto"`` (fused for real CUDA tensors where Triton is
+            installed, else the reference). See :func:`resolve_impl`.
         validate: run the value checks (tree shape, parameter ranges, logits rows a
             sampler can draw from); they read on the host, so a step captured in a CUDA
             graph passes False and checks its inputs where they are made.
@@ -93,11 +104,11 @@ def eagle_verify(
                       top_ks, top_ps, coins, coins_final, generator, threshold_single, threshold_acc).check()
     if validate:
         step.validate()
-    fused = _fused_module(impl, step)
+    fused = _fused_module(resolve_impl(impl, step.logits))
     borrowing = borrow is not None and bool(borrow.enabled)
     bs = step.batch_size
     per_chunk = bs
-    if mode == "chunked":
+    if mode == "chunked" and fused is None:  # the fused step holds no [rows, V] matrix: never chunked
         per_chunk = _chunk_requests(step, borrow if borrowing else None, chunk_rows)
 
     predicts = step.candidates.new_zeros(bs * step.draft_tokens, dtype=torch.int32)
@@ -113,7 +124,7 @@ def eagle_verify(
             if fused is None:
                 run_reference(step, mode, per_chunk, out)
             else:
-                _run_fused(fused, step, out)
+                fused.run_step(step, out)
         except BaseException as exc:
             traceback.clear_frames(exc.__traceback__)  # the failed step's temporaries die here too
             raise
@@ -143,37 +154,36 @@ def _chunk_requests(step: VerifyStep, borrow, chunk_rows) -> int:
 # The fused implementation
 
 
-def _fused_module(impl: str, step: VerifyStep):
-    """The fused kernel's module for this step, or None to run the reference."""
+def resolve_impl(impl: str, logits: torch.Tensor) -> str:
+    """The implementation a step on ``logits`` runs: "reference" or "fused".
+
+    ``"auto"`` takes the fused kernels for tensors on a real CUDA device when Triton is
+    installed; CPU tensors and the simulated device's take the reference. The capacity
+    planner asks the same question, so it plans the path that will run.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "reference":
-        return None
-    module = _load_fused()
+        return impl
+    simulated = is_sim_tensor(logits)
     if impl == "fused":
-        if module is None:
-            raise ValueError(
-                "impl='fused' needs the Triton verification kernel (graphborrow.eagle.fused), which is not "
-                "installed in this build; use impl='reference' (or 'auto', which falls back to it)"
-            )
-        return module
-    on_cuda = step.logits.is_cuda and getattr(module, "available", lambda: True)()
-    return module if module is not None and on_cuda else None
+        if simulated:
+            raise ValueError("impl='fused' launches Triton kernels, which the simulated device cannot run; use "
+                             "impl='reference' (or 'auto') there, and plan the fused step with "
+                             "graphborrow.capacity.plan_verify(..., impl='fused')")
+        if not fused_available():
+            raise ValueError("impl='fused' needs the Triton verification kernels (graphborrow.eagle.fused), and "
+                             "triton is not installed; pip install 'graphborrow[kernels]', or use impl='reference'")
+        return impl
+    on_gpu = logits.is_cuda and not simulated and torch.cuda.is_available()
+    return "fused" if on_gpu and fused_available() else "reference"
 
 
-def _load_fused():
-    for name in FUSED_MODULES:
-        try:
-            return importlib.import_module(name)
-        except ImportError as exc:
-            if exc.name != name:  # the module exists but something it needs does not
-                raise
-    return None
+def fused_available() -> bool:
+    """Whether the fused kernels can be imported (triton is installed)."""
+    return importlib.util.find_spec("triton") is not None
 
 
-def _run_fused(fused, step: VerifyStep, out: VerifyResult) -> None:
-    """Run the fused kernel into ``out`` (its accept_length counts the emitted token already)."""
-    coins = draw(step.coins, (step.batch_size, step.draft_tokens), step.generator, step.logits)
-    coins_final = draw(step.coins_final, (step.batch_size,), step.generator, step.logits)
-    fused.fused_verify(step.logits, step.candidates, step.tree, step.temperatures, top_ks=step.top_ks,
-                       top_ps=step.top_ps, coins=coins, coins_final=coins_final,
-                       threshold_single=step.threshold_single, threshold_acc=step.threshold_acc,
-                       out=tuple(out), validate=False)
+def _fused_module(impl: str):
+    """The fused kernels' module for a resolved ``impl``, or None to run the reference."""
+    return importlib.import_module(FUSED_MODULE) if impl == "fused" else None

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphborrow.arena import BumpArena, library_path
+from graphborrow.arena import BumpArena, digest_path, library_is_intact, library_path
 
 MiB = 1 << 20
 
@@ -189,11 +189,279 @@ def test_two_processes_build_the_library_at_once(tmp_path):
     assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
     paths = {o.strip() for o, _ in outs}
     assert len(paths) == 1
-    built = list(tmp_path.iterdir())
-    assert [p.name for p in built] == [Path(paths.pop()).name]  # no half-written leftovers
+    library = Path(paths.pop())
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert built == [library.name, digest_path(library).name]  # no half-written leftovers
+    assert library_is_intact(library)
 
 
 def test_library_is_cached_by_source_hash():
     first = library_path()
     assert library_path() == first
     assert first.name.startswith("libgbarena-") and first.suffix == ".so"
+
+
+# ---------------------------------------------------------------- build cache
+
+
+def _run(code, cache, **env):
+    full = dict(os.environ, GRAPHBORROW_CACHE_DIR=str(cache), **env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+
+
+BUILD_AND_USE = (
+    "from graphborrow.arena import BumpArena, library_path\n"
+    "a = BumpArena(); a.set_extents([(1 << 30, 1 << 20)])\n"
+    "assert a.malloc(100) == 1 << 30\n"
+    "print(library_path())\n"
+)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage", "no digest"])
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path, damage):
+    first = _run(BUILD_AND_USE, tmp_path)
+    assert first.returncode == 0, first.stderr
+    library = Path(first.stdout.strip())
+    data = library.read_bytes()
+    if damage == "truncate":
+        library.write_bytes(data[: len(data) // 2])  # loading this could raise SIGBUS
+    elif damage == "empty":
+        library.write_bytes(b"")
+    elif damage == "garbage":
+        library.write_bytes(b"\x7fELF" + b"\0" * (len(data) - 4))
+    else:
+        digest_path(library).unlink()
+    assert not library_is_intact(library)
+    second = _run(BUILD_AND_USE, tmp_path)
+    assert second.returncode == 0, second.stderr  # a signal would show as a negative code
+    assert library_is_intact(library) and library.read_bytes() == data
+
+
+@pytest.mark.parametrize("cc", ["false", "/nonexistent/cc"])
+def test_a_failed_build_names_the_problem_and_leaves_no_temporaries(tmp_path, cc):
+    env = {"CC": cc}
+    if cc.startswith("/nonexistent"):
+        env["PATH"] = str(tmp_path / "empty-path")  # no cc, gcc or clang to fall back to
+    result = _run("from graphborrow.arena import library_path\nlibrary_path()\n", tmp_path / "cache", **env)
+    assert result.returncode == 1
+    assert ("building the bump arena failed" in result.stderr) or ("no C compiler found" in result.stderr)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_an_unwritable_cache_names_the_setting_that_fixes_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = _run("from graphborrow.arena import library_path\nlibrary_path()\n", blocker / "cache")
+    assert result.returncode == 1 and "GRAPHBORROW_CACHE_DIR" in result.stderr
+
+
+def test_stale_build_temporaries_are_swept(tmp_path):
+    old = tmp_path / ".build-dead.so"
+    old.write_bytes(b"")
+    os.utime(old, (0, 0))  # left by a build killed long ago
+    fresh = tmp_path / ".build-running.so"
+    fresh.write_bytes(b"")  # a build in progress right now: kept
+    assert _run(BUILD_AND_USE, tmp_path).returncode == 0
+    assert not old.exists() and fresh.exists()
+
+
+# ---------------------------------------------------------------- bounds and checked frees
+
+from graphborrow.arena import ADDRESS_LIMIT, _library  # noqa: E402
+from graphborrow.errors import ArenaFreeError  # noqa: E402
+
+
+def _c_set_extents(arena, extents):
+    """set_extents straight into C, past the Python checks: the C checks must hold alone."""
+    import ctypes
+
+    n = len(extents)
+    bases = (ctypes.c_uint64 * n)(*[b for b, _ in extents])
+    sizes = (ctypes.c_size_t * n)(*[s for _, s in extents])
+    return _library().gb_arena_set_extents(arena.slot, bases, sizes, n)
+
+
+@pytest.mark.parametrize("base, size", [
+    (ADDRESS_LIMIT - 4096, 4096),          # ends exactly at 2**64
+    (ADDRESS_LIMIT - 4096, 8192),          # wraps past it
+    (1 << 30, ADDRESS_LIMIT - 512),        # a size no address space holds
+])
+def test_an_extent_past_the_end_of_the_address_space_is_refused(arena, base, size):
+    arena.set_extents([(1 << 32, MiB)])
+    with pytest.raises(ValueError, match="past the end of the 64-bit address space"):
+        arena.set_extents([(base, size)])
+    assert _c_set_extents(arena, [(base, size)]) == -7
+    assert arena.extents == [(1 << 32, MiB)] and arena.malloc(512) == 1 << 32
+
+
+def test_extents_that_fit_right_below_the_end_are_accepted(arena):
+    top = ADDRESS_LIMIT - 1 - 4096 - 511  # last byte below 2**64 - 1, aligned base
+    top -= top % 512
+    arena.set_extents([(top, 4096)])
+    assert arena.malloc(4096) == top and arena.malloc(1) == 0
+
+
+@pytest.mark.parametrize("nbytes", [ADDRESS_LIMIT - 1, ADDRESS_LIMIT - 511, ADDRESS_LIMIT - 512, 1 << 63])
+def test_a_request_near_two_to_the_64_gets_nothing_and_takes_nothing(arena, nbytes):
+    arena.set_extents([(1 << 30, MiB)])
+    first = arena.malloc(4096)
+    assert _library().gb_arena_malloc(arena.slot, nbytes) is None  # the C check, unaided
+    assert arena.malloc(nbytes) == 0
+    assert arena.cursor_bytes == 4096 and arena.live_count == 1
+    second = arena.malloc(4096)
+    assert second == first + 4096  # nobody else got this memory
+
+
+def test_sizes_beyond_the_address_space_and_non_integers_are_refused(arena):
+    arena.set_extents([(1 << 30, MiB)])
+    with pytest.raises(ValueError, match="below 2\\*\\*64"):
+        arena.malloc(ADDRESS_LIMIT + 4096)  # ctypes would silently keep only the low bits
+    with pytest.raises(ValueError, match="negative"):
+        arena.malloc(-1)
+    for bad in (1.5, "4096", None):
+        with pytest.raises(TypeError, match="integer"):
+            arena.malloc(bad)
+    with pytest.raises(TypeError, match="integer"):
+        arena.set_extents([(float(1 << 30), MiB)])
+    with pytest.raises(TypeError, match="pair"):
+        arena.set_extents([(1 << 30,)])
+    with pytest.raises(ValueError, match="past the end"):
+        arena.set_extents([(ADDRESS_LIMIT + (1 << 30), MiB)])  # would wrap to 1 << 30 in ctypes
+    assert arena.cursor_bytes == 0
+
+
+@pytest.mark.parametrize("new_align", [1024, 4096, 1 << 20])
+def test_raising_align_after_set_extents_still_gives_aligned_disjoint_pointers(arena, new_align):
+    arena.set_extents([(1 << 30, 4 * MiB), ((1 << 30) + 8 * MiB + 512, 4 * MiB - 512)])
+    taken = [(arena.malloc(700), 700)]  # the first extent's cursor is now 1024, a 512 multiple
+    arena.align = new_align
+    for n in (1, 3000, 5000, 1):
+        p = arena.malloc(n)
+        assert p and p % new_align == 0
+        taken.append((p, n))
+    taken.sort()
+    for (a, n), (b, _) in zip(taken, taken[1:]):
+        assert a + n <= b
+    for p, n in taken:
+        assert any(b <= p and p + n <= b + s for b, s in arena.extents)
+
+
+def test_the_padding_an_alignment_costs_counts_against_room(arena):
+    arena.set_extents([(1 << 30, 8192)])
+    assert arena.malloc(512) == 1 << 30
+    arena.align = 4096
+    assert arena.malloc(4096) == (1 << 30) + 4096  # skips to the next 4096 boundary
+    assert arena.malloc(1) == 0  # the extent is used up, padding included
+    assert arena.cursor_bytes == 8192
+
+
+def test_a_valid_free_counts_once_and_bad_frees_change_nothing(arena):
+    arena.set_extents([(1 << 30, MiB)])
+    p, q = arena.malloc(1000), arena.malloc(3000)
+    arena.free(p, 1000)
+    assert arena.freed_bytes == 1000 and arena.live_count == 1
+    cases = [
+        ((p, 1000), "double free"),
+        ((p + 512, 1000), "double free"),  # inside carved memory, not a live start
+        ((0x1234_0000, 1000), "never returned"),
+        ((q, 2999), "made for 3000 bytes"),
+        ((q, -1), "negative"),
+    ]
+    for args, fragment in cases:
+        with pytest.raises(ArenaFreeError, match=fragment):
+            arena.free(*args)
+        assert arena.freed_bytes == 1000 and arena.live_count == 1
+    assert arena.errors == len(cases)
+    arena.free(q, 3000)  # still live after all that: frees fine
+    assert arena.freed_bytes == 4000 and arena.live_count == 0
+
+
+def test_frees_from_before_set_extents_are_stale(arena):
+    arena.set_extents([(1 << 30, MiB)])
+    old = arena.malloc(4096)
+    arena.set_extents([(1 << 30, MiB)])  # same memory, new generation
+    with pytest.raises(ArenaFreeError, match="stale"):
+        arena.free(old + 4096, 4096)
+    new = arena.malloc(4096)
+    assert new == old  # the bytes were handed out again: the stale free must not count
+    with pytest.raises(ArenaFreeError):
+        arena.free(old, 8192)
+    assert arena.freed_bytes == 0
+    arena.free(new, 4096)
+    assert arena.freed_bytes == 4096
+
+
+def test_the_pluggable_path_counts_bad_frees_instead_of_raising(arena):
+    import ctypes
+
+    lib = _library()
+    malloc = getattr(lib, f"gb_arena_malloc_{arena.slot}")
+    free = getattr(lib, f"gb_arena_free_{arena.slot}")
+    malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    malloc.restype = ctypes.c_void_p
+    free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    arena.set_extents([(1 << 30, MiB)])
+    assert malloc(-4096, 0, None) is None
+    p = malloc(2 * 4096, 0, None)
+    assert p == 1 << 30
+    free(p, -1, 0, None)
+    free(p, 4096, 0, None)
+    free(p + 8192, 4096, 0, None)
+    assert arena.freed_bytes == 0 and arena.errors == 3
+    assert "was never returned" in arena.describe_last_error()
+    free(p, 8192, 0, None)
+    free(p, 8192, 0, None)
+    assert arena.freed_bytes == 8192 and arena.errors == 4
+    assert "double free" in arena.describe_last_error()
+    arena.raw_delete(p, 8192)  # the simulated device's hook behaves like torch's
+    assert arena.errors == 5 and arena.freed_bytes == 8192
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20_000), st.integers(0, 10**6)), max_size=400))
+def test_the_live_record_matches_a_model_under_random_mallocs_and_frees(ops):
+    """The C record (hash table with backward-shift deletion) against a dict, op by op."""
+    arena = BumpArena()
+    arena.set_extents([(1 << 30, 64 * MiB), (1 << 32, 8 * MiB)])
+    live, freed, errors = {}, 0, 0
+    for op, size, pick in ops:
+        if op <= 1 or not live:
+            p = arena.malloc(size)
+            if p:
+                assert p not in live
+                live[p] = size
+        else:
+            ptr = sorted(live)[pick % len(live)]
+            wrong = op == 3 and pick % 3 == 0
+            nbytes = live[ptr] + 1 if wrong else live[ptr]
+            if wrong:
+                with pytest.raises(ArenaFreeError):
+                    arena.free(ptr, nbytes)
+                errors += 1
+            else:
+                arena.free(ptr, nbytes)
+                freed += nbytes
+                del live[ptr]
+        assert arena.live_count == len(live)
+    assert arena.live_bytes == sum(live.values())
+    assert arena.freed_bytes == freed and arena.errors == errors
+    for ptr, size in live.items():  # every survivor is still found by the record
+        arena.free(ptr, size)
+    assert arena.live_count == 0 and arena.errors == errors
+
+
+def test_many_live_allocations_grow_the_record(arena):
+    arena.set_extents([(1 << 30, 256 * MiB)])
+    ptrs = [arena.malloc(512) for _ in range(20_000)]
+    assert arena.live_count == 20_000
+    for p in ptrs[::2]:
+        arena.free(p, 512)
+    for p in ptrs[1::2]:
+        arena.free(p, 512)
+    assert arena.live_count == 0 and arena.freed_bytes == 20_000 * 512 and arena.errors == 0
+
+
+def test_acquire_refuses_a_bad_alignment_in_c():
+    assert _library().gb_arena_acquire(1000, 1) == -6
+    with pytest.raises(ValueError, match="power of two"):
+        BumpArena(align=3)

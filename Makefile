@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 export MPLBACKEND := Agg
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean deep mutation
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -48,6 +48,11 @@ test-notebooks: setup
 	$(PY) -m pytest -q -p no:python --nbval-lax --nbval-current-env \
 	  --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/ && \
 	$(PY) scripts/check_notebook_results.py --since $$start
+
+# Property tests and randomized stress loops (interrupts included), 50x longer: the
+# Hypothesis "deep" profile (tests/conftest.py). Not part of CI; tens of minutes.
+deep: setup
+	GRAPHBORROW_HYPOTHESIS=deep $(PY) -m pytest -q -p no:cacheprovider -m "property and not gpu" tests
 
 # On a CUDA machine: the GPU twins of the borrow tests.
 test-gpu: setup

@@ -387,3 +387,62 @@ def test_runs_come_only_from_the_state_s_own_pool(sim):
         )
     theirs = other.free_runs()
     assert not set(state.free_runs()) & set(theirs)
+
+
+def test_timer_interrupts_leave_the_state_usable_on_either_device(ladder, dropped):
+    """The same storm on the real GPU (``gpu`` marker) and its simulated twin, with checks
+    that need no simulator internals: slot free, new tensors outside the borrow pool
+    (routing off), nothing borrowed still allocated, arena clean, replay and retire work."""
+    backend, state = ladder.backend, ladder.state
+    rng = random.Random(3)
+
+    def one_step():
+        with state.borrow("verify"):
+            a = torch.empty(rng.choice((1024, 300_000, 3 * MiB)), dtype=torch.uint8, device=backend.device)
+            b = torch.softmax(torch.ones(8, 4096, device=backend.device), -1)
+            del a, b
+        if rng.random() < 0.25:  # replays of the ladder's big graphs are slow on the simulator
+            ladder.replay(rng.randrange(len(ladder.graphs)))
+
+    def alarm(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        one_step()
+        gc.collect()
+        backend.synchronize()
+        baseline = backend.memory_allocated()
+        durations = []
+        for _ in range(5):
+            start = time.perf_counter()
+            one_step()
+            durations.append(time.perf_counter() - start)
+        interrupted = 0
+        for i in range(40 * deep_factor()):
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 1.5 * sorted(durations)[len(durations) // 2]))
+                one_step()
+                time.sleep(0)
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            interrupted += settle()
+            assert state.holder is None
+            probe = torch.empty(4096, dtype=torch.uint8, device=backend.device)
+            address = backend.data_ptr(probe)
+            assert not any(a <= address < a + n for a, n in (state.arena.extents if state.arena else ())), \
+                "a plain allocation landed in the borrow pool: routing left on"
+            del probe
+            backend.synchronize()
+            assert state.live_borrowed_bytes() == 0
+            assert backend.memory_allocated() == baseline
+            assert state.arena is None or state.arena.errors == 0
+            if i % 8 == 7:
+                ladder.replay()
+                state.retire()
+        assert interrupted >= 8
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -67,7 +67,13 @@ def oracle_runs(segments, whole_only=False):
     when that segment's block there is inactive; runs are maximal stretches of free units
     of one segment. Shares no code with runs.py."""
     owner, free = {}, {}
-    for i, s in sorted(enumerate(segments), key=lambda p: -p[1]["total_size"]):  # inner ones last
+
+    def wholly_free(s):
+        return len(s["blocks"]) == 1 and s["blocks"][0]["state"] == "inactive"
+
+    # outer ones first, so inner ones take their units over; of two equal ranges the wholly
+    # free one is the host (the convention both sides state)
+    for i, s in sorted(enumerate(segments), key=lambda p: (-p[1]["total_size"], not wholly_free(p[1]))):
         for b in s["blocks"]:
             for u in range(b["address"] // UNIT, (b["address"] + b["size"]) // UNIT):
                 owner[u], free[u] = i, b["state"] == "inactive"
@@ -216,6 +222,7 @@ def _corrupt(segments, kind, pick, junk):
         seg["blocks"] = []
         return i, "non-empty list"
     if kind == "partial overlap":
+        assume(seg["total_size"] >= 2 * UNIT)  # so the intruder starts inside and ends outside
         end = seg["address"] + seg["total_size"]
         intruder = make_segment(end - UNIT, [("inactive", 2 * UNIT)])
         segments.append(intruder)

@@ -465,3 +465,30 @@ def test_acquire_refuses_a_bad_alignment_in_c():
     assert _library().gb_arena_acquire(1000, 1) == -6
     with pytest.raises(ValueError, match="power of two"):
         BumpArena(align=3)
+
+
+def test_c_entry_points_refuse_slots_not_acquired():
+    """The C functions take a slot number; a released or out-of-range one does nothing."""
+    import ctypes
+
+    lib = _library()
+    fresh = BumpArena()
+    slot = fresh.slot
+    fresh.set_extents([(1 << 30, MiB)])
+    del fresh
+    import gc
+
+    gc.collect()
+    bases, sizes = (ctypes.c_uint64 * 1)(1 << 30), (ctypes.c_size_t * 1)(MiB)
+    for bad in (-1, BumpArena.MAX_SLOTS, BumpArena.MAX_SLOTS + 5, slot):
+        if bad == slot and BumpArena().slot == slot:  # reacquired right away: it is fresh, not stale
+            continue
+        assert lib.gb_arena_malloc(bad, 512) is None
+        assert lib.gb_arena_set_extents(bad, bases, sizes, 1) == -1
+        assert lib.gb_arena_set_align(bad, 4096) == -1
+        assert lib.gb_arena_set_best_fit(bad, 0) == -1
+        assert lib.gb_arena_free_checked(bad, 1 << 30, 512) == -1
+        assert lib.gb_arena_cursor(bad) == 0 and lib.gb_arena_errors(bad) == 0
+        assert lib.gb_arena_extent_cursor(bad, 0) == 0
+        assert lib.gb_arena_freed_ptr(bad) is None and lib.gb_arena_errors_ptr(bad) is None
+    assert lib.gb_arena_max_slots() == BumpArena.MAX_SLOTS and lib.gb_arena_max_extents() == BumpArena.MAX_EXTENTS

@@ -162,6 +162,7 @@ def check_usable(backend, state, graphs, baseline, alarm):
 
 
 @pytest.mark.property
+@pytest.mark.stress
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_timer_interrupts_leave_the_state_usable(device, seed):
     backend = device
@@ -257,6 +258,7 @@ class Injector:
 
 
 @pytest.mark.property
+@pytest.mark.stress
 def test_interrupts_at_random_instructions_leave_the_state_usable(device):
     backend = device
     rng = random.Random(7)
@@ -389,6 +391,8 @@ def test_runs_come_only_from_the_state_s_own_pool(sim):
     assert not set(state.free_runs()) & set(theirs)
 
 
+@pytest.mark.property
+@pytest.mark.stress
 def test_timer_interrupts_leave_the_state_usable_on_either_device(ladder, dropped):
     """The same storm on the real GPU (``gpu`` marker) and its simulated twin, with checks
     that need no simulator internals: slot free, new tensors outside the borrow pool

@@ -54,6 +54,16 @@ test-notebooks: setup
 deep: setup
 	GRAPHBORROW_HYPOTHESIS=deep $(PY) -m pytest -q -p no:cacheprovider -m "property and not gpu" tests
 
+# Mutation testing (not in CI; tens of minutes): mutmut 3 over the modules that hold rules
+# ([tool.mutmut] in pyproject.toml), a hand-rolled pass over arena.c, one record of both
+# with the survivors judged harmless in data/mutation.json.
+mutation: setup
+	$(PY) -m pip install -q -e ".[mutation]"
+	rm -rf mutants
+	$(VENV)/bin/mutmut run --max-children 2
+	$(PY) scripts/mutate_arena_c.py --json data/mutation_arena_c.json --jobs 2
+	$(PY) scripts/mutation_report.py --out data/mutation.json
+
 # On a CUDA machine: the GPU twins of the borrow tests.
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests

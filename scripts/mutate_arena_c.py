@@ -116,6 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--limit", type=int, default=0, help="test only the first N mutants (0: all)")
+    parser.add_argument("--stride", type=int, default=1, help="test every Nth mutant (a sample spread over the file)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--ids", default="", help="comma-separated mutant ids to run again (e.g. the survivors)")
     args = parser.parse_args()
@@ -124,6 +125,7 @@ def main() -> None:
     if args.ids:
         wanted = {int(i) for i in args.ids.split(",")}
         todo = [(i, m) for i, m in todo if i in wanted]
+    todo = todo[:: args.stride]
     if args.limit:
         todo = todo[: args.limit]
     print(f"{len(todo)} mutants of {SOURCE.relative_to(REPO)}")
@@ -142,6 +144,8 @@ def main() -> None:
         "what": "hand-rolled mutation pass over graphborrow/arena.c (mutmut mutates Python only)",
         "command": " ".join(["python", *sys.argv]),
         "tests": " ".join(["pytest", *TESTS]),
+        "mutants_in_file": len(list(mutants(text))),
+        "mutants_tested": len(results),
         "counts": counts,
         "score": round(counts["killed"] / valid, 4) if valid else None,
         "survivors": [r for r in results if r["outcome"] == "survived"],

@@ -492,3 +492,72 @@ def test_c_entry_points_refuse_slots_not_acquired():
         assert lib.gb_arena_extent_cursor(bad, 0) == 0
         assert lib.gb_arena_freed_ptr(bad) is None and lib.gb_arena_errors_ptr(bad) is None
     assert lib.gb_arena_max_slots() == BumpArena.MAX_SLOTS and lib.gb_arena_max_extents() == BumpArena.MAX_EXTENTS
+
+
+# ---------------------------------------------------------------- build helpers, in process
+
+from graphborrow import arena as arena_module  # noqa: E402
+
+
+def test_cache_dir_prefers_its_own_setting_then_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(tmp_path / "own"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert arena_module.cache_dir() == tmp_path / "own"
+    monkeypatch.delenv("GRAPHBORROW_CACHE_DIR")
+    assert arena_module.cache_dir() == tmp_path / "xdg" / "graphborrow"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert arena_module.cache_dir() == tmp_path / "home" / ".cache" / "graphborrow"
+
+
+def test_the_compiler_comes_from_cc_then_the_usual_names(monkeypatch):
+    found = {"gcc": "/usr/bin/gcc", "clang": "/usr/bin/clang", "mycc": "/opt/mycc"}
+    monkeypatch.setattr(arena_module.shutil, "which", lambda name: found.get(name))
+    monkeypatch.setenv("CC", "mycc -pthread -O2")
+    assert arena_module._compiler() == "mycc"  # the flags of $CC are not part of its name
+    monkeypatch.setenv("CC", "missing-cc")
+    assert arena_module._compiler() == "gcc"  # cc is absent here: gcc is next
+    del found["gcc"]
+    assert arena_module._compiler() == "clang"
+    del found["clang"]
+    with pytest.raises(RuntimeError, match="no C compiler found.*set CC"):
+        arena_module._compiler()
+
+
+def test_a_library_is_intact_only_with_a_matching_digest(tmp_path):
+    library = tmp_path / "libx.so"
+    assert not library_is_intact(library)  # missing
+    library.write_bytes(b"\x7fELF library bytes")
+    assert not library_is_intact(library)  # no digest
+    digest = arena_module._digest(library)
+    assert digest == __import__("hashlib").sha256(b"\x7fELF library bytes").hexdigest()
+    digest_path(library).write_text(digest + "\n")
+    assert digest_path(library) == tmp_path / "libx.so.sha256"
+    assert library_is_intact(library)
+    library.write_bytes(b"\x7fELF library byte")
+    assert not library_is_intact(library)
+
+
+def test_only_old_build_temporaries_are_removed(tmp_path):
+    old, young, other = tmp_path / ".build-a.so", tmp_path / ".build-b.so", tmp_path / "keep.so"
+    for path in (old, young, other):
+        path.write_bytes(b"")
+    os.utime(old, (0, 0))
+    os.utime(other, (0, 0))
+    arena_module._remove_stale_temporaries(tmp_path, max_age_s=3600.0)
+    assert not old.exists() and young.exists() and other.exists()
+    arena_module._remove_stale_temporaries(tmp_path, max_age_s=-1.0)
+    assert not young.exists() and other.exists()
+
+
+def test_repr_and_describe_report_the_state(arena):
+    arena.set_extents([(1 << 30, MiB)])
+    p = arena.malloc(1000)
+    assert arena.describe_last_error() == "no error" and arena.last_error() == (0, 0, 0, 0)
+    with pytest.raises(ArenaFreeError):
+        arena.free(p, 999)
+    assert arena.last_error() == (-13, p, 999, 1000)
+    text = repr(arena)
+    for part in ("extents=1", f"capacity={MiB}", "cursor=1024", "freed=0", "live=1", "errors=1", "best_fit=True", "align=512"):
+        assert part in text
+    assert arena.capacity_bytes == MiB and arena.live_bytes == 1000

@@ -1,0 +1,129 @@
+"""Collect a mutation run into one record: mutmut's results for the Python modules, the
+hand-rolled pass over arena.c, and the survivors judged harmless, each with its reason.
+
+    python scripts/mutation_report.py --out data/mutation.json [--c-json data/mutation_arena_c.json]
+
+Run after ``mutmut run`` (from the repository root, where ``mutants/`` is) and
+``scripts/mutate_arena_c.py``; ``make mutation`` runs all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from collections import Counter
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Survivors looked at and judged harmless: mutant name (fnmatch pattern) -> why.
+# A survivor not listed here is one a test should kill.
+HARMLESS_PY: dict[str, str] = {}
+# C survivors, by "line: mutant text" -> why.
+HARMLESS_C: dict[str, str] = {}
+
+
+def mutmut(*args: str) -> str:
+    exe = Path(sys.executable).with_name("mutmut")
+    result = subprocess.run([str(exe), *args], cwd=REPO, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"mutmut {' '.join(args)} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def python_results() -> dict:
+    statuses = {}
+    for line in mutmut("results", "--all", "true").splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if sep:
+            statuses[name] = status
+    counts = Counter(statuses.values())
+    survivors, harmless = [], []
+    for name, status in sorted(statuses.items()):
+        if status not in ("survived", "no tests"):
+            continue
+        diff = [ln for ln in mutmut("show", name).splitlines() if ln.startswith(("+", "-")) and not ln.startswith(("+++", "---"))]
+        entry = {"mutant": name, "status": status, "diff": diff[:6]}
+        reason = next((why for pattern, why in HARMLESS_PY.items() if fnmatch.fnmatch(name, pattern)), None)
+        if reason:
+            harmless.append({**entry, "why_harmless": reason})
+        else:
+            survivors.append(entry)
+    by_module = Counter(name.split(".x")[0] for name in statuses)
+    killed = counts.get("killed", 0) + counts.get("caught by type check", 0) + counts.get("timeout", 0)
+    scored = killed + counts.get("survived", 0) + counts.get("no tests", 0)
+    return {
+        "counts": dict(counts),
+        "mutants_by_module": dict(by_module),
+        "score": round(killed / scored, 4) if scored else None,
+        "score_counting_harmless_as_killed": round((killed + len(harmless)) / scored, 4) if scored else None,
+        "survivors_to_kill": survivors,
+        "survivors_judged_harmless": harmless,
+    }
+
+
+def c_results(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    survivors, harmless = [], []
+    for s in data["survivors"]:
+        key = f"{s['line']}: {s['mutant']}"
+        reason = HARMLESS_C.get(key) or next(
+            (why for pattern, why in HARMLESS_C.items() if re.fullmatch(pattern, key)), None
+        )
+        (harmless if reason else survivors).append({**s, **({"why_harmless": reason} if reason else {})})
+    counts = data["counts"]
+    valid = counts["killed"] + counts["survived"]
+    return {
+        "command": data["command"],
+        "tests": data["tests"],
+        "counts": counts,
+        "score": data["score"],
+        "score_counting_harmless_as_killed": round((counts["killed"] + len(harmless)) / valid, 4) if valid else None,
+        "survivors_to_kill": survivors,
+        "survivors_judged_harmless": harmless,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--c-json", type=Path, default=REPO / "data" / "mutation_arena_c.json")
+    args = parser.parse_args()
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]
+    record = {
+        "tool": f"mutmut {version('mutmut')}",
+        "command": "make mutation  (mutmut run --max-children 2; python scripts/mutate_arena_c.py; "
+                   "python scripts/mutation_report.py --out data/mutation.json)",
+        "python_modules": config["only_mutate"],
+        "tests": config["pytest_add_cli_args_test_selection"],
+        "pytest_args": config["pytest_add_cli_args"],
+        "python": python_results(),
+        "c": c_results(args.c_json),
+        "to_add_later": {
+            "graphborrow/capacity.py": "add to only_mutate in pyproject [tool.mutmut], its tests to pytest_add_cli_args_test_selection",
+            "graphborrow/sim/allocator.py": "the statistics (StatCounters, _increase, memory_stats): add the file to only_mutate "
+                                            "and tests/test_sim_allocator.py to the selection; run with GRAPHBORROW_SIM_PURE=1 so "
+                                            "the mutated Python, not the compiled build, is what runs",
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    py = record["python"]
+    print(f"python: {py['counts']} score {py['score']}; {len(py['survivors_to_kill'])} survivors to kill, "
+          f"{len(py['survivors_judged_harmless'])} judged harmless")
+    if record["c"]:
+        c = record["c"]
+        print(f"c: {c['counts']} score {c['score']}; {len(c['survivors_to_kill'])} survivors to kill")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

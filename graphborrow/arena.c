@@ -105,7 +105,7 @@ static size_t hash_ptr(uintptr_t p, size_t cap) {
 }
 
 static size_t live_find(const arena_t *a, uintptr_t p) {
-    if (a->live_cap == 0) return SIZE_MAX;
+    if (a->live_cap == 0 || p == 0) return SIZE_MAX; /* 0 marks an empty entry, never a live one */
     for (size_t i = hash_ptr(p, a->live_cap);; i = (i + 1) & (a->live_cap - 1)) {
         if (a->live[i].ptr == p) return i;
         if (a->live[i].ptr == 0) return SIZE_MAX;

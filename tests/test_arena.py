@@ -561,3 +561,104 @@ def test_repr_and_describe_report_the_state(arena):
     for part in ("extents=1", f"capacity={MiB}", "cursor=1024", "freed=0", "live=1", "errors=1", "best_fit=True", "align=512"):
         assert part in text
     assert arena.capacity_bytes == MiB and arena.live_bytes == 1000
+
+
+def test_library_path_builds_verifies_and_rebuilds_in_process(monkeypatch, tmp_path):
+    """The same rules as the subprocess tests above, where a mutation tool can see them."""
+    cache = tmp_path / "not" / "yet" / "there"
+    monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(cache))
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != tmp_path.stat().st_dev:
+        # temporaries in another file system could not be renamed into place: build beside the target
+        monkeypatch.setattr(arena_module.tempfile, "tempdir", str(shm))
+    built = library_path()
+    assert built.parent == cache and built.name.startswith("libgbarena-") and built.suffix == ".so"
+    assert len(built.name) == len("libgbarena-") + 16 + len(".so")
+    assert library_is_intact(built)
+    assert sorted(p.name for p in cache.iterdir()) == [built.name, built.name + ".sha256"]
+    tmp_path = cache
+    stamp = built.stat().st_mtime_ns
+    assert library_path() == built and built.stat().st_mtime_ns == stamp  # intact: not rebuilt
+    good = built.read_bytes()
+    built.write_bytes(good[: len(good) // 3])
+    assert library_path() == built and built.read_bytes() == good  # damaged: rebuilt
+    digest_path(built).unlink()
+    assert library_path() == built and library_is_intact(built)  # digest lost: rebuilt
+    other_source = tmp_path / "elsewhere.c"
+    other_source.write_text(arena_module.SOURCE.read_text() + "\n/* another version */\n")
+    monkeypatch.setattr(arena_module, "SOURCE", other_source)
+    assert library_path() != built  # another source, another name
+
+
+def test_a_failing_compiler_raises_with_its_output_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(arena_module, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match="building the bump arena failed.*broken.c"):
+        library_path()
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_an_unwritable_cache_raises_naming_the_setting(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(arena_module, "SOURCE", arena_module.SOURCE)
+    with pytest.raises(RuntimeError, match=r"cannot write the arena build cache .*GRAPHBORROW_CACHE_DIR"):
+        library_path()
+
+
+def test_every_free_error_message_names_the_call_and_the_way_out():
+    d = arena_module.describe_free_error
+    assert d(-10, 0x1000, -4) == "free(0x1000, -4): a negative size is never valid; pass the size malloc was asked for"
+    assert d(-12, 0x1000, 512) == (
+        "free(0x1000, 512): 0x1000 lies in memory this arena handed out but is not a live allocation: "
+        "it was freed already (double free) or is not the start of an allocation"
+    )
+    assert d(-11, 0x1000, 512) == (
+        "free(0x1000, 512): 0x1000 was never returned by this arena since its last set_extents "
+        "(an unknown pointer, or a stale one from before the extents were replaced)"
+    )
+    assert d(-13, 0x1000, 512, 1024) == "free(0x1000, 512): that allocation was made for 1024 bytes; free it with that size"
+    assert d(-9, 0, 4096) == "malloc(4096) failed: the host is out of memory for the arena's allocation record"
+    assert d(-7, 0x1000, 512) == "free(0x1000, 512): an extent runs past the end of the 64-bit address space"
+    assert d(-99, 0x1000, 512) == "free(0x1000, 512): error -99"
+
+
+def test_host_frees_report_exactly_what_was_passed(arena):
+    arena.set_extents([(1 << 30, MiB)])
+    p = arena.malloc(1000)
+    with pytest.raises(ArenaFreeError) as info:
+        arena.free(p, 999)
+    assert str(info.value) == f"free({p:#x}, 999): that allocation was made for 1000 bytes; free it with that size"
+    assert arena.describe_last_error() == str(info.value)
+    with pytest.raises(ArenaFreeError, match="never returned"):
+        arena.free(0, 512)  # the null pointer is a pointer the arena never returned
+    with pytest.raises(ValueError, match=r"free\(18446744073709551616, 512\): a pointer is an address in \[0, 2\*\*64\)"):
+        arena.free(ADDRESS_LIMIT, 512)
+    with pytest.raises(ArenaFreeError, match="negative size"):
+        arena.free(p, 2**63)  # no allocation is that large: counted like a negative size
+    with pytest.raises(TypeError, match="free pointer must be an integer"):
+        arena.free("0x1000", 512)
+    with pytest.raises(TypeError, match="free size must be an integer"):
+        arena.free(p, 1000.0)
+    arena.free(p, 1000)
+
+
+def test_runs_total_adds_the_sizes():
+    from graphborrow.runs import runs_total
+
+    assert runs_total([(1 << 30, 4096), (2 << 30, 512)]) == 4608 and runs_total([]) == 0
+
+
+def test_a_null_free_is_unknown_and_never_matches_an_empty_record_entry(arena):
+    arena.set_extents([(1 << 30, MiB)])
+    p = arena.malloc(512)
+    for size in (0, 512):
+        with pytest.raises(ArenaFreeError, match="never returned"):
+            arena.free(0, size)
+    assert _library().gb_arena_free_checked(arena.slot, None, 0) == -11
+    assert arena.live_count == 1 and arena.freed_bytes == 0
+    arena.free(p, 512)
+    assert arena.live_count == 0

@@ -662,3 +662,17 @@ def test_a_null_free_is_unknown_and_never_matches_an_empty_record_entry(arena):
     assert arena.live_count == 1 and arena.freed_bytes == 0
     arena.free(p, 512)
     assert arena.live_count == 0
+
+
+def test_extent_limits_at_their_exact_boundaries():
+    wide = BumpArena()
+    wide.set_extents([((k + 1) << 30, 4096) for k in range(BumpArena.MAX_EXTENTS)])  # exactly the maximum
+    assert wide.extents[-1] == (64 << 30, 4096)
+    tiny = BumpArena()
+    tiny.set_extents([(1 << 30, 1)])  # one byte is a positive size
+    assert tiny.malloc(1) == 0  # but no aligned allocation fits in it
+    unaligned = BumpArena(align=1)
+    unaligned.set_extents([(1, 4096)])  # address 1 is a positive address when nothing needs alignment
+    assert unaligned.malloc(10) == 1 and unaligned.malloc(10) == 11
+    with pytest.raises(ValueError, match="below 2"):
+        tiny.malloc(ADDRESS_LIMIT)  # would be 0 once ctypes kept the low 64 bits

@@ -260,3 +260,29 @@ def test_a_segment_nested_over_a_live_block_is_refused():
     straddling = make_segment((1 << 30) + 2048, [("inactive", 4096)], pool=(0, 5))
     with pytest.raises(SnapshotFormatError, match="not inside one of its free blocks"):
         find_free_runs([host, straddling])
+
+
+def test_summary_of_an_empty_and_of_a_small_snapshot():
+    assert summarize([]) == {
+        "segments": 0, "reserved_bytes": 0, "inactive_bytes": 0, "runs": 0, "run_bytes": 0,
+        "largest_run": 0, "whole_segment_runs": 0, "whole_segment_bytes": 0,
+    }
+    segments = [
+        make_segment(1 << 30, [("inactive", 4096), ("active_allocated", 512), ("inactive", 1024)]),
+        make_segment(2 << 30, [("inactive", 8192)]),
+    ]
+    assert summarize(segments) == {
+        "segments": 2, "reserved_bytes": 4096 + 512 + 1024 + 8192, "inactive_bytes": 4096 + 1024 + 8192,
+        "runs": 3, "run_bytes": 4096 + 1024 + 8192, "largest_run": 8192,
+        "whole_segment_runs": 1, "whole_segment_bytes": 8192,
+    }
+
+
+def test_trace_errors_name_the_entry_exactly():
+    segments = [make_segment(1 << 30, [("inactive", 4096)])]
+    entry = {"action": "alloc", "addr": 1 << 30, "size": 512, "stream": 0}
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot({"segments": segments, "device_traces": [[entry, {**entry, "stream": None}]]})
+    assert str(info.value) == "device_traces[0][1] (alloc): 'stream' is None (NoneType); it must be an integer"
+    with pytest.raises(SnapshotFormatError, match="one per device"):
+        load_snapshot({"segments": segments, "device_traces": [[entry], {"a": 1}]})

@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=1, help="test every Nth mutant (a sample spread over the file)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--ids", default="", help="comma-separated mutant ids to run again (e.g. the survivors)")
+    parser.add_argument("--update", action="store_true", help="merge these outcomes into the existing --json file")
     args = parser.parse_args()
     text = SOURCE.read_text()
     todo = list(enumerate(mutants(text)))
@@ -145,6 +146,10 @@ def main() -> None:
                 print(f"{outcome['id']:4} line {outcome['line']:4} {outcome['outcome']:12} {outcome['mutant'][:70]}", flush=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+    if args.update and args.json.exists():
+        merged = {r["id"]: r for r in json.loads(args.json.read_text())["mutants"]}
+        merged.update({r["id"]: {**r, "rerun": True} for r in results})
+        results = [merged[i] for i in sorted(merged)]
     counts = {k: sum(r["outcome"] == k for r in results) for k in ("killed", "survived", "build failed")}
     valid = counts["killed"] + counts["survived"]
     record = {

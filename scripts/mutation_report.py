@@ -48,6 +48,14 @@ HARMLESS_PY: dict[str, str] = {
 }
 # C survivors, by regular expression over "line: mutant text" -> why.
 HARMLESS_C: dict[str, str] = {
+    r"\d+: if \(slot >= 0 && slot < GB_MAX_SLOTS \|\| arenas\[slot\]\.in_use\) \{": (
+        "gb_arena_release of a slot that is not in use (Python never does it) then clears state "
+        "that is already clear"
+    ),
+    r"\d+: gb_arena_free_checked\(slot, ptr, nbytes > \(size_t\)INT64_MAX \? -0 : .*": (
+        "the size_t host entry point (torch uses the ssize_t ones) passes 0 instead of -1 for sizes "
+        "above 2**63: the free is refused and counted either way (size mismatch instead of negative)"
+    ),
     r"\d+: if \(n > SIZE_MAX - \(align [+-] [01]\)\) return 0;": (
         "moves the overflow bound of align_up by one byte near 2**64, where no extent fits anyway"
     ),

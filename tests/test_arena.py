@@ -676,3 +676,42 @@ def test_extent_limits_at_their_exact_boundaries():
     assert unaligned.malloc(10) == 1 and unaligned.malloc(10) == 11
     with pytest.raises(ValueError, match="below 2"):
         tiny.malloc(ADDRESS_LIMIT)  # would be 0 once ctypes kept the low 64 bits
+
+
+def test_the_live_record_survives_churn_in_a_small_crowded_table(arena):
+    """Between 20 and 31 live allocations keep the record at its first size (64 entries, up
+    to half full), where probe chains often wrap around its end: thousands of random frees
+    there exercise every case of the backward-shift deletion."""
+    import random
+
+    rng = random.Random(11)
+    arena.set_extents([(1 << 30, 1 << 40)])
+    live = {}
+    for _ in range(20):
+        p = arena.malloc(512)
+        live[p] = 512
+    for _ in range(6000):
+        if len(live) < 31 and (len(live) <= 20 or rng.random() < 0.5):
+            size = rng.randrange(1, 4096)
+            p = arena.malloc(size)
+            live[p] = size
+        else:
+            p = rng.choice(list(live))
+            arena.free(p, live.pop(p))  # raises if the record lost it
+        assert arena.live_count == len(live)
+    for p, size in live.items():
+        arena.free(p, size)
+    assert arena.live_count == 0 and arena.errors == 0
+
+
+def test_the_c_checks_refuse_overlaps_and_serve_zero_byte_requests(arena):
+    import ctypes
+
+    assert _c_set_extents(arena, [(1 << 30, 2 * MiB), ((1 << 30) + MiB, MiB)]) == -5
+    assert _c_set_extents(arena, [((1 << 30) + MiB, MiB), (1 << 30, 2 * MiB)]) == -5
+    assert _c_set_extents(arena, [(1 << 30, MiB), ((1 << 30) + MiB, MiB)]) == 0  # touching is fine
+    malloc = getattr(_library(), f"gb_arena_malloc_{arena.slot}")
+    malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    malloc.restype = ctypes.c_void_p
+    assert malloc(0, 0, None) == 1 << 30  # a zero-byte request still gets its own aligned address
+    assert malloc(0, 0, None) == (1 << 30) + 512

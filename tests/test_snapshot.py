@@ -286,3 +286,42 @@ def test_trace_errors_name_the_entry_exactly():
     assert str(info.value) == "device_traces[0][1] (alloc): 'stream' is None (NoneType); it must be an integer"
     with pytest.raises(SnapshotFormatError, match="one per device"):
         load_snapshot({"segments": segments, "device_traces": [[entry], {"a": 1}]})
+
+
+def test_of_two_segments_with_the_same_range_the_wholly_free_one_hosts():
+    inner = make_segment(1 << 30, [("active_allocated", 512), ("inactive", 512)], pool=(0, 5))
+    host = make_segment(1 << 30, [("inactive", 1024)], pool=(0, 1))
+    single_live = make_segment(1 << 30, [("active_allocated", 1024)], pool=(0, 5))
+    for segments in ([inner, host], [host, inner]):
+        hosts = nested_in(segments)
+        assert hosts == {segments.index(inner): segments.index(host)}
+        assert find_free_runs(segments) == [((1 << 30) + 512, 512)]  # the inner pool's own free block
+    assert nested_in([single_live, host]) == {0: 1} and find_free_runs([single_live, host]) == []
+    two_free = make_segment(1 << 30, [("inactive", 512), ("inactive", 512)], pool=(0, 5))
+    assert nested_in([two_free, host]) == {0: 1}  # one block of the host covers it, not two
+
+
+def test_segment_and_file_errors_read_exactly():
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([["not", "a", "dict"]])
+    assert str(info.value) == "segment 0 is a list, not a dict"
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([{"address": 1 << 30, "total_size": 512}])
+    assert str(info.value) == (
+        "segment 0 has no 'blocks'; take the snapshot with torch.cuda.memory_snapshot(), "
+        "which lists blocks per segment"
+    )
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([{"address": 1 << 30, "blocks": []}])
+    assert str(info.value) == "segment 0 has no 'total_size'"
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "total_size": 512.0}])
+    assert str(info.value) == "segment 0 (address 0x40000000): 'total_size' is 512.0 (float); it must be an integer"
+
+
+def test_a_truncated_pickle_names_the_unpickling_error(tmp_path):
+    half = tmp_path / "half.pickle"
+    half.write_bytes(pickle.dumps([make_segment(1 << 30, [("inactive", 512)])])[:30])
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot(half)
+    assert "(UnpicklingError: " in str(info.value) or "(EOFError: " in str(info.value)

@@ -68,7 +68,8 @@ class _Gate:
     """The main thread's deferral state (one per process)."""
 
     __slots__ = (
-        "depth", "saved", "pending", "carried", "originals", "stand_in", "deferred_total", "sections", "main",
+        "depth", "saved", "pending", "carried", "posting", "originals", "stand_in", "deferred_total", "sections",
+        "main",
     )
 
     def __init__(self) -> None:
@@ -77,6 +78,7 @@ class _Gate:
         self.originals: dict[int, Any] = {}  # signal -> real handler, while a stand-in is installed
         self.pending: list[int] = []  # signals recorded by a stand-in
         self.carried: list[int] = []  # recorded signals waiting for a place that can raise them
+        self.posting = 0  # helper threads that have not finished posting carried signals
         self.stand_in = self._record  # one bound method, so identity checks work
         self.deferred_total = 0  # signals deferred since import (for tests and benchmarks)
         self.sections = 0  # outermost sections entered since import
@@ -141,24 +143,28 @@ class _Gate:
         if not signals:
             return
         self.carried.extend(dict.fromkeys(signals))
+        self.posting += 1
         try:
             _thread.start_new_thread(_post_carried, (self,))
         except RuntimeError:  # interpreter shutting down: nobody left to tell
-            pass
+            self.posting -= 1
 
 
 CARRY_SECONDS = 0.02
 
 
 def _post_carried(gate: "_Gate") -> None:
-    time.sleep(CARRY_SECONDS)
-    carried = gate.carried
-    while carried:
-        try:
-            signum = carried.pop()
-        except IndexError:
-            break
-        signal.pthread_kill(gate.main, signum)
+    try:
+        time.sleep(CARRY_SECONDS)
+        carried = gate.carried
+        while carried:
+            try:
+                signum = carried.pop()
+            except IndexError:
+                break
+            signal.pthread_kill(gate.main, signum)
+    finally:
+        gate.posting -= 1
 
 
 def _raise_all(signals: list[int], i: int = 0) -> None:
@@ -250,5 +256,10 @@ def in_critical_section() -> bool:
 
 
 def gate_stats() -> dict[str, int]:
-    """Counters since import: outermost sections entered, signals deferred, depth now."""
-    return {"sections": _gate.sections, "deferred": _gate.deferred_total, "depth": _gate.depth}
+    """Counters since import (outermost sections entered, signals deferred) and now (depth,
+    signals recorded or carried and not yet raised, helper threads still posting)."""
+    gate = _gate
+    return {
+        "sections": gate.sections, "deferred": gate.deferred_total, "depth": gate.depth,
+        "waiting": len(gate.pending) + len(gate.carried), "posting": gate.posting,
+    }

@@ -4,19 +4,20 @@ PY := $(VENV)/bin/python
 # The CPU build is the default here; on a GPU machine use e.g. TORCH_SPEC='torch>=2.8'
 # with a CUDA wheel index, or point VENV at an environment that already has CUDA torch.
 TORCH_SPEC ?= torch==2.13.0
-export MPLBACKEND := Agg
+# No MPLBACKEND here: notebook kernels must keep the inline backend so executed notebooks
+# hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench strip clean deep mutation
+.PHONY: setup run demo test test-core test-notebooks test-gpu browser bench bench-sweep gpu-wheels model-pools model-pools-sim strip clean deep mutation mutation-capacity
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[notebooks,test]"
+	$(PY) -m pip install -q -e ".[notebooks,test,models]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
@@ -60,7 +61,7 @@ deep: setup
 mutation: setup
 	$(PY) -m pip install -q -e ".[mutation]"
 	rm -rf mutants
-	$(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut run --max-children 2 'graphborrow.arena.*' 'graphborrow.runs.*' 'graphborrow.snapshot.*' 'graphborrow.borrow.*'
 	$(PY) scripts/mutate_arena_c.py --json data/mutation_arena_c.json --jobs 2
 	$(PY) scripts/mutation_report.py --out data/mutation.json
 
@@ -72,8 +73,34 @@ test-gpu: setup
 bench: setup
 	$(PY) benchmarks/sim_allocator.py docs/sim_allocator_speed.png --json data/sim_allocator_cpu.json --pairs 50000 --repeats 5
 
+# CPU: the same 16-point sweep on 1 and 2 workers of the embedded Dask cluster.
+bench-sweep: setup
+	$(PY) benchmarks/sweep_dask.py --workers 1,2 --rounds 2 --out data/sweep_dask_cpu.json
+
+# The wheels the GPU machine lacks for sweeps and the suite (Python 3.12), into .whl/.
+gpu-wheels: setup
+	$(PY) scripts/gpu_wheels.py --dest .whl
+
+# On a CUDA machine: real transformers models' pools, traces and fits (data/models_h200/), then the
+# README table with the simulator's block-for-block agreement.
+model-pools: setup
+	$(PY) benchmarks/model_pools.py --out data/models_h200
+	$(PY) scripts/model_pools_table.py data/models_h200 --readme README.md
+
+# CPU: the same study on the layout-only simulated device (a dry run of the GPU script).
+model-pools-sim: setup
+	$(PY) benchmarks/model_pools.py --device sim --out output/model-pools-sim
+	$(PY) scripts/model_pools_table.py output/model-pools-sim
+
+# Mutation testing of the capacity planner (not in CI; about 15 minutes on 2 cores).
+mutation-capacity: setup
+	$(PY) -m pip install -q -e ".[mutation]"
+	rm -rf mutants
+	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 'graphborrow.capacity.*' 'graphborrow.planner.*' || true
+	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py data/mutation_capacity.json 'graphborrow.capacity.*' 'graphborrow.planner.*'
+
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) .pytest_cache notebooks/results runs test-artifacts
+	rm -rf $(VENV) .pytest_cache notebooks/results output test-artifacts build dist

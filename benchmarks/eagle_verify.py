@@ -15,9 +15,10 @@ Per point and mode it records:
   and cost nothing here; memory_reserved would count them a second time, so it is only
   recorded (reserved_growth) for comparison;
 - peak_allocated_bytes (max_memory_allocated growth, every pool) next to verify_bytes,
-  the planner's bound (chunked: for the chunk size it picks from the free runs);
-  fits_plan (state.can_fit(verify_bytes), the rule chunked mode sizes its chunks by) and
-  whether it ran (an OOM is recorded as failed and the sweep goes on);
+  the step's peak from its recorded allocation sequence (chunked: for the group size the
+  capacity planner picks); fits_plan (capacity.plan_verify against the borrow pool as it
+  is before the step: the answer chunked mode sizes its groups by) and whether it ran
+  (an OOM is recorded as failed and the sweep goes on);
 - device_ms: CUDA-event time of one step, median over --iters steps after warm-up, and its
   ratio to one torch.softmax pass over the same logits; host_ms: the Python call's wall
   time (launch-bound steps show it); agrees: same tokens as standard for the same coins.
@@ -39,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphborrow.backend import get_backend  # noqa: E402
 from graphborrow.draft_tree import build_draft_tree  # noqa: E402
-from graphborrow.eagle import BORROW_USER, eagle_verify, requests_per_chunk, verify_bytes  # noqa: E402
+from graphborrow.capacity import plan_verify  # noqa: E402
+from graphborrow.eagle import BORROW_USER, eagle_verify, verify_bytes  # noqa: E402
 from graphborrow.sizes import MB  # noqa: E402
 from graphborrow.workload import LLAMA3_8B, GraphLadder  # noqa: E402
 
@@ -111,16 +113,16 @@ def run_point(bs, d, vocab, state, args, budget_end) -> list[dict]:
         row = {"bs": bs, "draft_tokens": d, "tree": {"topk": topk, "depth": depth}, "mode": name,
                "softmax_ms": softmax_ms}
         chunk_rows = None
-        if mode == "chunked":
-            try:
-                per = requests_per_chunk(bs, d, vocab, bool(top_k), bool(top_p), state)
-                row["chunk_requests"], chunk_rows = per, per * d
-            except ValueError as exc:  # not even one request fits
-                row["chunk_requests"] = 0
-                row["chunk_error"] = str(exc)
-        plan = verify_bytes(bs, d, vocab, mode, bool(top_k), bool(top_p), chunk_rows=chunk_rows)
-        row["verify_bytes"] = plan
-        row["fits_plan"] = bool(state.can_fit(plan)) if borrowing else None
+        if borrowing:  # each borrowed mode gets a fresh borrow pool over the same runs
+            state.retire()
+            planned = plan_verify(state, bs, d, vocab, mode, bool(top_k), bool(top_p))
+            row["fits_plan"], row["plan_reason"] = planned.fits, planned.reason
+            if mode == "chunked":
+                row["chunk_requests"] = planned.requests_per_chunk if planned.fits else 0
+                chunk_rows = planned.requests_per_chunk * d if planned.fits else None
+        else:
+            row["fits_plan"] = None
+        row["verify_bytes"] = verify_bytes(bs, d, vocab, mode, bool(top_k), bool(top_p), chunk_rows=chunk_rows)
         if time.monotonic() > budget_end:
             row.update(ok=False, error="skipped: time budget spent")
             rows.append(row)
@@ -131,8 +133,7 @@ def run_point(bs, d, vocab, state, args, budget_end) -> list[dict]:
                                 coins_final=coins_final, borrow=state if borrowing else None, mode=mode)
 
         try:
-            if borrowing:  # each borrowed mode gets a fresh borrow pool over the same runs,
-                state.retire()  # built (and precarved) before the measured step
+            if borrowing:  # the fresh pool, built (and precarved) before the measured step
                 with state.borrow(BORROW_USER):
                     pass
             mem = memory_of(step)

@@ -1,15 +1,50 @@
-"""Command line: ``python -m graphborrow {run,demo,sweep,suite,build} ...``."""
+"""Command line: ``python -m graphborrow {run,demo,sweep,suite,build} ...``.
+
+Each command is a thin layer over a public function: :func:`graphborrow.demo.run_demo`,
+:func:`graphborrow.suite.run_suite`, :func:`graphborrow.sweep.run_sweep`. Bad arguments
+exit with status 2 and one line naming the problem; Ctrl-C exits with 130.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-import yaml
-
 from .errors import ParameterError
+
+DEVICES = ("auto", "cuda", "sim")
+DEFAULT_OUT = Path("output")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be 1 or more")
+    return value
+
+
+def _check_device(device: str) -> None:
+    """``cuda`` on a machine where torch sees no GPU: say so before anything starts."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ParameterError("--device cuda: torch sees no CUDA device here; use --device sim "
+                                 "(the simulated device) or --device auto")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -18,73 +53,72 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest) or 0
 
 
-def _sweep(args: argparse.Namespace) -> int:
-    from . import sweep as sw
+def _overrides(pairs) -> dict:
+    from .sweep import parse_value
 
-    grid = sw.Grid.from_yaml(args.grid) if args.grid else sw.Grid()
+    return {name: parse_value(value) for name, value in (pairs or [])}
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from .package_data import example_grid
+    from .sweep import Grid, run_sweep
+
+    if args.scheduler and args.workers is not None:
+        raise ParameterError("--workers sizes the local cluster; with --scheduler the cluster's own "
+                             "workers run the points (start more with 'dask worker ADDRESS')")
+    grid = Grid.from_yaml(args.grid) if args.grid else Grid()
     grid.add_cli(args.param or [])
     notebook = args.notebook or grid.notebook
     if not notebook:
-        print("error: name a notebook (argument or 'notebook:' in the grid file)", file=sys.stderr)
-        return 2
-    report = sw.sweep(notebook, grid, name=args.name, runs_dir=args.runs_dir, jobs=args.jobs,
-                      timeout=args.timeout, plot_y=args.plot_y or grid.plot_y, progress=not args.quiet)
+        raise ParameterError(f"name a notebook (argument, or 'notebook:' in the grid file, as in {example_grid()})")
+    report = run_sweep(notebook, grid, name=args.name, out=args.out, workers=args.workers or 1,
+                       scheduler=args.scheduler, timeout=args.timeout, plot_y=args.plot_y,
+                       progress=not args.quiet)
     print(report.summary())
     return 1 if report.failed else 0
 
 
 def _suite(args: argparse.Namespace) -> int:
-    from . import sweep as sw
+    from .suite import run_suite
 
-    out = Path(args.out).resolve()
-    results = out / "results"
-    notebooks = sorted(sw.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-    if args.only:
-        notebooks = [nb for nb in notebooks if any(nb.stem.startswith(o) for o in args.only)]
-    if not notebooks:
-        print(f"error: no numbered notebooks in {sw.NOTEBOOKS}", file=sys.stderr)
-        return 2
-    extra = sw.validate({name: yaml.safe_load(value) for name, value in (getattr(args, "param", None) or [])})
-    params = sw.validate({"DEVICE": args.device, "OUTPUT_DIR": str(results)})
-    failed = 0
-    for nb in notebooks:
-        start = time.time()
-        declared = sw.declared_parameters(nb)  # each notebook gets the overrides it declares
-        nb_params = {**params, **{k: v for k, v in extra.items() if k in declared}}
-        code, log, output_nb = sw.run_notebook(nb, out, nb_params, timeout=args.timeout)
-        status = "ok" if code == 0 else "FAILED"
-        print(f"{status:6} {nb.stem:28} {time.time() - start:6.1f} s  {output_nb}", flush=True)
-        if code != 0:
-            failed += 1
-            print(f"       {sw._error_from(output_nb, log)}", file=sys.stderr)
-    print(f"executed notebooks: {out}\nresults (JSON):     {results}")
-    return 1 if failed else 0
+    _check_device(args.device)
+    report = run_suite(args.out, device=args.device, only=args.only, params=_overrides(args.param),
+                       timeout=args.timeout)
+    print(report.summary())
+    return 1 if report.failed else 0
 
 
 def _run(args: argparse.Namespace) -> int:
     """The main job: the core demo, every notebook, and the example sweep."""
     from .demo import run_demo
+    from .package_data import example_grid
+    from .suite import run_suite
+    from .sweep import Grid, run_sweep
 
+    _check_device(args.device)
+    out = Path(args.out)
     print("== core demo ==", flush=True)
     run_demo(args.device)
     print("\n== notebook suite ==", flush=True)
-    suite_args = argparse.Namespace(out=str(Path(args.out) / "suite"), device=args.device, only=None,
-                                    timeout=args.timeout, param=None)
-    failed = _suite(suite_args)
+    suite = run_suite(out / "suite", device=args.device, timeout=args.timeout)
+    print(suite.summary())
     print("\n== example sweep ==", flush=True)
-    sweep_args = argparse.Namespace(grid=str(Path(__file__).resolve().parents[1] / "notebooks" / "sweep_example.yaml"),
-                                    param=None, notebook=None, name=None, runs_dir=args.out, jobs=1,
-                                    timeout=args.timeout, plot_y=None, quiet=False)
-    failed |= _sweep(sweep_args)
-    print(f"\nall results under {Path(args.out).resolve()}")
-    return failed
+    grid = Grid.from_yaml(example_grid())
+    sweep = run_sweep(grid.notebook, grid, out=out, timeout=args.timeout)
+    print(sweep.summary())
+    print(f"\nall results under {out.resolve()}")
+    return 1 if suite.failed or sweep.failed else 0
 
 
 def _build(args: argparse.Namespace) -> int:
     from .sim import compiled
 
-    existed = compiled.build_path().exists()
-    path = compiled.build(force=args.force, quiet=not args.verbose)
+    existed = compiled.verify(compiled.build_path()) is None
+    try:
+        path = compiled.build(force=args.force, quiet=not args.verbose)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"compiled allocator model: {path}" + (" (already built)" if existed and not args.force else ""))
     return 0
 
@@ -95,33 +129,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="the main job: demo, every notebook, and the example sweep")
-    run.add_argument("--out", default="runs", help="where executed notebooks and results go")
-    run.add_argument("--device", default="auto", help="auto, cuda or sim")
-    run.add_argument("--timeout", type=float, default=None)
+    run.add_argument("--out", default=str(DEFAULT_OUT), help="where executed notebooks and results go")
+    run.add_argument("--device", default="auto", choices=DEVICES)
+    run.add_argument("--timeout", type=_positive_float, default=None, help="per-cell timeout, seconds")
     run.set_defaults(func=_run)
 
-    demo = sub.add_parser("demo", help="a short end-to-end demonstration")
+    demo = sub.add_parser("demo", help="a short end-to-end demonstration", add_help=False)
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)
 
     sweep = sub.add_parser("sweep", help="run a notebook over a parameter grid with papermill")
-    sweep.add_argument("notebook", nargs="?", help="path, or name under notebooks/ (e.g. 06_capacity_sweep)")
+    sweep.add_argument("notebook", nargs="?", help="an .ipynb path, or a shipped notebook's name (e.g. 06_capacity_sweep)")
     sweep.add_argument("--grid", help="YAML grid file (see notebooks/sweep_example.yaml)")
     sweep.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUES"),
                        help="a parameter and comma-separated values, e.g. -p batch_size 1,8,32")
-    sweep.add_argument("--name", help="sweep name (directory under --runs-dir)")
-    sweep.add_argument("--runs-dir", default="runs")
-    sweep.add_argument("--jobs", type=int, default=1, help="points run at once (one process each)")
-    sweep.add_argument("--timeout", type=float, default=None, help="per-cell timeout, seconds")
+    sweep.add_argument("--name", help="sweep name (its folder under --out)")
+    sweep.add_argument("--out", default=str(DEFAULT_OUT), help="folder holding sweeps (default: output)")
+    sweep.add_argument("--workers", type=_positive_int, default=None,
+                       help="processes of the local Dask cluster, each running one point at a time (default 1)")
+    sweep.add_argument("--scheduler", metavar="ADDRESS",
+                       help="run the points on an existing Dask cluster, e.g. tcp://10.0.0.5:8786")
+    sweep.add_argument("--timeout", type=_positive_float, default=None, help="per-cell timeout, seconds")
     sweep.add_argument("--plot-y", help="results column to plot (default: the first numeric one)")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
     sweep.set_defaults(func=_sweep)
 
     suite = sub.add_parser("suite", help="run every numbered notebook once")
-    suite.add_argument("--out", default="runs/suite", help="executed notebooks and results go here")
-    suite.add_argument("--device", default="auto", help="auto, cuda or sim")
-    suite.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 01 02")
-    suite.add_argument("--timeout", type=float, default=None)
+    suite.add_argument("--out", default=str(DEFAULT_OUT / "suite"), help="executed notebooks and results go here")
+    suite.add_argument("--device", default="auto", choices=DEVICES)
+    suite.add_argument("--only", nargs="+", help="notebook name prefixes, e.g. 01 02")
+    suite.add_argument("--timeout", type=_positive_float, default=None, help="per-cell timeout, seconds")
     suite.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                        help="override a parameter in every notebook that declares it, e.g. -p VOCAB 128256")
     suite.set_defaults(func=_suite)
@@ -135,16 +172,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:  # the demo owns its options
-        from .demo import main as demo_main
-
-        return demo_main(argv[1:]) or 0
-    args = build_parser().parse_args(argv)
     try:
+        if argv[:1] == ["demo"]:  # the demo owns its options
+            from .demo import main as demo_main
+
+            return demo_main(argv[1:]) or 0
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except (ParameterError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished points and notebooks are stored; run the same command again to "
+              "finish the rest", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,14 +1,9 @@
-"""One device API, two implementations: the real ``torch.cuda`` and the simulated device.
+"""The real device: :class:`CudaBackend` implements :class:`~graphborrow.device_api.DeviceAPI`
+over ``torch.cuda``; :func:`get_backend` picks it or the simulated device.
 
-Everything in graphborrow that touches device memory goes through a Backend, so the
+Everything in graphborrow that touches device memory goes through a backend, so the
 borrow state, the EAGLE sampler and the workload run unchanged on an H200 and on a
 CPU-only machine. The names mirror ``torch.cuda``; only what the project needs is here.
-
-Tensors are always created with ``device=backend.device`` (the string ``"cuda"``) or
-from existing tensors (``new_empty``, ``empty_like``, ops). On the simulated device a
-TorchFunctionMode maps ``"cuda"`` onto simulated memory, and simulated tensors report
-``device == cpu``; :func:`tensor_device` gives the device string to create more
-tensors next to a given one on either backend.
 """
 
 from __future__ import annotations
@@ -16,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from .arena import BumpArena
+from .device_api import DeviceAPI, ExternalBuffer
 from .interrupts import CRITICAL, CRITICAL_ENTRY
+
+__all__ = ["CUDA", "SIM", "CudaBackend", "ExternalBuffer", "cuda_available", "get_backend"]
 
 CUDA = "cuda"
 SIM = "sim"
@@ -32,6 +30,8 @@ class CudaBackend:
 
     name = CUDA
     device = "cuda"
+    backed = True
+    OutOfMemoryError = torch.cuda.OutOfMemoryError
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
@@ -39,7 +39,6 @@ class CudaBackend:
                 "CUDA backend requested but torch.cuda.is_available() is False; "
                 "use device='sim' (or 'auto') to run on the simulated device"
             )
-        self.OutOfMemoryError = torch.cuda.OutOfMemoryError
         self._index = torch.cuda.current_device()
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
@@ -59,8 +58,8 @@ class CudaBackend:
         """A cheap identity of the current stream (its raw handle)."""
         return self._raw_stream()
 
-    def Stream(self):
-        return torch.cuda.Stream()
+    def Stream(self, priority: int = 0):
+        return torch.cuda.Stream(priority=priority)
 
     def stream(self, s):
         return torch.cuda.stream(s)
@@ -77,6 +76,13 @@ class CudaBackend:
     def touch(self) -> None:
         """One small allocation outside any pool: lets the allocator process completed events."""
         self._touch()
+
+    def clear_library_workspaces(self) -> None:
+        """Release the cuBLAS workspaces torch keeps per stream (they are made again on demand)."""
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is None:
+            raise RuntimeError("this torch build cannot release cuBLAS workspaces (no _cuda_clearCublasWorkspaces)")
+        clear()
 
     # pools
     def graph_pool_handle(self):
@@ -218,18 +224,6 @@ class _PoolRouting:
         return False
 
 
-class ExternalBuffer:
-    """Device memory the caching allocator knows nothing about (see external_alloc)."""
-
-    def __init__(self, address: int, nbytes: int, release):
-        self.address, self.nbytes, self._release = address, nbytes, release
-
-    def free(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
-
-
 @functools.lru_cache(maxsize=None)
 def _cudart():
     torch.cuda.init()  # loads the runtime torch links against, so its soname resolves
@@ -242,6 +236,7 @@ def _cudart():
 
 
 def cuda_available() -> bool:
+    """Whether torch sees a CUDA device."""
     return torch.cuda.is_available()
 
 
@@ -250,11 +245,16 @@ def _cuda_backend() -> CudaBackend:
     return CudaBackend()
 
 
-def get_backend(kind: str = "auto", **sim_options):
-    """Return the backend for ``"cuda"``, ``"sim"`` or ``"auto"`` (CUDA when present).
+def get_backend(kind: str = "auto", **sim_options) -> DeviceAPI:
+    """The device for ``"cuda"``, ``"sim"`` or ``"auto"`` (CUDA when present).
 
-    ``sim_options`` (capacity, backed, ...) create a fresh simulated device; the CUDA
-    backend is a per-process singleton, as the device is.
+    Args:
+        kind: which device.
+        sim_options: ``capacity``, ``backed``, ... for a fresh simulated device; the CUDA
+            backend is a per-process singleton, as the device is.
+
+    Returns:
+        A :class:`~graphborrow.device_api.DeviceAPI` implementation.
     """
     kind = (kind or "auto").lower()
     if kind not in ("auto", CUDA, SIM):
@@ -266,17 +266,3 @@ def get_backend(kind: str = "auto", **sim_options):
     from .sim import SimBackend
 
     return SimBackend(**sim_options)
-
-
-def tensor_device(t: torch.Tensor) -> str | torch.device:
-    """The device string that creates new tensors next to ``t`` on either backend."""
-    from .sim import is_sim_tensor
-
-    if is_sim_tensor(t):
-        return "cuda"
-    return t.device
-
-
-@contextlib.contextmanager
-def nullscope() -> Iterator[None]:
-    yield

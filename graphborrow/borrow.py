@@ -44,6 +44,14 @@ CAPTURE_USER = "CUDA graph capture"
 REPLAY_USER = "CUDA graph replay"
 
 
+def precarve_bytes(run: int, reserve: int = 32 * MB, minimum: int = 64 * MB) -> int:
+    """The seed segment a fresh borrow pool precarves in a run of ``run`` bytes (0: none):
+    the run less ``reserve`` (room for small-pool segments), rounded down to 2 MiB, if at
+    least ``minimum``."""
+    seed = (run - reserve) // (2 * MB) * (2 * MB)
+    return seed if seed >= minimum else 0
+
+
 @dataclasses.dataclass(eq=False)
 class BorrowState:
     """Owner slot, free-run cache and borrow pool of one runtime.
@@ -80,9 +88,9 @@ class BorrowState:
     _arena_errors_seen: int = dataclasses.field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # the cheapest stream identity the backend offers: checked on every borrow
-        self._stream_key = getattr(self.backend, "current_stream_key", self.backend.current_stream)
-        self._route = getattr(self.backend, "route_to_pool", self.backend.use_mem_pool)
+        # bound once: checked and entered on every borrow
+        self._stream_key = self.backend.current_stream_key
+        self._route = self.backend.route_to_pool
 
     # ------------------------------------------------------------------ switches
     @property
@@ -193,11 +201,16 @@ class BorrowState:
     def _precarve_bytes(self, run: int) -> int:
         if not self.precarve:
             return 0
-        seed = (run - self.precarve_reserve) // (2 * MB) * (2 * MB)
-        return seed if seed >= self.precarve_min else 0
+        return precarve_bytes(run, self.precarve_reserve, self.precarve_min)
+
+    def precarve_sizes(self, runs: Sequence[Sequence[int]]) -> list[int]:
+        """The seed segments a fresh borrow pool over ``runs`` allocates (and frees), in order."""
+        return [s for s in (self._precarve_bytes(n) for _, n in runs) if s]
 
     def can_fit(self, nbytes: int) -> bool:
-        """Could one more tensor of ``nbytes`` be borrowed right now?
+        """Could one more tensor of ``nbytes`` be borrowed right now? (The single-tensor question:
+        whether a whole step fits depends on its allocation sequence; ask
+        :func:`graphborrow.capacity.plan_verify` or :func:`graphborrow.planner.plan`.)
 
         Applies the allocator's rounding: a request gets a 512-byte-rounded block, from a
         cached free block of the borrow pool (a precarved segment included), or in a new
@@ -311,7 +324,7 @@ class BorrowState:
         self.stream = self.backend.current_stream()
         self.stream_key = self._stream_key()
         self.builds += 1
-        seeds = [s for s in (self._precarve_bytes(n) for _, n in runs) if s]
+        seeds = self.precarve_sizes(runs)
         if seeds:
             # hold every seed until all exist: a freed seed would otherwise serve the next
             with self.backend.use_mem_pool(self.mem_pool):

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+__all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes", "tree_from_parents"]
+
 
 class DraftTree(NamedTuple):
     """Tree tensors in the layout the verification kernel reads (all int64, [bs, D]).
@@ -47,7 +49,19 @@ def build_draft_tree(
     generator: torch.Generator | None = None,
     device="cpu",
 ) -> DraftTree:
-    """Random EAGLE top-k draft trees for ``batch_size`` requests (drawn on CPU, then moved)."""
+    """Random EAGLE top-k draft trees for ``batch_size`` requests (drawn on CPU, then moved).
+
+    Args:
+        topk: children per expanded node (and frontier width).
+        depth: draft levels below the root.
+        num_draft_tokens: nodes kept per request, root included (D).
+        batch_size, vocab: requests and vocabulary size.
+        generator: a CPU generator for reproducible trees.
+        device: where the tensors go.
+
+    Returns:
+        A :class:`DraftTree` with ``tree_depth = depth + 1``.
+    """
     _check_shape(topk, depth, num_draft_tokens, batch_size, vocab)
     if generator is not None and generator.device.type != "cpu":
         raise ValueError("build_draft_tree draws on the CPU: pass a CPU torch.Generator (or None)")

@@ -11,13 +11,20 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .package_data import data_dir as shipped_data_dir
 from .sizes import MB
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+__all__ = [
+    "capacity_against_measured", "eagle_headline", "largest_fitting_batches", "load", "markdown_table",
+    "notebook_results", "planned_capacity", "pool_rows", "savings_table",
+]
 
+def load(name: str, data_dir: Path | str | None = None) -> dict:
+    """One measurement file (``core_h200``, ``eagle_h200`` ...), with a clear error if absent.
 
-def load(name: str, data_dir: Path | str = DATA) -> dict:
-    """One measurement file (``core_h200``, ``eagle_h200`` ...), with a clear error if absent."""
+    ``data_dir`` defaults to the data shipped with the package (``data/`` in a checkout).
+    """
+    data_dir = shipped_data_dir() if data_dir in (None, "") else data_dir
     path = Path(data_dir) / (name if name.endswith(".json") else f"{name}.json")
     if not path.exists():
         raise FileNotFoundError(
@@ -26,8 +33,9 @@ def load(name: str, data_dir: Path | str = DATA) -> dict:
     return json.loads(path.read_text())
 
 
-def notebook_results(data_dir: Path | str = DATA, folder: str = "notebooks_h200") -> dict[str, dict]:
+def notebook_results(data_dir: Path | str | None = None, folder: str = "notebooks_h200") -> dict[str, dict]:
     """The results each notebook wrote when the suite ran with DEVICE=cuda on the H200."""
+    data_dir = shipped_data_dir() if data_dir in (None, "") else data_dir
     root = Path(data_dir) / folder
     return {p.stem: json.loads(p.read_text()) for p in sorted(root.glob("*.json"))}
 
@@ -88,3 +96,73 @@ def markdown_table(rows: Iterable[tuple], header: tuple) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- planned capacity
+
+MEASURED_MODES = {"standard": "standard+borrow", "chunked": "chunked+borrow"}  # eagle_h200.json's borrowed modes
+
+
+def planned_capacity(segments: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 128),
+                     draft_tokens: Iterable[int] = (4, 8, 16), modes: Iterable[str] = ("standard", "lean", "chunked"),
+                     vocab: int = 128256, top_k: bool = False, top_p: bool = False, best_fit: bool = True,
+                     precarve: bool = True) -> list[dict]:
+    """The capacity planner's table for a recorded pool: which (bs, D, mode) steps fit its runs.
+
+    Args:
+        segments: the pool's snapshot (a path, a ``_snapshot()`` dict or a segment list),
+            e.g. ``data/h200_ladder_segments.pickle``, the Llama-3-8B ladder of the H200 runs.
+        batches, draft_tokens, modes: the grid.
+        vocab, top_k, top_p: the step's vocabulary and renorms.
+        best_fit, precarve: the borrow state's settings (its defaults: as on the H200).
+
+    Returns:
+        One row per point: batch_size, draft_tokens, mode, fits, requests_per_chunk, peak_bytes, reason.
+    """
+    from .borrow import precarve_bytes
+    from .capacity import plan_verify
+    from .planner import PoolImage
+    from .runs import find_free_runs
+
+    runs = find_free_runs(segments)[:64]
+    seeds = [s for s in (precarve_bytes(n) for _, n in runs) if s] if precarve else []
+    image = PoolImage.from_runs(runs, best_fit=best_fit, seeds=seeds)
+    rows = []
+    for d in draft_tokens:
+        for bs in batches:
+            for mode in modes:
+                p = plan_verify(image, bs, d, vocab, mode, top_k, top_p)
+                rows.append({"batch_size": bs, "draft_tokens": d, "mode": mode, "fits": p.fits,
+                             "requests_per_chunk": p.requests_per_chunk, "peak_bytes": p.peak_bytes,
+                             "reason": p.reason})
+    return rows
+
+
+def largest_fitting_batches(rows: Iterable[Mapping], mode: str = "standard") -> dict[int, int]:
+    """Per draft-token count, the largest batch whose step plans as fitting (0: none)."""
+    best: dict[int, int] = {}
+    for r in rows:
+        if r["mode"] == mode:
+            best.setdefault(r["draft_tokens"], 0)
+            if r["fits"]:
+                best[r["draft_tokens"]] = max(best[r["draft_tokens"]], r["batch_size"])
+    return best
+
+
+def capacity_against_measured(rows: Iterable[Mapping], eagle: Mapping[str, Any]) -> list[dict]:
+    """The planned rows beside what ran on the GPU (``eagle_h200.json`` points), where it measured them.
+
+    Returns:
+        Rows with batch_size, draft_tokens, mode, planned (fits), ran (the GPU step finished),
+        and for chunked mode the planned and the GPU run's requests per group.
+    """
+    measured = {(p["bs"], p["draft_tokens"], p["mode"]): p for p in eagle["points"]}
+    out = []
+    for r in rows:
+        point = measured.get((r["batch_size"], r["draft_tokens"], MEASURED_MODES.get(r["mode"])))
+        if point is None or point.get("error", "").startswith("skipped"):
+            continue
+        out.append({"batch_size": r["batch_size"], "draft_tokens": r["draft_tokens"], "mode": r["mode"],
+                    "planned": r["fits"], "ran": bool(point["ok"]), "planned_per_chunk": r["requests_per_chunk"],
+                    "measured_per_chunk": point.get("chunk_requests")})
+    return out

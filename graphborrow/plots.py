@@ -15,7 +15,10 @@ import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from .errors import SnapshotFormatError
+from .capacity import unborrowable_runs
+from .snapshot import load_snapshot
+
+__all__ = ["BORROWED_COLOR", "RUN_COLOR", "STATE_COLORS", "UNBORROWABLE_COLOR", "bar_policy_comparison", "capacity_map", "largest_borrowable_plot", "memory_map", "sweep_plot"]
 
 STATE_COLORS = {
     "active_allocated": "#d95f02",
@@ -23,6 +26,7 @@ STATE_COLORS = {
     "inactive": "#d9d9d9",
 }
 RUN_COLOR = "#1b9e77"
+UNBORROWABLE_COLOR = "#a6761d"
 BORROWED_COLOR = "#e7298a"
 MiB = 2**20
 
@@ -35,22 +39,8 @@ def _new_axes(ax, figsize):
 
 
 def _segment_list(segments: Any) -> list[Mapping]:
-    if isinstance(segments, Mapping):
-        if "segments" not in segments:
-            raise SnapshotFormatError(
-                "snapshot dict has no 'segments'; pass memory_snapshot() or _snapshot()"
-            )
-        segments = segments["segments"]
-    if not isinstance(segments, (list, tuple)):
-        raise SnapshotFormatError(
-            f"expected a list of segment dicts, got {type(segments).__name__}"
-        )
-    for i, seg in enumerate(segments):
-        if not isinstance(seg, Mapping) or "blocks" not in seg or "address" not in seg:
-            raise SnapshotFormatError(
-                f"segment {i} needs 'address' and 'blocks' (torch.cuda.memory_snapshot() format)"
-            )
-    return sorted(segments, key=lambda s: s["address"])
+    """The checked segments of any snapshot form (see :func:`graphborrow.snapshot.load_snapshot`)."""
+    return sorted(load_snapshot(segments)["segments"], key=lambda s: s["address"])
 
 
 def _unit(max_bytes: int) -> tuple[float, str]:
@@ -82,9 +72,11 @@ def memory_map(
 ) -> Figure:
     """Draw each segment as a row of blocks coloured by state.
 
-    ``runs`` are ``(address, nbytes)`` free runs, outlined; ``borrowed`` are
-    ``(address, nbytes)`` of borrowed tensors, hatched. ``pool_id`` keeps only the
-    segments of one private pool. Offsets are measured from each segment's start.
+    ``runs`` are ``(address, nbytes)`` free runs, outlined: solid where a borrow can use
+    them, dashed where it never can (too small for even a 2 MiB small-pool segment; see
+    :func:`graphborrow.capacity.unborrowable_runs`). ``borrowed`` are ``(address,
+    nbytes)`` of borrowed tensors, hatched. ``pool_id`` keeps only the segments of one
+    private pool. Offsets are measured from each segment's start.
     """
     segs = _segment_list(segments)
     if pool_id is not None:
@@ -111,7 +103,12 @@ def memory_map(
             offset = (address - segs[row]["address"]) / scale
             ax.add_patch(Rectangle((offset, row - 0.45), nbytes / scale, 0.9, **style))
 
-    outline(runs, fill=False, edgecolor=RUN_COLOR, linewidth=2.0, gid="run")
+    runs = list(runs) if runs is not None else None
+    unusable = set(unborrowable_runs(runs)) if runs else set()
+    outline([r for r in runs or () if tuple(r) not in unusable], fill=False, edgecolor=RUN_COLOR, linewidth=2.0,
+            gid="run")
+    outline(sorted(unusable), fill=False, edgecolor=UNBORROWABLE_COLOR, linewidth=1.5, linestyle="--",
+            gid="run:unborrowable")
     outline(borrowed, fill=False, edgecolor=BORROWED_COLOR, hatch="///", linewidth=1.0,
             gid="borrowed")
 
@@ -125,6 +122,9 @@ def memory_map(
     legend = [Patch(facecolor=c, label=s.replace("_", " ")) for s, c in STATE_COLORS.items()]
     if runs is not None:
         legend.append(Patch(fill=False, edgecolor=RUN_COLOR, linewidth=2, label="free run"))
+    if unusable:
+        legend.append(Patch(fill=False, edgecolor=UNBORROWABLE_COLOR, linestyle="--", linewidth=1.5,
+                            label="free run too small to borrow"))
     if borrowed is not None:
         legend.append(Patch(fill=False, edgecolor=BORROWED_COLOR, hatch="///", label="borrowed"))
     ax.legend(handles=legend, loc="upper right", fontsize=7, framealpha=0.9)
@@ -175,6 +175,33 @@ def capacity_map(
     ax.set_xlabel(x.replace("_", " "))
     ax.set_ylabel(y.replace("_", " "))
     ax.set_title(title or f"{value} (MiB) needed; hatched: does not fit")
+    return fig
+
+
+def largest_borrowable_plot(rows: Iterable[Mapping], ax=None, title: str | None = None) -> Figure:
+    """The largest tensor a run can lend against the run's size, by size class.
+
+    ``rows`` come from :func:`graphborrow.capacity.size_class_table` (``run_bytes``,
+    ``largest_bytes``, ``class``). The staircase shows the allocator's rules: nothing
+    under 2 MiB, small blocks only (up to 1 MiB) until 10 MiB, no 1-10 MiB tensor
+    (it needs a 20 MiB segment) until 20 MiB, then the run rounded down to 2 MiB.
+    """
+    rows = sorted(rows, key=lambda r: r["run_bytes"])
+    if not rows:
+        raise ValueError("largest_borrowable_plot needs at least one row")
+    fig, ax = _new_axes(ax, (6.5, 3.8))
+    xs = [r["run_bytes"] / MiB for r in rows]
+    ax.step(xs, [r["largest_bytes"] / MiB for r in rows], where="post", color=RUN_COLOR, gid="largest")
+    ax.plot(xs, xs, color="#999999", linestyle=":", linewidth=1, label="the whole run")
+    for start, end, label in ((0, 2, "nothing"), (2, 10, "small only"), (10, 20, "no 1-10 MiB tensor")):
+        ax.axvspan(start, min(end, max(xs)), alpha=0.08, color="#444444", gid=f"band:{label}")
+        ax.text((start + min(end, max(xs))) / 2, max(xs) * 0.92, label, ha="center", va="top", fontsize=7)
+    ax.set_xlabel("free run (MiB)")
+    ax.set_ylabel("largest borrowable tensor (MiB)")
+    ax.set_xlim(0, max(xs))
+    ax.set_ylim(0, max(xs))
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title or "largest borrowable tensor against run size")
     return fig
 
 

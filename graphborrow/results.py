@@ -1,8 +1,9 @@
 """Results files: what each notebook (or sweep point) measured, as JSON.
 
 Every notebook ends with ``save(name, results, OUTPUT_DIR, backend=backend)``. The file
-records how many device allocations the run made (``device_work``), so a guard can tell a
-notebook that really ran on the device from one that skipped its work.
+records how many device allocations the run made (``device_work``), so a guard
+(:func:`check_results`) can tell a notebook that really ran on the device from one that
+skipped its work. Reading and checking results does not import torch.
 """
 
 from __future__ import annotations
@@ -10,13 +11,27 @@ from __future__ import annotations
 import json
 import math
 import platform
+import sys
 import time
+from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
-import torch
+from .atomicfile import write_atomic
+
+__all__ = ["save", "load", "load_all", "flatten", "path_for", "device_allocations", "check_results", "SCHEMA"]
 
 SCHEMA = 1
+
+
+def _torch_version() -> str | None:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.__version__
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def device_allocations(backend) -> int:
@@ -31,7 +46,8 @@ def _plain(value: Any) -> Any:
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_plain(v) for v in value]
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
+    if torch is not None and isinstance(value, torch.Tensor):
         return _plain(value.detach().cpu().tolist())
     if hasattr(value, "item") and callable(value.item) and not isinstance(value, (str, bytes)):
         return _plain(value.item())
@@ -48,6 +64,7 @@ def _plain(value: Any) -> Any:
 
 
 def path_for(name: str, output_dir: str | Path = "results") -> Path:
+    """Where ``save(name, ..., output_dir)`` writes."""
     return Path(output_dir) / f"{name}.json"
 
 
@@ -84,17 +101,12 @@ def save(
         "device_work": int(device_work),
         "device": backend.describe() if backend is not None else None,
         "backend": getattr(backend, "name", None),
-        "torch": torch.__version__,
+        "torch": _torch_version(),
         "python": platform.python_version(),
         "finished_at": time.time(),
         "results": _plain(data),
     }
-    path = path_for(name, output_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
-    return path
+    return write_atomic(path_for(name, output_dir), json.dumps(record, indent=2, sort_keys=False) + "\n")
 
 
 def load(name_or_path: str | Path, output_dir: str | Path = "results") -> dict:
@@ -122,3 +134,38 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         elif isinstance(value, (str, int, float, bool)) or value is None:
             out[name] = value
     return out
+
+
+def check_results(names: Iterable[str], results_dir: str | Path, since: float | None = None) -> list[str]:
+    """Problems with the results files the named notebooks should have written, one line each.
+
+    Args:
+        names: notebook stems (``01_free_runs``); each must have written ``<name>.json``.
+        results_dir: the folder they wrote to.
+        since: a Unix time; files finished before it are stale (left by an earlier run).
+
+    Returns:
+        Empty when every notebook wrote a readable record showing device work.
+    """
+    results_dir = Path(results_dir)
+    problems = []
+    for name in names:
+        path = results_dir / f"{name}.json"
+        if not path.exists():
+            problems.append(f"{name}: no results file {path} (did the notebook run to the end?)")
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except ValueError as exc:
+            problems.append(f"{name}: {path} is not valid JSON ({exc})")
+            continue
+        if not isinstance(record, dict):
+            problems.append(f"{name}: {path} holds a {type(record).__name__}, not a results record")
+            continue
+        work = record.get("device_work")
+        if not isinstance(work, int) or isinstance(work, bool) or work <= 0:
+            problems.append(f"{name}: device_work={work!r}; the notebook did no device work")
+        finished = record.get("finished_at")
+        if since is not None and not (isinstance(finished, (int, float)) and finished >= since):
+            problems.append(f"{name}: {path} is stale (written before this run started)")
+    return problems

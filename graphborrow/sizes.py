@@ -1,7 +1,21 @@
-"""The caching allocator's size rules, shared by capacity queries and the simulator.
+"""The caching allocator's size rules, stated once: capacity queries and the simulator import them.
 
-Values and rules follow PyTorch's CUDACachingAllocator with its default configuration.
+Values and rules follow PyTorch's CUDACachingAllocator (``c10/cuda/CUDACachingAllocator.cpp``
+and ``c10/core/AllocatorConfig.h``). The rounding depends on one setting,
+``roundup_power2_divisions``, passed as its 16-entry table (one entry per power-of-two
+interval from 1 MiB up; ``None`` or all zeros is torch's default, plain 512-byte rounding).
+The large-segment size is a setting too (``large_segment_size_mb`` in newer torch).
 """
+
+from __future__ import annotations
+
+__all__ = [
+    "KB", "MB", "GB",
+    "MIN_BLOCK_SIZE", "SMALL_SIZE", "SMALL_BUFFER", "MIN_LARGE_ALLOC", "LARGE_BUFFER", "ROUND_LARGE",
+    "ROUNDUP_INTERVALS",
+    "round_size", "roundup_power2_next_division", "divisions_index", "is_small", "allocation_size",
+    "expandable_page_size", "format_size", "mib",
+]
 
 KB = 1024
 MB = 1024 * KB
@@ -9,30 +23,78 @@ GB = 1024 * MB
 
 MIN_BLOCK_SIZE = 512  # every request is rounded up to a multiple of this
 SMALL_SIZE = 1 * MB  # requests up to this go to the small pool
-SMALL_BUFFER = 2 * MB  # segment size for small requests
-MIN_LARGE_ALLOC = 10 * MB  # below this a large request gets a LARGE_BUFFER segment
-LARGE_BUFFER = 20 * MB
+SMALL_BUFFER = 2 * MB  # segment size for small requests (and an expandable small pool's page)
+MIN_LARGE_ALLOC = 10 * MB  # below this a large request gets a large-buffer segment
+LARGE_BUFFER = 20 * MB  # the default large-buffer segment (and an expandable large pool's page)
 ROUND_LARGE = 2 * MB  # larger segments are rounded to a multiple of this
+ROUNDUP_INTERVALS = 16  # roundup_power2_divisions entries: [1, 2), [2, 4), ... MiB, the last open-ended
 
 
-def round_size(nbytes: int) -> int:
-    """Block size the allocator hands out for a request of ``nbytes``."""
+def divisions_index(nbytes: int) -> int:
+    """Which entry of the roundup_power2_divisions table applies to a request of ``nbytes``."""
+    return min(max(nbytes.bit_length() - 21, 0), ROUNDUP_INTERVALS - 1)
+
+
+def roundup_power2_next_division(nbytes: int, divisions: int) -> int:
+    """``nbytes`` rounded up to the next of ``divisions`` equal steps between two powers of two.
+
+    For example 1200 with 4 divisions lies between 1024 and 2048, whose steps are 1024,
+    1280, 1536 and 1792: the result is 1280.
+    """
+    if nbytes & (nbytes - 1) == 0:
+        return nbytes
+    floor = 1 << (nbytes.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    rounded = nbytes & ~(step - 1)
+    return nbytes if rounded == nbytes else rounded + step
+
+
+def round_size(nbytes: int, divisions=None) -> int:
+    """The block size the allocator hands out for a request of ``nbytes``.
+
+    Args:
+        nbytes: the request.
+        divisions: the roundup_power2_divisions table (16 ints), or None for torch's default.
+    """
     if nbytes < MIN_BLOCK_SIZE:
         return MIN_BLOCK_SIZE
-    return MIN_BLOCK_SIZE * -(-nbytes // MIN_BLOCK_SIZE)
+    if divisions is not None:
+        d = divisions[divisions_index(nbytes)]
+        if d > 1 and nbytes > MIN_BLOCK_SIZE * d:
+            return roundup_power2_next_division(nbytes, d)
+    return MIN_BLOCK_SIZE * ((nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE)
 
 
 def is_small(size: int) -> bool:
+    """Whether a rounded block of ``size`` bytes belongs to the small pool."""
     return size <= SMALL_SIZE
 
 
-def allocation_size(size: int) -> int:
+def allocation_size(size: int, large_segment_size: int = LARGE_BUFFER) -> int:
     """Segment size requested from cudaMalloc (or a pluggable allocator) for a rounded block."""
     if size <= SMALL_SIZE:
         return SMALL_BUFFER
     if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return ROUND_LARGE * -(-size // ROUND_LARGE)
+        return large_segment_size
+    return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+def expandable_page_size(small: bool, large_segment_size: int = LARGE_BUFFER) -> int:
+    """The physical page an expandable segment maps at a time: 2 MiB (small pool) or the large segment size."""
+    return SMALL_BUFFER if small else large_segment_size
+
+
+def format_size(nbytes: int) -> str:
+    """Sizes as torch prints them in OOM messages."""
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    if nbytes <= MB:
+        return f"{nbytes / 1024:.2f} KiB"
+    if nbytes <= GB:
+        return f"{nbytes / MB:.2f} MiB"
+    return f"{nbytes / GB:.2f} GiB"
 
 
 def mib(nbytes: float) -> float:

@@ -1,7 +1,7 @@
 """One validated reader for allocator snapshots in torch's format, whatever their source.
 
 A snapshot comes as a path to a pickle (``torch.cuda.memory._dump_snapshot``, or
-:func:`graphborrow.sim.export.dump_snapshot`), as the dict of
+:func:`graphborrow.sim.export.dump_snapshot`; gzipped when the name ends in ``.gz``), as the dict of
 ``torch.cuda.memory._snapshot()``, or as the segment list of
 ``torch.cuda.memory_snapshot()``. :func:`load_snapshot` accepts all three, checks
 every segment and block, and returns ``{"segments": [...], ...}`` with the input's
@@ -27,6 +27,7 @@ Pickles can run code when loaded: read only snapshot files you trust.
 
 from __future__ import annotations
 
+import gzip
 import os
 import pickle
 from collections.abc import Mapping
@@ -46,7 +47,7 @@ _HOW_TO_TAKE = (
 )
 
 
-def load_snapshot(source: Any, *, need_traces: bool = False) -> dict:
+def load_snapshot(source: Any, *, need_traces: bool = False, block_addresses: bool = True) -> dict:
     """Read and check a snapshot from a path, a ``_snapshot()`` dict or a segment list.
 
     Args:
@@ -54,6 +55,9 @@ def load_snapshot(source: Any, *, need_traces: bool = False) -> dict:
             (and maybe ``"device_traces"``), or a list of segment dicts.
         need_traces: also require ``"device_traces"`` (a list per device of trace
             entries), as recorded after ``torch.cuda.memory._record_memory_history()``.
+        block_addresses: require every block's ``"address"`` (torch writes it; free-run
+            discovery reads it). With ``False`` a block without one is taken to start where
+            the one before it ends, as in hand-built traces the replay reads.
 
     Returns:
         A new dict: ``"segments"`` is the checked segment list (the segment dicts
@@ -81,15 +85,16 @@ def load_snapshot(source: Any, *, need_traces: bool = False) -> dict:
             f"{origin} is a {type(source).__name__}; expected a list of segment dicts or a dict "
             f"with 'segments': {_HOW_TO_TAKE}"
         )
-    result["segments"] = check_segments(result["segments"])
+    result["segments"] = check_segments(result["segments"], block_addresses=block_addresses)
     if need_traces or "device_traces" in result:
         _check_traces(result, required=need_traces)
     return result
 
 
 def _read_pickle(path: Path) -> Any:
+    opener = gzip.open if path.suffix == ".gz" else open  # the trace corpus is stored compressed
     try:
-        with open(path, "rb") as f:
+        with opener(path, "rb") as f:
             return pickle.load(f)
     except FileNotFoundError:
         raise
@@ -110,7 +115,7 @@ def _integer(value: Any, where: str, key: str) -> int:
     return value
 
 
-def check_segments(segments: Any) -> list:
+def check_segments(segments: Any, *, block_addresses: bool = True) -> list:
     """Check a segment list (see the module docstring); return it as a list.
 
     Raises:
@@ -122,12 +127,12 @@ def check_segments(segments: Any) -> list:
         )
     segments = list(segments)
     for i, segment in enumerate(segments):
-        _check_segment(i, segment)
+        _check_segment(i, segment, block_addresses)
     nested_in(segments)  # refuses partial overlaps and segments nested in live blocks
     return segments
 
 
-def _check_segment(i: int, segment: Any) -> None:
+def _check_segment(i: int, segment: Any, block_addresses: bool = True) -> None:
     where = f"segment {i}"
     if not isinstance(segment, Mapping):
         raise SnapshotFormatError(f"{where} is a {type(segment).__name__}, not a dict")
@@ -154,13 +159,14 @@ def _check_segment(i: int, segment: Any) -> None:
         here = f"{where} block {j}"
         if not isinstance(block, Mapping):
             raise SnapshotFormatError(f"{here} is a {type(block).__name__}, not a dict")
-        missing = [k for k in ("address", "size", "state") if k not in block]
+        needed = ("address", "size", "state") if block_addresses else ("size", "state")
+        missing = [k for k in needed if k not in block]
         if missing:
             raise SnapshotFormatError(
                 f"{here} lacks {', '.join(repr(k) for k in missing)}; "
-                "every block needs 'address', 'size' and 'state'"
+                f"every block needs {', '.join(repr(k) for k in needed)}"
             )
-        start = _integer(block["address"], here, "address")
+        start = _integer(block["address"], here, "address") if "address" in block else at
         size = _integer(block["size"], here, "size")
         state = block["state"]
         if size <= 0:
@@ -222,16 +228,26 @@ def nested_in(segments: list) -> dict[int, int]:
                     f"[{h['address']:#x}, {h['address'] + h['total_size']:#x}) overlap partly; "
                     "segments are disjoint, or one lies inside a free block of the other"
                 )
-            block = next(b for b in h["blocks"] if b["address"] <= start < b["address"] + b["size"])
-            if block["state"] != FREE_STATE or end > block["address"] + block["size"]:
+            block, at = _block_at(h, start)
+            if block["state"] != FREE_STATE or end > at + block["size"]:
                 raise SnapshotFormatError(
                     f"segment {k} [{start:#x}, {end:#x}) lies inside segment {host} but not inside "
-                    f"one of its free blocks (block at {block['address']:#x} is {block['state']}, "
+                    f"one of its free blocks (block at {at:#x} is {block['state']}, "
                     f"{block['size']} bytes); memory cannot belong to two live blocks"
                 )
             hosts[k] = host
         open_.append(k)
     return hosts
+
+
+def _block_at(segment: Mapping, address: int) -> tuple[Mapping, int]:
+    """The block of a checked segment that holds ``address``, and the block's start."""
+    at = segment["address"]
+    for block in segment["blocks"]:
+        if at <= address < at + block["size"]:
+            return block, at
+        at += block["size"]
+    raise AssertionError("address outside a checked segment")
 
 
 _TRACE_NEEDS = {"oom": ("device_free", "size"), "annotate": ()}

@@ -186,3 +186,71 @@ class GraphLadder:
 
     def snapshot(self) -> list:
         return self.backend.memory_snapshot(self.pool_id)
+
+
+SYNTHETIC = "synthetic"
+
+
+def model_names() -> tuple[str, ...]:
+    """What a notebook's ``MODEL`` parameter accepts: the synthetic workload, then real configs."""
+    from .models import MODELS
+
+    return (SYNTHETIC,) + tuple(MODELS)
+
+
+def build_ladder(
+    model: str,
+    backend,
+    *,
+    decode_batches: Sequence[int] = (64, 32, 16, 8, 4, 2, 1),
+    draft_tokens: int = 8,
+    prefill_tokens: int = 0,
+    prefill: Optional[str] = None,
+    shape: Optional[ModelShape] = None,
+    layers: Optional[int] = None,
+    context: int = 1024,
+    tiny: Optional[bool] = None,
+    state: Optional[BorrowState] = None,
+    order: str = "largest_first",
+    seed: int = 0,
+):
+    """A ladder (not yet captured) for a notebook's ``MODEL``: ``"synthetic"`` or a config name.
+
+    Args:
+        model: ``"synthetic"`` (:class:`GraphLadder`, the teaching baseline) or a name in
+            :data:`graphborrow.models.MODELS` (:class:`graphborrow.models.ModelLadder`).
+        decode_batches, draft_tokens: the verify ladder (both workloads).
+        prefill_tokens: tokens of the prefill graph; 0 for none (real models: their
+            ``context`` when ``prefill`` asks for one without a length).
+        prefill: real models only: ``"none"``, ``"graph"`` or ``"piecewise"``; by default
+            ``"graph"`` when ``prefill_tokens`` > 0, else ``"none"``.
+        shape: synthetic only (default Llama-3-8B widths); ``layers`` overrides its depth.
+        layers: real models: decoder layers (default 2).
+        context: real models: cached tokens per request.
+        tiny: real models: shrink the widths; by default on a backed simulated device,
+            where full widths would compute every matmul on the CPU.
+    Returns:
+        The ladder; call ``.capture()``.
+    """
+    if model == SYNTHETIC:
+        if prefill not in (None, "none", "graph"):
+            raise ParameterError(f"the synthetic workload captures prefill as one graph; prefill={prefill!r}")
+        shape = shape or LLAMA3_8B
+        if layers is not None:
+            shape = dataclasses.replace(shape, layers=layers)
+        tokens = 0 if prefill == "none" else prefill_tokens
+        return GraphLadder(backend, shape, prefill_tokens=tokens, decode_batches=decode_batches,
+                           draft_tokens=draft_tokens, state=state, order=order, seed=seed)
+    if shape is not None:
+        raise ParameterError(f"shape applies to the synthetic workload only; {model!r} has its own widths")
+    from .models import MODELS, ModelLadder
+
+    if model not in MODELS:
+        raise ParameterError(f"unknown MODEL {model!r}; choose one of {list(model_names())}")
+    if tiny is None:
+        tiny = backend.name == "sim" and getattr(backend, "backed", True)
+    if prefill is None:
+        prefill = "graph" if prefill_tokens else "none"
+    return ModelLadder(backend, model, layers=2 if layers is None else layers, decode_batches=decode_batches,
+                       draft_tokens=draft_tokens, context=context, prefill=prefill,
+                       prefill_tokens=prefill_tokens or None, state=state, order=order, tiny=tiny, seed=seed)

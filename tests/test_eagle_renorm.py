@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from graphborrow import renorm
-from graphborrow.renorm import pivot_chunk_rows, top_k_renorm_probs, top_p_renorm_probs
+from graphborrow.eagle import renorm
+from graphborrow.eagle.renorm import pivot_chunk_rows, top_k_renorm_probs, top_p_renorm_probs
 
 
 def t(rows):

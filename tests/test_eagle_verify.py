@@ -1,5 +1,5 @@
 """eagle_verify: the three modes agree, temporaries live and die inside the borrow scope,
-chunks follow the capacity, and verify_bytes bounds the measured peak."""
+bad input is named, and the fused implementation plugs in."""
 
 import contextlib
 
@@ -11,13 +11,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from graphborrow.draft_tree import build_draft_tree, tree_from_parents
 from graphborrow.eagle import (
     MODES,
-    _target_probs,
     eagle_verify,
     top_k_renorm_probs,
     top_p_renorm_probs,
     tree_speculative_sampling_target_only,
-    verify_bytes,
 )
+from graphborrow.eagle.modes import target_probs
 from graphborrow.errors import BorrowCapacityError
 
 SCOPE = "test-borrow-scope"
@@ -26,8 +25,7 @@ SCOPE = "test-borrow-scope"
 class RecordingBorrow:
     """Stands in for the borrow state (a collaborator): records scopes, answers capacity."""
 
-    def __init__(self, capacity=1 << 40, enabled=True):
-        self.capacity = capacity
+    def __init__(self, enabled=True):
         self.enabled = enabled
         self.events = []
 
@@ -39,12 +37,6 @@ class RecordingBorrow:
                 yield
         finally:
             self.events.append(("exit", user))
-
-    def largest_run(self):
-        return self.capacity
-
-    def can_fit(self, nbytes):
-        return 0 < nbytes <= self.capacity
 
 
 def allocations(fn):
@@ -146,10 +138,10 @@ def test_probabilities_do_not_depend_on_how_rows_are_grouped():
     bs, d = tree.candidates.shape
     temps = torch.linspace(0.5, 1.2, bs)
     ks, ps = torch.arange(1, bs + 1) * 7, torch.linspace(0.3, 0.95, bs)
-    whole = _target_probs(logits, temps.repeat_interleave(d), ks.repeat_interleave(d), ps.repeat_interleave(d))
+    whole = target_probs(logits, temps.repeat_interleave(d), ks.repeat_interleave(d), ps.repeat_interleave(d))
     per_position = logits.view(bs, d, -1)
     for n in range(d):
-        part = _target_probs(per_position[:, n], temps, ks, ps)
+        part = target_probs(per_position[:, n], temps, ks, ps)
         assert torch.equal(part, whole.view(bs, d, -1)[:, n])
     softmax = torch.softmax(logits.double() / temps.double().repeat_interleave(d)[:, None], -1).float()
     reference = top_p_renorm_probs(top_k_renorm_probs(softmax, ks.repeat_interleave(d)), ps.repeat_interleave(d))
@@ -223,22 +215,29 @@ def test_temporaries_are_born_and_die_inside_the_borrow_scope(mode):
         assert out.data_ptr() in outside and out.data_ptr() not in inside  # outputs predate the scope
 
 
-def test_failed_step_releases_its_temporaries_inside_the_scope():
+def test_failed_step_releases_its_temporaries_inside_the_scope(monkeypatch):
+    """A fault in the middle of the step (probabilities already allocated): all freed inside."""
+    from graphborrow.eagle import modes
+
+    def failing_walk(*args, **kwargs):
+        raise RuntimeError("injected fault in the walk")
+
+    monkeypatch.setattr(modes, "walk_tree", failing_walk)
     tree, logits, _ = make_case(6, bs=4)
     state = RecordingBorrow()
     caught = []
 
     def failing():
         try:
-            verify(tree, logits, "standard", borrow=state, top_ks=torch.tensor([3, 0, 2, 1]))
-        except ValueError as exc:
+            verify(tree, logits, "standard", borrow=state, top_ks=3)
+        except RuntimeError as exc:
             caught.append(exc)  # keeps the traceback alive
 
     _, found = allocations(failing)
-    assert caught and "top_k must be >= 1" in str(caught[0])
+    assert caught and "injected fault" in str(caught[0])
     assert state.events == [("enter", "EAGLE verify"), ("exit", "EAGLE verify")]
     peak, net = scope_peak_and_net(found)
-    assert peak > 0 and net == 0
+    assert peak > logits.numel() * 4 and net == 0  # the probabilities existed, and died in the scope
 
 
 def test_disabled_borrow_is_a_no_op():
@@ -246,55 +245,6 @@ def test_disabled_borrow_is_a_no_op():
     state = RecordingBorrow(enabled=False)
     assert_same(verify(tree, logits, "standard", borrow=state), verify(tree, logits, "standard"))
     assert state.events == []
-
-
-def test_chunks_follow_the_capacity():
-    tree, logits, _ = make_case(8, bs=12, vocab=2000)
-    bs, d = tree.candidates.shape
-    vocab = logits.shape[1]
-    capacity = verify_bytes(bs, d, vocab, "chunked", chunk_rows=3 * d)
-    assert capacity < verify_bytes(bs, d, vocab, "standard")
-    _, found = allocations(lambda: verify(tree, logits, "standard", borrow=RecordingBorrow()))
-    standard_peak, _ = scope_peak_and_net(found)
-    chunked, found = allocations(lambda: verify(tree, logits, "chunked", borrow=RecordingBorrow(capacity)))
-    chunked_peak, _ = scope_peak_and_net(found)
-    assert chunked_peak <= capacity < standard_peak
-    assert_same(chunked, verify(tree, logits, "standard"))
-    with pytest.raises(BorrowCapacityError, match="mode='lean'"):
-        verify(tree, logits, "chunked", borrow=RecordingBorrow(verify_bytes(bs, d, vocab, "chunked") - 1))
-
-
-@pytest.mark.parametrize("mode,bs,d,vocab,top_k,top_p", [
-    ("standard", 6, 8, 4096, False, False),
-    ("lean", 6, 8, 4096, False, False),
-    ("chunked", 6, 8, 4096, False, False),
-    ("standard", 6, 8, 4096, True, True),
-    ("lean", 3, 4, 20000, False, True),
-    ("chunked", 16, 4, 3000, True, False),
-])
-def test_verify_bytes_bounds_the_measured_peak(mode, bs, d, vocab, top_k, top_p):
-    tree, logits, _ = make_case(9, topk=2, depth=3, num_tokens=d, bs=bs, vocab=vocab)
-    chunk_rows = 2 * d if mode == "chunked" else None
-    kw = dict(top_ks=50 if top_k else None, top_ps=0.9 if top_p else None, chunk_rows=chunk_rows)
-    _, found = allocations(lambda: verify(tree, logits, mode, borrow=RecordingBorrow(), **kw))
-    measured, _ = scope_peak_and_net(found)
-    planned = verify_bytes(bs, d, vocab, mode, top_k, top_p, chunk_rows=chunk_rows)
-    assert measured <= planned
-    # The plan's slack: 512-byte rounding of small tensors, and the renorm workspace bound.
-    from graphborrow.eagle import _small_bytes
-    from graphborrow.renorm import PIVOT_BYTES_PER_ENTRY, pivot_chunk_rows
-    rows = {"standard": bs * d, "lean": bs, "chunked": 2 * d}[mode]
-    workspace = PIVOT_BYTES_PER_ENTRY * min(rows, pivot_chunk_rows(vocab)) * vocab if (top_k or top_p) else 0
-    assert planned <= 1.05 * measured + _small_bytes(bs, d, top_k, top_p) + workspace
-
-
-def test_lean_needs_far_less_than_standard():
-    for bs, d in ((32, 8), (128, 16)):
-        vocab = 128256
-        standard = verify_bytes(bs, d, vocab, "standard")
-        lean = verify_bytes(bs, d, vocab, "lean")
-        assert standard >= 8 * bs * d * vocab  # target probabilities + draft scratch (as upstream)
-        assert lean < standard / (d / 4)
 
 
 def test_bad_arguments_are_named():
@@ -315,5 +265,43 @@ def test_bad_arguments_are_named():
         verify(tree, logits, "standard", threshold_acc=2.0)
     with pytest.raises(ValueError, match="candidates must be token ids"):
         eagle_verify(logits, tree.candidates + 1000, tree, 1.0)
-    with pytest.raises(ValueError, match="mode must be one of"):
-        verify_bytes(1, 2, 3, "fast")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        verify(tree, logits, "standard", impl="triton")
+
+
+class FusedStandIn:
+    """A stand-in for the Triton module (the collaborator): records calls, writes the
+    reference's answer (accept_length already counting the emitted token)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def fused_verify(self, logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coins=None,
+                     coins_final=None, threshold_single=1.0, threshold_acc=1.0, out=None, validate=True):
+        self.calls.append(dict(validate=validate, out=out, coins=coins))
+        result = eagle_verify(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final,
+                              impl="reference")
+        for dst, src in zip(out, result):
+            dst.copy_(src)
+        return out
+
+
+def test_fused_implementation_plugs_in(monkeypatch):
+    import sys
+
+    tree, logits, _ = make_case(11, bs=5)
+    with pytest.raises(ValueError, match="impl='fused' needs the Triton verification kernel"):
+        verify(tree, logits, "standard", impl="fused")
+    fused = FusedStandIn()
+    monkeypatch.setitem(sys.modules, "graphborrow.eagle.fused", fused)
+    expected = verify(tree, logits, "standard", impl="reference", top_ks=7)
+    assert_same(verify(tree, logits, "standard", impl="auto", top_ks=7), expected)
+    assert fused.calls == []  # auto: CPU tensors take the reference
+    state = RecordingBorrow()
+    got = verify(tree, logits, "standard", impl="fused", top_ks=7, borrow=state)
+    assert_same(got, expected)
+    (call,) = fused.calls
+    assert call["validate"] is False  # the checks ran once, before the scope
+    assert all(a is b for a, b in zip(call["out"], got))  # written into the outputs made outside the scope
+    assert call["coins"].shape == tree.candidates.shape  # coins drawn from the generator, in the scope
+    assert state.events == [("enter", "EAGLE verify"), ("exit", "EAGLE verify")]

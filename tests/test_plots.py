@@ -76,8 +76,10 @@ def test_memory_map_small_segments_use_kib():
 
 
 def test_memory_map_rejects_non_snapshots():
-    with pytest.raises(SnapshotFormatError, match="blocks"):
+    with pytest.raises(SnapshotFormatError, match="segment 0 has no 'total_size'"):
         plots.memory_map([{"address": 0}])
+    with pytest.raises(SnapshotFormatError, match="cover 1048576 bytes but total_size is 2097152"):  # the one reader checks
+        plots.memory_map([{**segment(1 << 30, [(MiB, "inactive")]), "total_size": 2 * MiB}])
     with pytest.raises(SnapshotFormatError, match="segments"):
         plots.memory_map({"traces": []})
 
@@ -116,3 +118,23 @@ def test_sweep_plot_one_line_per_hue_skipping_failures():
     assert len(lines) == 2
     assert list(lines[0].get_xdata()) == [1, 2, 4]
     assert list(lines[1].get_ydata()) == [8, 16, 32]
+
+
+def test_memory_map_marks_runs_that_can_never_hold_a_borrow():
+    small = (0x7F0000000000 + 1 * MiB, 1 * MiB)  # under 2 MiB: not even a small-pool segment fits
+    usable = (0x7F0000400000, 4 * MiB)
+    fig = plots.memory_map(SEGMENTS, runs=[usable, small])
+    assert [(p.get_x(), p.get_width()) for p in patches(fig, "run:unborrowable")] == [(1.0, 1.0)]
+    assert len([p for p in fig.axes[0].patches if p.get_gid() == "run"]) == 1
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "free run too small to borrow" in labels
+
+
+def test_largest_borrowable_plot_draws_the_size_classes():
+    from graphborrow.capacity import size_class_table
+
+    rows = size_class_table([m * MiB for m in (1, 2, 3, 9, 10, 12, 19, 20, 21, 40)])
+    fig = plots.largest_borrowable_plot(rows)
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "largest"]
+    assert list(line.get_ydata()) == [0, 1, 1, 1, 10, 12, 18, 20, 20, 40]
+    assert {p.get_gid() for p in fig.axes[0].patches} >= {"band:nothing", "band:small only"}

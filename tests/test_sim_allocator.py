@@ -9,15 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphborrow.sim.allocator import (
-    CachingAllocator,
-    AllocatorConfig,
-    FreeList,
-    _roundup_power2_next_division,
-    format_size,
-    get_allocation_size,
-    round_size,
-)
+from graphborrow.sim.allocator import CachingAllocator, FreeList
+from graphborrow.sim.config import AllocatorConfig
+from graphborrow.sizes import allocation_size as get_allocation_size
+from graphborrow.sizes import format_size, round_size
+from graphborrow.sizes import roundup_power2_next_division as _roundup_power2_next_division
 from graphborrow.sim.memory import PhysicalMemory
 from graphborrow.sim.streams import Clockwork, Event
 
@@ -48,13 +44,13 @@ def test_round_size_multiples_of_512(n, rounded):
 def test_roundup_power2_divisions():
     config = AllocatorConfig({"roundup_power2_divisions": 4})
     assert _roundup_power2_next_division(1200, 4) == 1280  # 1024 + one quarter step of 256
-    assert round_size(1200, config) == 1536  # n <= 512 * 4: plain 512 rounding
-    assert round_size(5000, config) == 5120  # 4096 + one step of 1024
-    assert round_size(8192, config) == 8192  # powers of two stay
-    assert round_size(3 * MiB + 1, config) == 3 * MiB + 512 * KiB
+    assert round_size(1200, config.divisions) == 1536  # n <= 512 * 4: plain 512 rounding
+    assert round_size(5000, config.divisions) == 5120  # 4096 + one step of 1024
+    assert round_size(8192, config.divisions) == 8192  # powers of two stay
+    assert round_size(3 * MiB + 1, config.divisions) == 3 * MiB + 512 * KiB
     per_interval = AllocatorConfig("roundup_power2_divisions:[1:4,>:8]")
-    assert per_interval.roundup_power2_divisions[:3] == [4, 8, 8]
-    assert round_size(2 * MiB + 1, per_interval) == 2 * MiB + 256 * KiB  # 2 MiB interval uses 8 divisions
+    assert per_interval.roundup_power2_divisions[:3] == (4, 8, 8)
+    assert round_size(2 * MiB + 1, per_interval.divisions) == 2 * MiB + 256 * KiB  # 2 MiB interval uses 8 divisions
     with pytest.raises(ValueError, match="power of two"):
         AllocatorConfig({"roundup_power2_divisions": 3})
 
@@ -473,8 +469,10 @@ def test_bad_input_is_named():
         alloc.free(block)
     with pytest.raises(ValueError, match="not allocated"):
         alloc.free(None)  # the compiled model types its argument; None must not reach it
-    with pytest.raises(NotImplementedError, match="expandable"):
-        AllocatorConfig({"expandable_segments": True})
+    with pytest.raises(NotImplementedError, match="graph_capture_record_stream_reuse"):
+        AllocatorConfig({"graph_capture_record_stream_reuse": True})
+    with pytest.raises(ValueError, match="True or False"):
+        AllocatorConfig("expandable_segments:yes")
     with pytest.raises(ValueError, match="unknown allocator option"):
         AllocatorConfig({"max_split": 3})
     with pytest.raises(ValueError, match="default pool"):
@@ -588,7 +586,7 @@ def test_block_at_finds_active_blocks_only():
 def test_free_list_rekeys_keep_the_sorted_list_valid(initial, rekeys, load):
     """Shrink and grow re-keys across many short runs (a small load factor) against a sorted reference."""
     free = FreeList()
-    free.keys._reset(load)  # short runs, so keys move within and across runs
+    free.keys.set_load(load)  # short runs, so keys move within and across runs
     for key in initial:
         free.add(key, key)
     for pick, amount, grow in rekeys:
@@ -596,8 +594,8 @@ def test_free_list_rekeys_keep_the_sorted_list_valid(initial, rekeys, load):
         new = old + amount if grow else old - amount
         if new <= 0 or new in free.blocks:
             continue
-        (free.grow_key if grow else free.shrink_key)(old, new, new)
-        free.keys._check()  # SortedList's own invariants: order, run maxima, lengths, index
+        free.rekey(old, new, new)
+        free.keys.check()  # SortedList's own invariants: order, run maxima, lengths, index
         assert list(free.keys) == sorted(free.blocks)
         assert all(free.blocks[key] == key for key in free.keys)
         probe = new - amount // 2

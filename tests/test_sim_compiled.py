@@ -4,7 +4,11 @@ Each check runs in a fresh interpreter: a process holds one ``graphborrow.sim.al
 and which one it is gets decided when ``graphborrow.sim`` is first imported.
 """
 
+import importlib.util
+import inspect
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -42,8 +46,9 @@ LOCKSTEP = textwrap.dedent(
         def raw_delete(self, ptr, nbytes, stream):
             pass
 
-    def make(module, config):
+    def make(module, config, fraction):
         a = module.CachingAllocator(PhysicalMemory(capacity=768 * MiB, backed=False), Clockwork(), config)
+        a.set_memory_fraction(fraction)
         a.record_history(True)
         return a
 
@@ -86,9 +91,9 @@ LOCKSTEP = textwrap.dedent(
             a.empty_cache()
         return None
 
-    def run(config, seed, steps):
+    def run(config, fraction, seed, steps):
         rng_f, rng_p = random.Random(seed), random.Random(seed)
-        f, p = make(fast, config), make(pure, config)
+        f, p = make(fast, config, fraction), make(pure, config, fraction)
         live_f, live_p, routes_f, routes_p = [], [], [], []
         for i in range(steps):
             out_f, out_p = step(f, rng_f, live_f, routes_f), step(p, rng_p, live_p, routes_p)
@@ -100,10 +105,12 @@ LOCKSTEP = textwrap.dedent(
         return len(f.full_snapshot()["device_traces"][0])
 
     events = 0
-    for config in (None, "max_split_size_mb:40", "roundup_power2_divisions:4",
-                   "max_split_size_mb:64,roundup_power2_divisions:[256:4,>:1]"):
-        for seed in range(3):
-            events += run(config, seed, 1500)
+    for config, fraction in ((None, 1.0), ("max_split_size_mb:40", 1.0), ("roundup_power2_divisions:4", 1.0),
+                             ("max_split_size_mb:64,roundup_power2_divisions:[256:4,>:1]", 1.0),
+                             ("expandable_segments:True", 1.0), ("garbage_collection_threshold:0.5", 0.7),
+                             ("expandable_segments:True,max_split_size_mb:30,garbage_collection_threshold:0.6", 0.8)):
+        for seed in range(2):
+            events += run(config, fraction, seed, 1500)
     print("trace events compared:", events)
     """
 )
@@ -156,22 +163,139 @@ def test_the_environment_variable_selects_pure_python(built):
     assert fast.stdout.startswith("compiled") and str(built) in fast.stdout
 
 
-def test_a_build_that_does_not_load_falls_back_with_a_warning(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(tmp_path))
-    compiled.build_path().write_bytes(b"not a shared library")
-    code = "from graphborrow.sim import compiled, SimBackend; import torch; print(compiled.implementation())"
-    result = python(code, GRAPHBORROW_CACHE_DIR=str(tmp_path), **{compiled.PURE_ENV: ""})
-    assert result.returncode == 0, result.stderr
+def _copy_build(built: Path, cache: Path) -> Path:
+    """The intact build and its checksum, copied into another cache directory."""
+    target = cache / built.name
+    shutil.copy(built, target)
+    shutil.copy(built.with_name(built.name + ".sha256"), cache / (built.name + ".sha256"))
+    return target
+
+
+IMPORT = "from graphborrow.sim import compiled, SimBackend; import torch; print(compiled.implementation())"
+
+
+def test_a_truncated_build_is_never_loaded(built, tmp_path):
+    target = _copy_build(built, tmp_path)
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])  # a build cut off mid-copy
+    result = python(IMPORT, GRAPHBORROW_CACHE_DIR=str(tmp_path), **{compiled.PURE_ENV: ""})
+    assert result.returncode == 0, result.stderr  # no crash: the damaged library was not loaded
     assert result.stdout.strip() == "pure Python"
-    assert "did not load" in result.stderr and "python -m graphborrow build --force" in result.stderr
+    assert "does not match its checksum" in result.stderr and "python -m graphborrow build --force" in result.stderr
 
 
-def test_a_build_is_named_by_its_sources(tmp_path):
+def test_a_library_without_its_checksum_is_not_loaded(tmp_path):
+    (tmp_path / compiled.build_path().name).write_bytes(b"not a shared library")
+    result = python(IMPORT, GRAPHBORROW_CACHE_DIR=str(tmp_path), **{compiled.PURE_ENV: ""})
+    assert result.returncode == 0 and result.stdout.strip() == "pure Python"
+    assert "no checksum file" in result.stderr
+
+
+def test_running_without_a_build_is_announced_unless_chosen(tmp_path):
+    result = python(IMPORT, GRAPHBORROW_CACHE_DIR=str(tmp_path), **{compiled.PURE_ENV: ""})
+    assert result.stdout.strip() == "pure Python" and "it is not built" in result.stderr
+    chosen = python(IMPORT, GRAPHBORROW_CACHE_DIR=str(tmp_path), **{compiled.PURE_ENV: "1"})
+    assert chosen.stdout.strip() == "pure Python" and "pure-Python model" not in chosen.stderr
+
+
+@pytest.mark.slow
+def test_build_force_replaces_a_damaged_build(built, tmp_path):
+    target = _copy_build(built, tmp_path)
+    target.write_bytes(b"\x7fELF" + b"\0" * 100)  # damaged, with the old checksum beside it
+    rebuilt = subprocess.run([sys.executable, "-m", "graphborrow", "build", "--force"], cwd=REPO, capture_output=True,
+                             text=True, timeout=600, env={**os.environ, "GRAPHBORROW_CACHE_DIR": str(tmp_path)})
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert compiled.verify(target) is None
+    after = python(IMPORT, GRAPHBORROW_CACHE_DIR=str(tmp_path), **{compiled.PURE_ENV: ""})
+    assert after.stdout.strip() == "compiled", after.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, target.name + ".sha256"])
+
+
+def test_a_failed_build_says_why_and_leaves_nothing_behind(tmp_path):
+    env = {**os.environ, "GRAPHBORROW_CACHE_DIR": str(tmp_path), "CC": "/nonexistent/cc", compiled.PURE_ENV: "1"}
+    failed = subprocess.run([sys.executable, "-m", "graphborrow", "build", "--force"], cwd=REPO, capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert failed.returncode == 1
+    assert "compiling the allocator model failed" in failed.stderr and "C compiler" in failed.stderr
+    assert list(tmp_path.iterdir()) == []  # no partial library, no 0-byte temporaries
+
+
+def test_an_unwritable_cache_is_named(tmp_path):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder should be")  # as unwritable as a read-only folder
+    env = {**os.environ, "GRAPHBORROW_CACHE_DIR": str(blocked / "cache"), compiled.PURE_ENV: "1"}
+    failed = subprocess.run([sys.executable, "-m", "graphborrow", "build"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert failed.returncode == 1 and "GRAPHBORROW_CACHE_DIR" in failed.stderr and "writable" in failed.stderr
+
+
+def test_a_build_is_named_by_its_sources_cython_and_directives(tmp_path, monkeypatch):
     copies = []
     for source in compiled.SOURCES:
         copy = tmp_path / source.name
         copy.write_bytes(source.read_bytes())
         copies.append(copy)
-    assert compiled.build_tag(tuple(copies)) == compiled.build_tag()
+    tag = compiled.build_tag(tuple(copies))
+    assert tag == compiled.build_tag()
     copies[1].write_text(copies[1].read_text() + "\n# an edit\n")
-    assert compiled.build_tag(tuple(copies)) != compiled.build_tag()
+    assert compiled.build_tag(tuple(copies)) != tag
+    monkeypatch.setattr(compiled, "_cython_version", lambda: "0.29.0")
+    assert compiled.build_tag() != tag
+    monkeypatch.undo()
+    monkeypatch.setitem(compiled.CYTHON_DIRECTIVES, "boundscheck", False)
+    assert compiled.build_tag() != tag
+
+
+# ----------------------------------------------------------------------------- the .pxd and the .py agree
+
+
+def _pxd_declarations() -> tuple[dict, dict]:
+    """From allocator.pxd: class -> (fields, {method: parameters}) and function -> parameters."""
+    classes, functions, current = {}, {}, None
+    for line in (compiled.HERE / "allocator.pxd").read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("cdef class "):
+            current = re.match(r"cdef class (\w+)", stripped).group(1)
+            classes[current] = (set(), {})
+        elif not line.startswith((" ", "\t")) and stripped and not stripped.startswith(("@", "#", "cimport")):
+            current = None
+            match = re.match(r"cpdef \w+ (\w+)\((.*)\)", stripped)
+            if match:
+                functions[match.group(1)] = _parameters(match.group(2))
+        elif current and stripped.startswith("cdef public "):  # cdef public <type> a, b, c
+            parts = stripped[len("cdef public "):].split(",")
+            classes[current][0].update(part.split()[-1] for part in parts)
+        elif current and stripped.startswith("cpdef "):
+            match = re.match(r"cpdef (?:[\w\" ]+ )?(\w+)\((.*)\)", stripped)
+            classes[current][1][match.group(1)] = _parameters(match.group(2))
+    return classes, functions
+
+
+def _parameters(text: str) -> list[str]:
+    names = []
+    for part in text.split(","):
+        part = part.strip().split("=")[0].strip()
+        if part:
+            names.append(part.split()[-1])
+    return names
+
+
+def test_the_pxd_declares_exactly_what_the_py_defines():
+    """A field or argument added to one file and not the other fails here, not at run time."""
+    spec = importlib.util.spec_from_file_location("graphborrow.sim._allocator_source", compiled.SOURCES[0])
+    source = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(source)
+    classes, functions = _pxd_declarations()
+    assert {"Stat", "StatArray", "DeviceStats", "Segment", "Block", "FreeList", "BlockPool", "CachingAllocator"} <= set(classes)
+    for name, (fields, methods) in classes.items():
+        cls = getattr(source, name)
+        if "__slots__" in cls.__dict__:
+            assert fields == set(cls.__slots__), f"{name}: .pxd fields {sorted(fields)} != __slots__ {sorted(cls.__slots__)}"
+        else:  # the allocator keeps no __slots__: every declared field is set in __init__
+            init = inspect.getsource(cls.__init__)
+            missing = [f for f in fields if not re.search(rf"self\.{f}\s*[:=]", init)]
+            assert missing == [], f"{name}: declared in the .pxd, never set in __init__: {missing}"
+        for method, parameters in methods.items():
+            defined = list(inspect.signature(getattr(cls, method)).parameters)
+            assert defined == parameters, f"{name}.{method}: .pxd {parameters} != .py {defined}"
+    for function, parameters in functions.items():
+        assert list(inspect.signature(getattr(source, function)).parameters) == parameters, function

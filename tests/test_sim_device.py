@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
-from graphborrow.backend import CudaBackend
 from graphborrow.sim import SimBackend, is_sim_tensor
-from graphborrow.sim.export import dump_snapshot, load_snapshot
+from graphborrow.sim.export import dump_snapshot
+from graphborrow.sim.replay import load_trace
 
 MiB = 2**20
 
@@ -26,14 +26,6 @@ def segment_of(backend, address):
         if segment["address"] <= address < segment["address"] + segment["total_size"]:
             return segment
     return None
-
-
-def test_sim_backend_has_every_cuda_backend_method():
-    public = [n for n in dir(CudaBackend) if not n.startswith("_")]
-    missing = [n for n in public if not hasattr(SimBackend, n)]
-    assert missing == []
-    assert SimBackend.name == "sim" and SimBackend.device == "cuda"
-    assert SimBackend.OutOfMemoryError is torch.OutOfMemoryError
 
 
 def test_streams_are_thread_local_contexts(sim):
@@ -168,7 +160,7 @@ def test_stats_snapshot_and_memory_viz_file(sim, tmp_path):
     actions = [e["action"] for e in snap["device_traces"][0]]
     assert actions[:3] == ["segment_alloc", "alloc", "alloc"]
     assert "free_requested" in actions and "free_completed" in actions
-    assert load_snapshot(path)["segments"][0]["blocks"][1]["size"] == 4096
+    assert load_trace(path)["segments"][0]["blocks"][1]["size"] == 4096
     del y
 
 

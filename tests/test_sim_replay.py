@@ -11,7 +11,7 @@ import pytest
 from graphborrow.errors import SnapshotFormatError
 from graphborrow.sim.allocator import CachingAllocator
 from graphborrow.sim.memory import PhysicalMemory
-from graphborrow.sim.replay import ReplayReport, replay_trace
+from graphborrow.sim.replay import ReplayReport, load_trace, replay_trace
 from graphborrow.sim.streams import Clockwork
 
 KiB, MiB = 2**10, 2**20
@@ -62,8 +62,10 @@ def snapshot_of(entries, segments=()):
             "external_annotations": []}
 
 
-def segment(address, blocks):
-    return {"device": 0, "address": address, "total_size": sum(size for size, _ in blocks),
+def segment(address, blocks, stream=0):
+    total = sum(size for size, _ in blocks)
+    return {"device": 0, "address": address, "total_size": total, "stream": stream,
+            "segment_type": "small" if total <= 2 * MiB else "large", "is_expandable": False,
             "segment_pool_id": (0, 0), "blocks": [{"size": size, "state": state} for size, state in blocks]}
 
 
@@ -145,7 +147,9 @@ def test_hand_built_trace_with_known_outcome():
     final = [segment(A, [(2048, "active_allocated"), (2048, "inactive"), (1024, "active_allocated"),
                          (2 * MiB - 5120, "inactive")])]
     report = replay_trace(snapshot_of(entries, final))
+    # 3 allocations x (device calls, block) + the final segment
     assert (report.agreement, report.checks, report.events, report.mismatches) == (1.0, 7, 6, [])
+    assert not report.mid_run and report.unverifiable == 0
 
 
 def test_wrong_block_choice_is_detected():
@@ -154,10 +158,12 @@ def test_wrong_block_choice_is_detected():
         entry("free_requested", A, 4096), entry("free_completed", A, 4096),
         entry("alloc", A + 5120, 2048),  # a real allocator would take the 4 KiB hole at A
     ]
-    report = replay_trace(snapshot_of(entries))
+    final = [segment(A, [(4096, "inactive"), (1024, "active_allocated"), (2048, "active_allocated"),
+                         (2 * MiB - 7168, "inactive")])]
+    report = replay_trace(snapshot_of(entries, final))
     assert report.agreement < 1.0
-    assert len(report.mismatches) == 1 and report.mismatches[0].startswith("event 5 alloc")
-    assert f"expected block at {A + 5120:#x}, simulated {A:#x}" in report.mismatches[0]
+    assert any(m.startswith("event 5 alloc") and f"expected block at {A + 5120:#x}, simulated {A:#x}" in m
+               for m in report.mismatches), report.mismatches
 
 
 def test_unexpected_new_segment_is_detected():
@@ -166,9 +172,11 @@ def test_unexpected_new_segment_is_detected():
         entry("free_requested", A, 4096), entry("free_completed", A, 4096),
         entry("segment_alloc", B, 2 * MiB), entry("alloc", B, 4096),  # the cached block would be reused
     ]
-    report = replay_trace(snapshot_of(entries))
-    assert report.checks == 4 and len(report.mismatches) == 2
-    assert "expected new segment 2097152 B at" in report.mismatches[0] and "simulated none" in report.mismatches[0]
+    final = [segment(A, [(2 * MiB, "inactive")]), segment(B, [(4096, "active_allocated"), (2 * MiB - 4096, "inactive")])]
+    report = replay_trace(snapshot_of(entries, final))
+    assert report.agreement < 1.0
+    assert any("expected device calls [segment_alloc 2097152 B at" in m and "simulated none" in m
+               for m in report.mismatches), report.mismatches
 
 
 def test_cross_stream_free_stays_pending_until_completed():
@@ -179,12 +187,13 @@ def test_cross_stream_free_stays_pending_until_completed():
         entry("free_completed", A, 4096),
         entry("alloc", A, 4096),
     ]
-    report = replay_trace(snapshot_of(entries))
-    assert report.agreement == 1.0 and report.checks == 7  # 3 allocs x 2 + the pending check
+    final = [segment(A, [(4096, "active_allocated"), (4096, "active_allocated"), (2 * MiB - 8192, "inactive")])]
+    report = replay_trace(snapshot_of(entries, final))
+    assert report.agreement == 1.0 and report.checks == 8, report  # 3 allocs x 2, the completion, the segment
     early = [dict(e) for e in entries]
     early[3]["addr"] = A  # claims reuse before the event completed
     early[5]["addr"] = A + 4096
-    bad = replay_trace(snapshot_of(early))
+    bad = replay_trace(snapshot_of(early, final))
     assert bad.agreement < 1.0 and any("event 3 alloc" in m for m in bad.mismatches)
 
 
@@ -197,15 +206,90 @@ def test_empty_cache_release_set_is_compared():
     ]
     report = replay_trace(snapshot_of(entries))
     assert report.agreement < 1.0
-    assert "events 6..7 empty_cache" in report.mismatches[0] and f"simulated {{20971520 B at {B:#x}}}" in report.mismatches[0]
+    assert any(m.startswith("events 6..7 empty_cache") and f"simulated [segment_free 20971520 B at {B:#x}]" in m
+               for m in report.mismatches), report.mismatches
 
 
-def test_truncated_or_foreign_traces_are_rejected():
-    with pytest.raises(ValueError, match="does not start at an empty allocator"):
-        replay_trace(snapshot_of([entry("free_requested", A, 4096), entry("free_completed", A, 4096)]))
-    with pytest.raises(ValueError, match="max_entries"):
-        replay_trace(snapshot_of([], [segment(A, [(2 * MiB, "inactive")])]))
-    with pytest.raises(ValueError, match="expandable"):
-        replay_trace(snapshot_of([entry("segment_map", A, 2 * MiB)]))
+# ----------------------------------------------------------------------------- traces that say too little
+
+
+def _churn_trace(steps: int, seed: int = 3, history_from: int = 0, max_entries: int = 10**6):
+    """A trace of the simulator itself: random churn on two streams, history from step ``history_from``."""
+    alloc, clockwork = make()
+    alloc.record_history(False)
+    side = clockwork.new_stream()
+    rng = random.Random(seed)
+    live = []
+    for step in range(steps):
+        if step == history_from:
+            alloc.record_history(True, max_entries=max_entries)
+        if rng.random() < 0.55 or not live:
+            size = rng.choice([rng.randrange(1, 8 * KiB), rng.randrange(1, MiB), rng.randrange(MiB, 40 * MiB)])
+            live.append(alloc.malloc(size, rng.choice([0, 0, side.id])))
+        else:
+            block = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.2:
+                side.enqueue(rng.random() * 10)
+                alloc.record_stream(block, side.id if block.stream == 0 else 0)
+            alloc.free(block)
+            if rng.random() < 0.1:
+                clockwork.advance(5.0)
+        if rng.random() < 0.02:
+            alloc.empty_cache()
+    return alloc.full_snapshot()
+
+
+def test_a_trace_cut_in_half_never_replays_at_one():
+    full = _churn_trace(800)
+    entries = full["device_traces"][0]
+    assert replay_trace(full).agreement == 1.0
+    cut = dict(full, device_traces=[entries[: len(entries) // 2]])  # the snapshot still shows the end
+    report = replay_trace(cut)
+    assert report.agreement < 1.0 and any(m.startswith("final snapshot segment") for m in report.mismatches)
+
+
+def test_an_empty_trace_makes_no_claim():
+    report = replay_trace(snapshot_of([]))
+    assert report.checks == 0 and report.agreement == 0.0
+    assert "no check could be made" in report.mismatches[0]
+
+
+def test_a_snapshot_that_contradicts_its_trace_is_reported():
+    entries = [entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 4096)]
+    wrong = [segment(A, [(8192, "active_allocated"), (2 * MiB - 8192, "inactive")])]
+    report = replay_trace(snapshot_of(entries, wrong))
+    assert report.agreement < 1.0 and "final snapshot segment" in report.mismatches[-1]
+
+
+@pytest.mark.parametrize("start, ring", [(300, 10**6), (0, 500)], ids=["late start", "ring overflow"])
+def test_mid_run_traces_are_rebuilt_and_replayed(start, ring):
+    """History enabled late, or a ring buffer that dropped the oldest entries: the state at the first
+    entry is rebuilt from the snapshot and the trace, then every check that can be made agrees."""
+    snapshot = _churn_trace(900, seed=5, history_from=start, max_entries=ring)
+    report = replay_trace(snapshot)
+    assert report.mid_run and report.unverifiable > 0
+    assert report.mismatches == [], report
+    assert report.agreement == 1.0 and report.checks > 300
+
+
+def test_foreign_input_is_refused_with_the_reason(tmp_path):
     with pytest.raises(SnapshotFormatError, match="_record_memory_history"):
         replay_trace({"segments": []})
+    broken = tmp_path / "broken.pickle.gz"
+    broken.write_bytes(b"not gzip")
+    with pytest.raises(SnapshotFormatError, match="broken.pickle.gz is not a readable snapshot pickle"):
+        replay_trace(broken)
+    with pytest.raises(SnapshotFormatError, match="unknown action"):
+        replay_trace(snapshot_of([entry("teleport", A, 1)]))
+
+
+def test_traces_are_read_by_the_one_snapshot_reader():
+    """A trace whose final snapshot is malformed is refused before the replay trusts it."""
+    good = segment(A, [(4096, "active_allocated"), (2 * MiB - 4096, "inactive")])
+    assert load_trace(snapshot_of([entry("alloc", A, 4096)], [good]))["segments"] == [good]
+    negative = dict(good, blocks=[{"size": 4096, "state": "active_allocated"}, {"size": -4096, "state": "inactive"}])
+    with pytest.raises(SnapshotFormatError, match="block 1 has size -4096"):
+        replay_trace(snapshot_of([entry("alloc", A, 4096)], [negative]))
+    overlapping = [good, segment(A + 1 * MiB, [(2 * MiB, "inactive")])]
+    with pytest.raises(SnapshotFormatError, match="overlap partly"):
+        replay_trace(snapshot_of([entry("alloc", A, 4096)], overlapping))

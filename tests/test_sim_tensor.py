@@ -1,7 +1,6 @@
 """Tensors on the simulated device: placement, aliasing, lifetime, and ops running unchanged."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -136,7 +135,8 @@ def test_oom_past_capacity_uses_torch_error():
         backend.close()
 
 
-def test_layout_only_mode_is_fast_and_places_blocks_like_backed_mode():
+def test_layout_only_mode_places_blocks_like_backed_mode():
+    """Llama-sized shapes without their bytes (its speed: benchmarks/layout_only.py)."""
     def run(backend):
         with torch.inference_mode():
             x = torch.empty(64, 4096, dtype=torch.bfloat16, device="cuda")
@@ -151,10 +151,7 @@ def test_layout_only_mode_is_fast_and_places_blocks_like_backed_mode():
 
     layout = SimBackend(capacity=80 * 2**30, backed=False)
     try:
-        start = time.perf_counter()
         blocks_layout, top = run(layout)
-        elapsed = time.perf_counter() - start
-        assert elapsed < 2.0
         assert top.indices.shape == (64, 8)
         with pytest.raises(SimLayoutOnlyError, match="backed=True"):
             top.values[0, 0].item()
@@ -243,13 +240,13 @@ def test_inference_mode_views_and_parameters(sim):
 
 
 # alloc (+) / free_requested (-) sizes of `_mlp_and_sampling` on an H200, torch 2.11.0+cu130,
-# recorded with torch.cuda.memory._record_memory_history. Left out: the 2048-byte temporary
-# of CUB's segmented sort (a +2048/-2048 pair right after the sort's outputs), not modelled.
+# recorded with torch.cuda.memory._record_memory_history. The +2048/-2048 pair right after the
+# sort's outputs is the small sort's index temporary (arange over the 256-wide rows, int64).
 H200_TRACE = [
     65536, 32768, -65536, 1441792, 720896, -1441792, 720896, 360448, -720896, 512, 65536, 65536,
     -65536, 256, -65536, 256, -256, 256, -256, 128, -256, 32768, -128, 32768, -32768, 180224,
     33554432, 90112, 90112, -90112, 32768, -90112, 32768, -32768, 65536, 65536, -65536, 65536,
-    -65536, 65536, 131072, 65536, 2048, 4096, 131072, 16, 2048, -16, 16384, 4, 65536, -4, -16384,
+    -65536, 65536, 131072, 2048, -2048, 65536, 2048, 4096, 131072, 16, 2048, -16, 16384, 4, 65536, -4, -16384,
     256, 8, 2048, 65536, -32768, -180224, 32768, -32768, -720896, -360448, -512, -32768, -65536,
     -65536, -131072, -65536, -2048, -4096, -131072, -2048, -65536, -256, -8, -2048, -65536, -32768,
 ]

@@ -325,3 +325,31 @@ def test_a_truncated_pickle_names_the_unpickling_error(tmp_path):
     with pytest.raises(SnapshotFormatError) as info:
         load_snapshot(half)
     assert "(UnpicklingError: " in str(info.value) or "(EOFError: " in str(info.value)
+
+
+def test_blocks_without_addresses_follow_each_other_only_on_request(tmp_path):
+    """The replay reads hand-built traces whose blocks carry no address: they are taken to
+    follow each other, and every other rule still holds. Free-run discovery needs them."""
+    host = make_segment(1 << 30, [("active_allocated", 4096), ("inactive", 8192)])
+    bare = copy.deepcopy(host)
+    for block in bare["blocks"]:
+        del block["address"]
+    with pytest.raises(SnapshotFormatError, match="block 0 lacks 'address'"):
+        load_snapshot([bare])
+    assert load_snapshot([bare], block_addresses=False)["segments"] == [bare]
+    short = copy.deepcopy(bare)
+    short["total_size"] += 512
+    with pytest.raises(SnapshotFormatError, match="cover 12288 bytes but total_size is 12800"):
+        load_snapshot([short], block_addresses=False)
+    # a segment nested in the bare one's free block is found by the blocks' sizes alone
+    inner = make_segment((1 << 30) + 4096, [("inactive", 8192)])
+    assert nested_in(load_snapshot([bare, inner], block_addresses=False)["segments"]) == {1: 0}
+    live = make_segment(1 << 30, [("inactive", 4096)])
+    with pytest.raises(SnapshotFormatError, match=r"block at 0x40000000 is active_allocated"):
+        load_snapshot([bare, live], block_addresses=False)
+    # gzipped pickles, as the trace corpus stores them
+    import gzip
+
+    path = tmp_path / "trace.pickle.gz"
+    path.write_bytes(gzip.compress(pickle.dumps({"segments": [host], "device_traces": [[]]})))
+    assert load_snapshot(path)["segments"] == [host]

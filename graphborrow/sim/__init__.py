@@ -8,6 +8,7 @@ from . import compiled
 
 compiled.install()  # the Cython build of allocator.py when one matches the source
 
+from . import cuda_ops  # noqa: F401  (registers CUDA op models)
 from .device import MemPool, SimBackend, SimEvent
 from .tensor import SimCaptureError, SimLayoutOnlyError, SimTensor, is_sim_tensor
 
@@ -19,13 +20,14 @@ __all__ = [
     "SimLayoutOnlyError",
     "SimTensor",
     "is_sim_tensor",
+    "load_trace",
     "replay_trace",
 ]
 
 
 def __getattr__(name):
     # replay.py is optional at import time and pulls in more than most callers need
-    if name in ("replay_trace", "ReplayReport"):
+    if name in ("replay_trace", "ReplayReport", "load_trace"):
         from . import replay
 
         return getattr(replay, name)

@@ -6,29 +6,48 @@
 # integers, so a malloc+free pair runs a few times faster with the same behaviour.
 # Sizes and counters fit in 64 bits; addresses, streams and free-list keys
 # (size << 64 | ptr) stay Python ints.
+#
+# Every class declared here must list exactly the fields of its __slots__ in
+# allocator.py (tests/test_sim_compiled.py checks), and every function exactly the
+# arguments of its definition.
 
 cimport cython
 
 
-cdef class StatCounters:
-    cdef public long long allocation, allocation_peak, allocation_total, allocation_base
-    cdef public long long segment, segment_peak, segment_total, segment_base
-    cdef public long long active, active_peak, active_total, active_base
-    cdef public long long inactive_split, inactive_split_peak, inactive_split_total, inactive_split_base
-    cdef public long long allocated_bytes, allocated_bytes_peak, allocated_bytes_total, allocated_bytes_base
-    cdef public long long reserved_bytes, reserved_bytes_peak, reserved_bytes_total, reserved_bytes_base
-    cdef public long long active_bytes, active_bytes_peak, active_bytes_total, active_bytes_base
-    cdef public long long inactive_split_bytes, inactive_split_bytes_peak, inactive_split_bytes_total, inactive_split_bytes_base
-    cdef public long long requested_bytes, requested_bytes_peak, requested_bytes_total, requested_bytes_base
+@cython.final
+cdef class Stat:
+    cdef public long long current, peak, allocated, freed
+
+    cpdef void increase(self, long long amount)
+    cpdef void decrease(self, long long amount)
+
+
+@cython.final
+cdef class StatArray:
+    cdef public Stat aggregate, small_pool, large_pool
+
+
+cpdef void update_stat_array(StatArray stat_array, bint is_small, long long amount)
+
+
+@cython.final
+cdef class DeviceStats:
+    cdef public StatArray allocation, segment, active, inactive_split
+    cdef public StatArray allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes
+    cdef public Stat oversize_allocations, oversize_segments
+    cdef public long long num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free
+    cdef public object max_split_size
 
 
 cdef class Segment:
     cdef public object address, size, stream, pool, head
+    cdef public bint expandable
+    cdef public long long page_size
 
 
 cdef class Block:
-    cdef public long long size, requested_size, event_count
-    cdef public bint allocated
+    cdef public long long size, requested_size, event_count, gc_base
+    cdef public bint allocated, mapped
     cdef public object ptr, stream, prev, next, pool, stream_uses, segment, key
 
 
@@ -38,37 +57,38 @@ cdef class FreeList:
 
     cpdef add(self, key, block)
     cpdef remove(self, key)
-    @cython.locals(maxes=list, run=list, pos=Py_ssize_t, idx=Py_ssize_t, blocks=dict)
-    cpdef shrink_key(self, old, new, block)
-    @cython.locals(maxes=list, run=list, pos=Py_ssize_t, idx=Py_ssize_t, blocks=dict)
-    cpdef grow_key(self, old, new, block)
+    cpdef rekey(self, old, new, block)
+    cpdef best_fit(self, probe)
+    cpdef successor(self, block)
 
 
 cdef class BlockPool:
-    cdef public object is_small, owner, stats, other_stats, all_stats, counters, min_remainder
-    cdef public dict free
+    cdef public bint is_small, expandable, no_split
+    cdef public object owner
+    cdef public dict free, unmapped
+    cdef public long long gc_calls
 
     cpdef FreeList free_list(self, stream)
 
 
 cdef class CachingAllocator:
-    cdef public object memory, clockwork, config, device
-    cdef public object _counters_all, _counters_by_kind, _stat_counters, _counters
-    cdef public object _oversize_allocations, _oversize_segments
+    cdef public object memory, clockwork, config, device, stats
     cdef public object small_blocks, large_blocks, graph_pools, graph_pools_freeable, captures_underway
-    cdef public object total_allocated_memory, _segments
-    cdef public object _cuda_events, _deferred, _capture_stream_uses, _use_on_oom, _history
-    cdef public object _next_capture_id, _next_mempool_id, _max_split, _default_rules
+    cdef public object use_on_oom_pools, total_allocated_memory, _segments
+    cdef public object _cuda_events, _deferred, _capture_stream_uses, _history
+    cdef public object _next_capture_id, _next_mempool_id
+    cdef public object max_split, divisions, large_segment_size, allowed_memory_maximum
+    cdef public bint expandable, gc_enabled, _fast
 
-    @cython.locals(pool=BlockPool, free=FreeList, maxes=list, run=list, pos=Py_ssize_t)
+    @cython.locals(pool=BlockPool, free=FreeList, size="long long")
     cpdef malloc(self, nbytes, stream=*, thread=*)
-    @cython.locals(pool=BlockPool, kind=StatCounters, size="long long")
+    @cython.locals(stats=DeviceStats, small=bint, size="long long")
     cpdef free(self, Block block)
-    @cython.locals(pool=BlockPool, remaining=Block, prev=Block, kind=StatCounters, other=StatCounters,
-                   every=StatCounters, already_split=bint, remaining_size="long long", c="long long",
-                   settled=bint)
-    cpdef Block _alloc_found_block(self, Block block, FreeList free, long long orig, long long size)
-    @cython.locals(pool=BlockPool, prev=Block, nxt=Block, kind=StatCounters, other=StatCounters,
-                   every=StatCounters, net_blocks="long long", net_bytes="long long", c="long long",
-                   original_size="long long", requested="long long", size="long long")
+    @cython.locals(pool=BlockPool, remaining="long long")
+    cpdef bint _should_split(self, Block block, long long size, bint es_active)
+    @cython.locals(pool=BlockPool, remaining=Block, prev=Block, stats=DeviceStats, small=bint, expandable=bint,
+                   already_split=bint, remaining_size="long long")
+    cpdef Block _alloc_found_block(self, Block block, FreeList free, long long orig, long long size, bint es_active)
+    @cython.locals(pool=BlockPool, prev=Block, nxt=Block, stats=DeviceStats, small=bint, net_blocks="long long",
+                   net_bytes="long long", original_size="long long", requested="long long", size="long long")
     cpdef _free_block(self, Block block)

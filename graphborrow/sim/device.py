@@ -1,4 +1,4 @@
-"""The simulated CUDA device: ``SimBackend`` mirrors :class:`graphborrow.backend.CudaBackend`.
+"""The simulated CUDA device: ``SimBackend`` implements :class:`graphborrow.device_api.DeviceAPI`.
 
 One SimBackend is one device: physical memory, streams with clocks, a caching
 allocator that behaves like PyTorch's, tensors that are views of its bytes and CUDA
@@ -16,9 +16,12 @@ from typing import Any, Iterator
 
 import torch
 
+from ..device_api import ExternalBuffer
 from ..interrupts import CRITICAL, CRITICAL_ENTRY
 from . import graphs
 from .allocator import CachingAllocator
+from .attention import AttentionModel
+from .cuda_ops import KernelModel
 from .memory import PhysicalMemory
 from .streams import Clockwork, Event, Stream
 from .tensor import SimCaptureError, SimFunctionMode, SimStorage, SimTensor, is_sim_tensor
@@ -48,22 +51,6 @@ class SimEvent:
         (stream if stream is not None else self._backend.current_stream()).wait_event(self._event)
 
 
-class ArenaRawAllocator:
-    """Adapts a :class:`graphborrow.arena.BumpArena` to the allocator's raw_alloc/raw_delete.
-
-    The arena's host calls run the same compiled C as torch's pluggable allocator on CUDA.
-    """
-
-    def __init__(self, arena) -> None:
-        self.arena = arena
-
-    def raw_alloc(self, nbytes: int, stream: int) -> int:
-        return int(self.arena.malloc(nbytes) or 0)
-
-    def raw_delete(self, address: int, nbytes: int, stream: int) -> None:
-        self.arena.free(address, nbytes)
-
-
 class MemPool:
     """``torch.cuda.MemPool`` on the simulated device: a private pool with an id.
 
@@ -75,11 +62,11 @@ class MemPool:
         if allocator is not None and not (hasattr(allocator, "raw_alloc") and hasattr(allocator, "raw_delete")):
             raise TypeError(
                 "MemPool allocator must have raw_alloc(nbytes, stream) and raw_delete(address, nbytes, "
-                f"stream); got {type(allocator).__name__}. Use backend.arena_pool(arena) for a BumpArena."
+                f"stream), as graphborrow.arena.BumpArena has; got {type(allocator).__name__}"
             )
         self._backend = backend
         self.allocator = allocator
-        self._id = backend._new_pool_id(graph=False)
+        self._id = backend.new_pool_id(graph=False)
         self._closed = False
         with backend._allocator_call():
             backend.allocator.create_or_incref_pool(self._id, allocator, use_on_oom, no_split)
@@ -97,7 +84,7 @@ class MemPool:
             return
         self._closed = True
         backend = self._backend
-        if backend._closed:
+        if backend.closed:
             return
         with backend._allocator_call():
             backend.allocator.release_pool(self._id)
@@ -133,7 +120,7 @@ class _StreamContext:
 
 
 class SimBackend:
-    """A simulated CUDA device with the method names of :class:`CudaBackend`.
+    """A simulated CUDA device implementing :class:`~graphborrow.device_api.DeviceAPI`.
 
     ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM).
     ``backed``: real bytes behind every segment; ``False`` is layout-only (META tensors:
@@ -142,6 +129,13 @@ class SimBackend:
     ``activate``: make ``device="cuda"`` mean this device on the calling thread.
     ``blas_workspace``: bytes of the cuBLAS workspace the first matmul on each stream
     allocates and keeps (32 MiB, as torch 2.11 on an H200); 0 leaves it out.
+    ``blaslt_workspace``: bytes of the cuBLASLt workspace the first bias-fused ``addmm``
+    (cuBLASLt) on each stream allocates after its output and keeps (1 MiB, as torch 2.11
+    on an H200); 0 leaves it out.
+    ``attention``: how ``scaled_dot_product_attention`` behaves as on CUDA (which backend,
+    its outputs and temporaries): a :class:`graphborrow.sim.attention.AttentionModel`.
+    ``kernels``: what other CUDA kernels allocate while they run (CUB scans, CUTLASS
+    grouped GEMM): a :class:`graphborrow.sim.cuda_ops.KernelModel`.
     """
 
     name = "sim"
@@ -155,6 +149,9 @@ class SimBackend:
         config: dict | None = None,
         activate: bool = True,
         blas_workspace: int = 32 * 2**20,
+        attention: AttentionModel | None = None,
+        blaslt_workspace: int = 2**20,
+        kernels: KernelModel | None = None,
     ) -> None:
         if not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive number of bytes, got {capacity!r}")
@@ -169,12 +166,16 @@ class SimBackend:
         self._owners: dict = {}  # block -> _StorageOwner of the storage that frees it
         self._dead: list = []  # owners whose storage died (appended by the weakref machinery)
         self._tls = threading.local()
-        self._captures: dict[int, graphs.CUDAGraph] = {}  # capturing stream id -> graph
+        self.captures = graphs.CaptureRegistry()  # capturing stream id -> graph (graphs.py owns it)
         self._capture_stream: Stream | None = None
         self._mode = SimFunctionMode(self)
         self._active_threads: set[int] = set()
         self.blas_workspace = int(blas_workspace)
+        self.attention = attention if attention is not None else AttentionModel()
+        self.blaslt_workspace = int(blaslt_workspace)
+        self.kernels = kernels if kernels is not None else KernelModel()
         self._blas_workspaces: dict[int, SimStorage] = {}  # stream id -> workspace
+        self._blaslt_workspaces: dict[int, SimStorage] = {}  # stream id -> cuBLASLt workspace
         self._generator_state: list[SimStorage] | None = None
         self._closed = False
         if activate:
@@ -261,7 +262,7 @@ class SimBackend:
         return SimEvent(self)
 
     def synchronize(self) -> None:
-        if self._captures and self._capture_for_current_stream() is not None:
+        if self.capture_for_current_stream() is not None:
             raise SimCaptureError(
                 "synchronize() is not permitted while a stream is capturing a CUDA graph; "
                 "synchronise before entering or after leaving the capture"
@@ -279,7 +280,7 @@ class SimBackend:
 
     # ------------------------------------------------------------------- pools, graphs
     def graph_pool_handle(self) -> tuple[int, int]:
-        return self._new_pool_id(graph=False)
+        return self.new_pool_id(graph=False)
 
     def CUDAGraph(self) -> graphs.CUDAGraph:
         return graphs.CUDAGraph(self)
@@ -292,8 +293,7 @@ class SimBackend:
 
     def arena_pool(self, arena) -> MemPool:
         """A MemPool whose segments come from ``arena`` (host calls into the C bump arena)."""
-        raw = arena if hasattr(arena, "raw_alloc") else ArenaRawAllocator(arena)
-        return MemPool(self, raw)
+        return MemPool(self, arena)
 
     def route_to_pool(self, pool):
         """The borrow scope's per-step routing; on the simulator simply ``use_mem_pool``."""
@@ -306,18 +306,27 @@ class SimBackend:
     def pool_id(self, pool) -> tuple[int, int]:
         return tuple(pool.id) if hasattr(pool, "id") else tuple(pool)
 
-    def _new_pool_id(self, graph: bool) -> tuple[int, int]:
+    def new_pool_id(self, graph: bool) -> tuple[int, int]:
         """``(uid, 0)`` for a capture without a pool, ``(0, uuid)`` for handles and MemPools."""
         with self._lock:
             return self.allocator.new_pool_id("graph" if graph else "handle")
 
-    def _default_capture_stream(self) -> Stream:
+    def default_capture_stream(self) -> Stream:
+        """The side stream ``graph(...)`` captures on when given none (one per device, like torch's)."""
         if self._capture_stream is None:
             self._capture_stream = self.Stream()
         return self._capture_stream
 
-    def _capture_for_current_stream(self):
-        return self._captures.get(self.current_stream().id)
+    def capture_for_current_stream(self):
+        """The graph the current stream is capturing into, or None."""
+        if not self.captures:
+            return None
+        return self.captures.graph_on(self.current_stream().id)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: tensors still alive are inert."""
+        return self._closed
 
     # ----------------------------------------------------------------- introspection
     def memory_snapshot(self, pool_id=None) -> list[dict]:
@@ -332,6 +341,15 @@ class SimBackend:
 
     def memory_allocated(self) -> int:
         return self.allocator.memory_allocated()
+
+    def set_per_process_memory_fraction(self, fraction: float, device=None) -> None:
+        """``torch.cuda.set_per_process_memory_fraction``: new segments may take at most this share of
+        the device; with ``garbage_collection_threshold`` set, old cached segments are collected above it."""
+        with self._allocator_call():
+            self.allocator.set_memory_fraction(float(fraction))
+
+    def get_per_process_memory_fraction(self, device=None) -> float:
+        return self.allocator.get_memory_fraction()
 
     def mem_get_info(self) -> tuple[int, int]:
         return self.memory.mem_get_info()
@@ -367,8 +385,6 @@ class SimBackend:
 
     def external_alloc(self, nbytes: int):
         """Device memory from cudaMalloc itself, outside the caching allocator (static runs)."""
-        from ..backend import ExternalBuffer
-
         if nbytes <= 0:
             raise ValueError(f"external_alloc needs a positive size, got {nbytes}")
         with self._lock:
@@ -437,12 +453,22 @@ class SimBackend:
             self._owners[block] = _StorageOwner(storage, self._dead.append, block)
         return storage
 
-    def _ensure_blas_workspace(self) -> None:
+    def clear_library_workspaces(self) -> None:
+        """Release the cuBLAS and cuBLASLt workspaces kept per stream, as ``torch._C._cuda_clearCublasWorkspaces``."""
+        self._blas_workspaces.clear()
+        self._blaslt_workspaces.clear()
+
+    def ensure_blas_workspace(self) -> None:
         stream = self.current_stream().id
         if stream not in self._blas_workspaces:
             self._blas_workspaces[stream] = self._new_storage(self.blas_workspace)
 
-    def _register_generator(self) -> None:
+    def ensure_blaslt_workspace(self) -> None:
+        stream = self.current_stream().id
+        if stream not in self._blaslt_workspaces:
+            self._blaslt_workspaces[stream] = self._new_storage(self.blaslt_workspace)
+
+    def register_generator(self) -> None:
         """The first capture makes the RNG's graph-safe seed and offset (two int64 tensors)."""
         if self._generator_state is None:
             self._generator_state = [self._new_storage(8), self._new_storage(8)]
@@ -483,7 +509,7 @@ class SimBackend:
         finally:
             self._depth -= 1
 
-    def _place(self, src: torch.Tensor, copy: bool = True) -> SimTensor:
+    def place(self, src: torch.Tensor, copy: bool = True) -> SimTensor:
         """A new device tensor with ``src``'s layout (its storage size, strides, offset)."""
         nbytes = src.untyped_storage().nbytes()
         if nbytes == 0:
@@ -499,12 +525,12 @@ class SimBackend:
             inner.copy_(src)
         return SimTensor(inner, storage, self)
 
-    def _from_host(self, host: torch.Tensor) -> SimTensor:
+    def from_host(self, host: torch.Tensor) -> SimTensor:
         """Copy a plain CPU tensor onto the device (``.to("cuda")``)."""
         if is_sim_tensor(host):
             return host
         layout = torch.empty_like(host, device="meta")
-        placed = self._place(layout, copy=False)
+        placed = self.place(layout, copy=False)
         if self.backed:
             placed._inner.copy_(host)
         return placed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 
-from ..errors import SnapshotFormatError
+__all__ = ["dump_snapshot"]
 
 
 def dump_snapshot(backend, path: str | os.PathLike) -> str:
@@ -23,12 +23,3 @@ def dump_snapshot(backend, path: str | os.PathLike) -> str:
     with open(path, "wb") as f:
         pickle.dump(snapshot, f, protocol=4)
     return path
-
-
-def load_snapshot(path: str | os.PathLike) -> dict:
-    """Read a snapshot pickle written by :func:`dump_snapshot` or by torch itself."""
-    with open(path, "rb") as f:
-        snapshot = pickle.load(f)
-    if not isinstance(snapshot, dict) or "segments" not in snapshot:
-        raise SnapshotFormatError(f"{os.fspath(path)!r} is not a memory snapshot: expected a dict with 'segments'")
-    return snapshot

@@ -13,7 +13,35 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["CUDAGraph", "CaptureRegistry", "graph"]
+
 _REPLAY_SKIPS: dict = {}  # op -> True when it neither writes memory nor makes fresh outputs
+
+
+class CaptureRegistry:
+    """The captures under way on one simulated device: capturing stream id -> its graph.
+
+    Only :class:`CUDAGraph` begins and ends captures; the device and its tensors ask which
+    graph (if any) the current stream is capturing into.
+    """
+
+    def __init__(self) -> None:
+        self._by_stream: dict[int, CUDAGraph] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_stream)
+
+    def graph_on(self, stream_id: int) -> "CUDAGraph | None":
+        """The graph capturing on this stream, or None."""
+        return self._by_stream.get(stream_id)
+
+    def _begin(self, stream_id: int, cuda_graph: "CUDAGraph") -> None:
+        if stream_id in self._by_stream:
+            raise RuntimeError(f"stream {stream_id} is already capturing another graph; end that capture first")
+        self._by_stream[stream_id] = cuda_graph
+
+    def _end(self, stream_id: int) -> None:
+        self._by_stream.pop(stream_id, None)
 
 
 class CUDAGraph:
@@ -42,18 +70,18 @@ class CUDAGraph:
                 "it's ok to replay them on the default stream.) Use backend.graph(g) or "
                 "`with backend.stream(backend.Stream()):`."
             )
-        if stream.id in backend._captures:
+        if backend.captures.graph_on(stream.id) is not None:
             raise RuntimeError(f"stream {stream.id} is already capturing another graph; end that capture first")
-        pool_id = backend._new_pool_id(graph=True) if pool is None else backend.pool_id(pool)
+        pool_id = backend.new_pool_id(graph=True) if pool is None else backend.pool_id(pool)
         sid = stream.id
-        backend._register_generator()  # before routing starts: lands in the default pool
+        backend.register_generator()  # before routing starts: lands in the default pool
         with backend._allocator_call():
             backend.allocator.begin_allocate_to_pool(pool_id, lambda s, thread: s == sid)
         self._pool = pool_id
         self._holds_pool = True
         self._stream = stream
         self._capturing = True
-        backend._captures[sid] = self
+        backend.captures._begin(sid, self)
 
     def capture_end(self) -> None:
         backend = self._backend
@@ -64,7 +92,7 @@ class CUDAGraph:
                 f"Capture must end on the same stream it began on (began on stream {self._stream.id}, "
                 f"current stream is {backend.current_stream().id})"
             )
-        backend._captures.pop(self._stream.id, None)
+        backend.captures._end(self._stream.id)
         self._capturing = False
         with backend._allocator_call():
             backend.allocator.end_allocate_to_pool(self._pool)
@@ -75,7 +103,7 @@ class CUDAGraph:
         if not self._captured:
             raise RuntimeError("Called CUDAGraph.replay() without a preceding successful capture.")
         backend = self._backend
-        if backend._captures and backend._capture_for_current_stream() is not None:
+        if backend.capture_for_current_stream() is not None:
             raise RuntimeError("cannot replay a graph while the current stream is capturing another one")
         with torch._C.DisableTorchFunction(), torch.inference_mode():
             for func, args, kwargs, fresh in self._ops:
@@ -92,7 +120,7 @@ class CUDAGraph:
         if self._holds_pool:
             self._holds_pool = False
             backend = self._backend
-            if not backend._closed:
+            if not backend.closed:
                 with backend._allocator_call():
                     backend.allocator.release_pool(self._pool)
 
@@ -140,7 +168,7 @@ class graph:
         backend = cuda_graph._backend
         self.cuda_graph = cuda_graph
         self.pool = pool
-        self.capture_stream = stream if stream is not None else backend._default_capture_stream()
+        self.capture_stream = stream if stream is not None else backend.default_capture_stream()
         self._stream_ctx = backend.stream(self.capture_stream)
 
     def __enter__(self) -> None:

@@ -1,56 +1,120 @@
 """Replay a recorded allocator trace on the simulated allocator and measure agreement.
 
 Input is what ``torch.cuda.memory._snapshot()`` returns after
-``torch.cuda.memory._record_memory_history()`` (or a pickle of it). Each traced event is
-driven into a fresh :class:`CachingAllocator` whose memory is told the segment addresses
-the trace recorded. The replay checks, event by event, that the simulated allocator picks
-the same block, creates a segment exactly when the trace does (same address and size),
-releases the same segments in an ``empty_cache``, and keeps cross-stream frees pending
-until the trace completes them. Finally the simulated segments are compared with the
-snapshot's. The trace has no pool ids, so each segment's pool is inferred (see
-``_plan``): from the final snapshot when the segment is still alive, as a
-pluggable-allocator pool when it lies inside another live segment, else the default pool.
+``torch.cuda.memory._record_memory_history()`` (a dict, or a pickle of it, gzipped or not):
+its device trace, final segments and ``allocator_settings`` (the settings that were in
+force; they configure the simulated allocator). The trace is driven, operation by
+operation, into a fresh :class:`CachingAllocator` whose memory is told the addresses the
+trace recorded, and the entries the simulated allocator writes are compared with the
+recorded ones: the block each allocation got, every segment allocated, mapped, released
+or unmapped (also inside an allocation: garbage collection, oversize releases, the
+out-of-memory retry), cross-stream frees that stay pending until the trace completes
+them, and out-of-memory failures. After the last entry the simulated segments and blocks
+are compared with the snapshot's, so a trace that stops early (or contradicts its
+snapshot) never replays at 1.0, and a trace with nothing to check reports 0.
+
+What the trace does not say is decided by consistency with what it does say, and
+reported (:attr:`ReplayReport.inferred`):
+
+- **Pools.** A segment alive at the end has its pool in the snapshot. Any other new
+  segment (or expandable reservation) goes to a pool that, at that moment, had no cached
+  block for the request: the pool of the previous allocation, the default pool, a recent
+  private pool, or a new one, in that order. A choice that later evidence contradicts (the
+  simulated allocator picks a block of that segment where the real one did not, or an
+  ``empty_cache`` releases it where the real one did not) is refuted, and the trace is
+  replayed again without it.
+- **Releases.** A run of ``segment_free`` / ``segment_unmap`` entries is part of the next
+  allocation when that allocation could not have got device memory without it (memory
+  fraction, garbage collection); otherwise it is an ``empty_cache``, of one pool when it
+  releases only that pool's segments while others were releasable (a MemPool going away).
+- **Mid-run traces** (history enabled late, or a ring buffer that overflowed): the state
+  at the first entry is rebuilt from the snapshot and the trace (segments released or
+  unmapped without being allocated, blocks freed without being allocated, blocks alive
+  in the snapshot that the trace never allocated) and restored into the allocator.
+  Where that state is a guess (the size of a block allocated before the trace), checks
+  that depend on it are not made but counted (:attr:`ReplayReport.unverifiable`).
+
+Statistics: for a trace that starts at an empty allocator and carries the real
+``memory_stats()`` (the differential corpus does), every statistic is compared too
+(:attr:`ReplayReport.stats_mismatches`), except ``num_sync_all_streams``: an
+``empty_cache`` that releases nothing leaves no trace entry.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from sortedcontainers import SortedList
+from sortedcontainers import SortedDict
 
 from ..errors import SnapshotFormatError
+from ..snapshot import load_snapshot
+from ..sizes import SMALL_BUFFER, SMALL_SIZE, allocation_size, round_size
 from .allocator import DEFAULT_POOL, CachingAllocator
-from .memory import GRANULE, PhysicalMemory
-from .streams import Clockwork
+from .config import SIZE_MAX, AllocatorConfig
+from .memory import PhysicalMemory
+from .streams import Clockwork, Event
 
-_SKIPPED_ACTIONS = {"snapshot", "oom", "annotate", "user_defined"}
-_EXPANDABLE_ACTIONS = {"segment_map", "segment_unmap"}
-_REPLAY_BASE = 1 << 60  # undictated simulated segments land far above any traced address
+__all__ = ["DEVICE_MEMORY", "ReplayReport", "load_trace", "replay_trace"]
+
+# totalGlobalMem of devices the recorded traces come from: it sizes expandable segments' virtual
+# ranges and, with a memory fraction, the allowed maximum. For the H200 the corpus pins it: the
+# driver lays expandable segments' reservations end to end, 9/8 of the memory rounded up to 2 MiB
+# apart, which leaves (150113208094, 150115072228]; 143160 MiB is the one whole MiB in it, and every
+# allocation made under a memory fraction fits it (tests/test_sim_corpus.py recomputes both).
+DEVICE_MEMORY = {"NVIDIA H200": 143_160 * 2**20}
+_UNKNOWN_DEVICE_MEMORY = 80 * 2**30
+_SKIPPED = {"snapshot", "annotate", "user_defined"}
+_RELEASES = {"segment_free", "segment_unmap"}
+_DEVICE_CALLS = {"segment_alloc", "segment_map", "segment_free", "segment_unmap"}
+_REPLAY_BASE = 1 << 60  # memory the trace does not place lands far above any traced address
+_INFERRED_BASE = 1 << 20  # synthetic ids (0, n) of pools the trace does not name
+_MAX_REPLAYS = 120
+# statistics a trace does not determine: an empty_cache that releases nothing leaves no entry
+# (num_sync_all_streams), and an allocation that fails with nothing releasable looks the same
+# whether it was routed to a private pool or retried after emptying the cache (num_alloc_retries)
+_UNOBSERVABLE_STATS = ("num_sync_all_streams", "num_alloc_retries")
 
 
 @dataclass
 class ReplayReport:
     """How far the simulated allocator reproduced a recorded trace."""
 
-    agreement: float  # matching checks / checks, in 0..1
+    agreement: float  # matching checks / checks, in 0..1; 0 when no check could be made
     mismatches: list[str] = field(default_factory=list)
     events: int = 0  # trace entries read
     checks: int = 0
+    unverifiable: int = 0  # checks not made: they depend on state before a mid-run trace began
+    mid_run: bool = False  # the trace did not start at an empty allocator; its start was rebuilt
+    inferred: dict[str, str] = field(default_factory=dict)  # what the trace does not say, as decided
+    refuted: int = 0  # pool choices that later entries contradicted (the trace was replayed again)
+    stats_checked: int = 0  # memory_stats() entries compared with the recorded ones
+    stats_mismatches: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        head = f"agreement {self.agreement:.4f} ({self.checks - len(self.mismatches)}/{self.checks} checks, {self.events} events)"
-        return "\n".join([head, *self.mismatches[:20]] + (["..."] if len(self.mismatches) > 20 else []))
+        head = (f"agreement {self.agreement:.4f} ({self.checks - len(self.mismatches)}/{self.checks} checks, "
+                f"{self.events} events")
+        if self.mid_run:
+            head += f", mid-run: {self.unverifiable} checks could not be made"
+        if self.inferred:
+            head += f", {len(self.inferred)} inferred, {self.refuted} refuted"
+        if self.stats_checked:
+            head += f", stats {self.stats_checked - len(self.stats_mismatches)}/{self.stats_checked}"
+        head += ")"
+        lines = [head, *self.mismatches[:20]] + (["..."] if len(self.mismatches) > 20 else [])
+        return "\n".join(lines + self.stats_mismatches[:10])
 
 
-def load_snapshot(snapshot: Any) -> dict:
-    """A ``_snapshot()`` dict from a dict or a path to its pickle."""
-    if isinstance(snapshot, (str, os.PathLike)):
-        with open(snapshot, "rb") as f:
-            snapshot = pickle.load(f)
-    if not isinstance(snapshot, dict) or "segments" not in snapshot or "device_traces" not in snapshot:
+def load_trace(source: Any) -> dict:
+    """A ``_snapshot()`` dict with a device trace, from a dict or a path to its pickle (``.gz`` or not).
+
+    Read and checked by :func:`graphborrow.snapshot.load_snapshot`, the one reader of
+    snapshots: every segment, block and trace entry is checked before the replay trusts it
+    (blocks may omit their addresses: the replay reads them from the sizes).
+    An empty trace is accepted here; the replay then reports that it made no check.
+    """
+    snapshot = load_snapshot(source, block_addresses=False)
+    if "device_traces" not in snapshot:
         raise SnapshotFormatError(
             "expected the dict written by torch.cuda.memory._snapshot() (keys 'segments' and "
             "'device_traces'); record it after torch.cuda.memory._record_memory_history()"
@@ -58,133 +122,211 @@ def load_snapshot(snapshot: Any) -> dict:
     return snapshot
 
 
-# ----------------------------------------------------------------------------- planning
+# ----------------------------------------------------------------------------- plan: what the trace says
 
 
-class _Segment:
-    """One traced segment's life: where, how big, which pool, whether it sits inside another."""
+class _Life:
+    """One traced segment (or expandable reservation): where, when, and the pool if the snapshot names it."""
 
-    __slots__ = ("address", "size", "stream", "alloc_index", "free_index", "nested", "pool")
+    __slots__ = ("address", "size", "stream", "start", "end", "expandable", "pre_trace", "pool", "touched")
 
-    def __init__(self, address: int, size: int, stream: int, alloc_index: int, nested: bool) -> None:
+    def __init__(self, address: int, size: int, stream: int, start: int, expandable: bool = False,
+                 pre_trace: bool = False) -> None:
         self.address, self.size, self.stream = address, size, stream
-        self.alloc_index, self.free_index = alloc_index, None
-        self.nested = nested
-        self.pool = DEFAULT_POOL
+        self.start, self.end = start, None  # entry indices; start -1 for memory from before the trace
+        self.expandable = expandable
+        self.pre_trace = pre_trace
+        self.pool: tuple[int, int] | None = None  # known from the final snapshot
+        self.touched = False  # an entry of the trace falls inside it
+
+
+class _Plan:
+    """One pass over the trace: segment lives, what existed before the first entry, known pools."""
+
+    def __init__(self, entries: list[dict], final: list[dict], virtual_size) -> None:
+        self.entries = entries
+        self.final = final
+        self.lives: dict[int, _Life] = {}  # creating entry index -> life
+        self.pre: list[_Life] = []  # segments (or reservations) from before the trace
+        # id(pre life) -> [(address, size or None when only the request is known, state, entry that ends it, requested)]
+        self.pre_blocks: dict[int, list] = {}
+        self.problems: list[str] = []  # contradictions between the trace and its snapshot
+        self._virtual_size = virtual_size
+        self._walk()
+
+    # an interval index of the lives that exist at the entry being walked
+    def _find(self, live: SortedDict, address: int, end: int) -> _Life | None:
+        i = live.bisect_right(address)
+        best = None
+        for key in reversed(live.keys()[max(0, i - 64):i]):
+            for life in live[key]:
+                if life.address <= address and end <= life.address + life.size:
+                    if best is None or life.size < best.size:
+                        best = life
+        return best
+
+    @staticmethod
+    def _add(live: SortedDict, life: _Life) -> None:
+        live.setdefault(life.address, []).append(life)
+
+    @staticmethod
+    def _remove(live: SortedDict, life: _Life) -> None:
+        lives = live[life.address]
+        lives.remove(life)
+        if not lives:
+            del live[life.address]
+
+    def _walk(self) -> None:
+        entries = self.entries
+        live = SortedDict()
+        mapped: dict[int, int] = {}  # reservation life id -> bytes mapped by the trace
+        reservations: dict[int, _Life] = {}
+        in_trace: dict[int, int] = {}  # address -> blocks allocated by the trace and not yet freed
+        pending_in_trace: dict[int, int] = {}  # address -> traced frees waiting for completion
+        pre_blocks: list[tuple] = []  # (address, requested, state, done_at)
+        for i, entry in enumerate(entries):
+            action = entry.get("action")
+            addr, size, stream = entry.get("addr", 0), entry.get("size", 0), entry.get("stream", 0)
+            if action == "segment_alloc":
+                host = self._find(live, addr, addr + size)
+                life = _Life(addr, size, stream, i)
+                if host is not None:
+                    host.touched = True
+                self._add(live, life)
+                self.lives[i] = life
+            elif action == "segment_free":
+                life = None
+                for candidate in live.get(addr, ()):
+                    if candidate.size == size and not candidate.expandable:
+                        life = candidate
+                if life is None:  # allocated before the trace began
+                    life = _Life(addr, size, stream, -1, pre_trace=True)
+                    self.pre.append(life)
+                else:
+                    self._remove(live, life)
+                life.end = i
+                life.touched = True
+            elif action == "segment_map":
+                host = self._find(live, addr, addr + size)
+                if host is None or not host.expandable:
+                    host = _Life(addr, self._virtual_size(size, addr), stream, i, expandable=True)
+                    self._add(live, host)
+                    self.lives[i] = host
+                    reservations[id(host)] = host
+                host.touched = True
+                mapped[id(host)] = mapped.get(id(host), 0) + size
+            elif action == "segment_unmap":
+                host = self._find(live, addr, addr + size)
+                if host is None or not host.expandable:
+                    host = _Life(addr, self._virtual_size(size, addr), stream, -1, expandable=True, pre_trace=True)
+                    self.pre.append(host)
+                    self._add(live, host)
+                    reservations[id(host)] = host
+                host.touched = True
+                mapped[id(host)] = mapped.get(id(host), 0) - size
+                if mapped[id(host)] == 0 and not host.pre_trace:
+                    self._remove(live, host)
+                    host.end = i
+            elif action == "alloc":
+                host = self._find(live, addr, addr + max(size, 1))
+                if host is not None:
+                    host.touched = True
+                in_trace[addr] = in_trace.get(addr, 0) + 1
+            elif action == "free_requested":
+                following = entries[i + 1] if i + 1 < len(entries) else {}
+                plain = following.get("action") == "free_completed" and following.get("addr") == addr
+                if in_trace.get(addr, 0) > 0:
+                    in_trace[addr] -= 1
+                    if not plain:
+                        pending_in_trace[addr] = pending_in_trace.get(addr, 0) + 1
+                else:
+                    pre_blocks.append((addr, size, "active_allocated", i))
+                    if not plain:
+                        pending_in_trace[addr] = pending_in_trace.get(addr, 0) + 1
+            elif action == "free_completed":
+                previous = entries[i - 1] if i else {}
+                if previous.get("action") == "free_requested" and previous.get("addr") == addr:
+                    continue
+                if pending_in_trace.get(addr, 0) > 0:
+                    pending_in_trace[addr] -= 1
+                else:
+                    pre_blocks.append((addr, size, "active_pending_free", i))
+        self.end_live = live
+        self.in_trace_at_end = in_trace
+        self._final_segments(live)
+        self._place_pre_blocks(pre_blocks, in_trace, pending_in_trace)
+
+    def _final_segments(self, live: SortedDict) -> None:
+        """Match the snapshot's segments with the lives alive at the end; the rest existed before the trace."""
+        for segment in self.final:
+            address, size = segment["address"], segment["total_size"]
+            pool = _pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL))
+            if segment.get("is_expandable"):
+                host = self._find(live, address, address + size)
+                if host is None or not host.expandable:
+                    host = _Life(address, self._virtual_size(size, address), segment.get("stream", 0), -1,
+                                 expandable=True, pre_trace=True)
+                    self.pre.append(host)
+                    self._add(live, host)
+                host.pool = pool
+                continue
+            match = None
+            for candidate in live.get(address, ()):
+                if candidate.size == size and not candidate.expandable:
+                    match = candidate
+            if match is None:
+                match = _Life(address, size, segment.get("stream", 0), -1, pre_trace=True)
+                self.pre.append(match)
+                self._add(live, match)
+            match.pool = pool
+
+    def _place_pre_blocks(self, pre_blocks: list, in_trace: dict, pending_in_trace: dict) -> None:
+        """Blocks that existed before the trace, in the segments that did."""
+        if not self.pre:
+            return
+        index = SortedDict()
+        for life in self.pre:
+            self._add(index, life)
+            self.pre_blocks[id(life)] = []
+        for addr, requested, state, done_at in pre_blocks:
+            life = self._find(index, addr, addr + 1)
+            if life is None:
+                self.problems.append(
+                    f"event {done_at} frees {addr:#x}, which lies in no segment the trace or its snapshot knows"
+                )
+                continue
+            life.touched = True
+            self.pre_blocks[id(life)].append((addr, None, state, done_at, requested))
+        for segment in self.final:
+            for block in segment["blocks"]:
+                state, addr = block["state"], block["address"]
+                if state == "inactive":
+                    continue
+                life = self._find(index, addr, addr + block["size"])
+                if life is None:
+                    continue
+                if state == "active_allocated" and in_trace.get(addr, 0) > 0:
+                    continue  # allocated by the trace
+                if state == "active_pending_free" and pending_in_trace.get(addr, 0) > 0:
+                    continue
+                self.pre_blocks[id(life)].append((addr, block["size"], state, None, block.get("requested_size", 0)))
 
     @property
-    def end(self) -> int:
-        return self.address + self.size
+    def mid_run(self) -> bool:
+        return bool(self.pre)
 
 
-class _LiveSegments:
-    """Live traced segments by address; finds the innermost one containing an address."""
-
-    def __init__(self) -> None:
-        self._by_start = SortedList(key=lambda s: (s.address, -s.size))
-
-    def add(self, segment: _Segment) -> None:
-        self._by_start.add(segment)
-
-    def remove(self, segment: _Segment) -> None:
-        self._by_start.remove(segment)
-
-    def find(self, address: int, size: int) -> _Segment | None:
-        """The live segment with this exact address and size."""
-        for segment in self._by_start.irange_key((address, -size), (address, -size)):
-            return segment
-        return None
-
-    def innermost(self, start: int, end: int) -> _Segment | None:
-        """The innermost live segment containing [start, end)."""
-        i = self._by_start.bisect_key_right((start, float("inf")))
-        for segment in reversed(self._by_start[max(0, i - 64):i]):
-            if segment.address <= start and end <= segment.end:
-                return segment
-        for segment in reversed(self._by_start[:max(0, i - 64)]):
-            if segment.address <= start and end <= segment.end:
-                return segment
-        return None
-
-    def __iter__(self):
-        return iter(self._by_start)
+def _identity(life: _Life) -> Any:
+    """How a segment is named across replays: the entry that created it, or its address before the trace."""
+    return life.start if life.start >= 0 else ("pre", life.address)
 
 
-def _not_empty_at_start(index: int, what: str) -> ValueError:
-    return ValueError(
-        f"trace entry {index} ({what}) refers to memory allocated before the trace begins: the trace does not "
-        "start at an empty allocator (its oldest entries were dropped by the ring buffer, or history was "
-        "enabled after the first allocation). Call torch.cuda.memory._record_memory_history(max_entries=N) "
-        "before any CUDA allocation, with N larger than the number of allocator events."
-    )
+def _pool_tuple(pool_id) -> tuple[int, int]:
+    first, second = pool_id
+    return (int(first), int(second))
 
 
-def _plan(entries: list[dict], final_segments: list[dict]) -> tuple[list[_Segment], dict[int, _Segment]]:
-    """Walk the trace once: segment lives, nesting, inferred pools; reject truncated traces."""
-    live = _LiveSegments()
-    segments: list[_Segment] = []
-    by_alloc_index: dict[int, _Segment] = {}
-    live_blocks: dict[int, int] = {}
-    run = -1
-    for i, entry in enumerate(entries):
-        action = entry.get("action")
-        if action in _EXPANDABLE_ACTIONS:
-            raise ValueError(
-                f"trace entry {i} is {action!r}: the trace was recorded with expandable segments, which the "
-                "simulated allocator does not model; record it with expandable_segments:False"
-            )
-        addr, size = entry.get("addr", 0), entry.get("size", 0)
-        if action == "segment_alloc":
-            host = live.innermost(addr, addr + size)
-            segment = _Segment(addr, size, entry.get("stream", 0), i, nested=host is not None)
-            live.add(segment)
-            segments.append(segment)
-            by_alloc_index[i] = segment
-        elif action == "segment_free":
-            segment = live.find(addr, size)
-            if segment is None:
-                raise _not_empty_at_start(i, f"segment_free of {size} bytes at {addr:#x}")
-            if i == 0 or entries[i - 1].get("action") != "segment_free":
-                run += 1
-            segment.free_index = i
-            if segment.nested:
-                segment.pool = (-1, run)  # one pluggable pool per release run, renamed below
-            live.remove(segment)
-        elif action == "alloc":
-            if live.innermost(addr, addr + max(size, 1)) is None:
-                raise _not_empty_at_start(i, f"alloc at {addr:#x} outside every traced segment")
-            live_blocks[addr] = live_blocks.get(addr, 0) + 1
-        elif action in ("free_requested", "free_completed"):
-            if live_blocks.get(addr, 0) <= 0:
-                raise _not_empty_at_start(i, f"{action} of {addr:#x}")
-            if action == "free_completed":
-                live_blocks[addr] -= 1
-    final = {(s["address"], s["total_size"]): s for s in final_segments}
-    for segment in live:
-        info = final.pop((segment.address, segment.size), None)
-        if info is not None:
-            segment.pool = tuple(info.get("segment_pool_id", DEFAULT_POOL))
-    if final:
-        (address, size), _ = next(iter(final.items()))
-        raise ValueError(
-            f"the snapshot has a segment of {size} bytes at {address:#x} that the trace never allocated: the "
-            "trace does not start at an empty allocator. Record with torch.cuda.memory._record_memory_history("
-            "max_entries=N) enabled before the first CUDA allocation and N above the number of events."
-        )
-    # synthetic ids for pluggable pools that were released during the trace
-    taken = {s.pool for s in segments}
-    next_free = max([p[1] for p in taken] + [0]) + 1
-    renamed: dict[tuple[int, int], tuple[int, int]] = {}
-    for segment in segments:
-        if segment.pool[0] == -1:
-            if segment.pool not in renamed:
-                renamed[segment.pool] = (0, next_free)
-                next_free += 1
-            segment.pool = renamed[segment.pool]
-    return segments, by_alloc_index
-
-
-# ----------------------------------------------------------------------------- replay
+# ----------------------------------------------------------------------------- replaying
 
 
 class _TracedAddresses:
@@ -199,58 +341,271 @@ class _TracedAddresses:
             address, self.expected = self.expected, None
             return address
         address = self._spare
-        self._spare += -(-nbytes // GRANULE) * GRANULE
+        self._spare += -(-nbytes // SMALL_BUFFER) * SMALL_BUFFER
         return address
 
     def raw_delete(self, address: int, nbytes: int, stream: int) -> None:
         pass
 
 
+class _Refuted(Exception):  # noqa: N818 (a signal, not an error)
+    """A pool choice contradicted by the trace: replay again without it."""
+
+    def __init__(self, key: tuple, label: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.key, self.label, self.reason = key, label, reason
+
+
 def _route_everything(stream: int, thread: int) -> bool:
     return True
 
 
+class _Pool:
+    """A pool of the replay: the default pool, one the snapshot names, or one inferred."""
+
+    __slots__ = ("id", "known", "pluggable", "released", "last_used")
+
+    def __init__(self, pool_id: tuple[int, int], known: bool, pluggable: bool) -> None:
+        self.id, self.known, self.pluggable = pool_id, known, pluggable
+        self.released = False
+        self.last_used = -1
+
+
 class _Replayer:
-    def __init__(self, entries: list[dict], final_segments: list[dict]) -> None:
+    def __init__(self, snapshot: dict, entries: list[dict], final: list[dict], config: AllocatorConfig,
+                 device_memory: int, fraction: float | None, refuted: set, layout: bool = False,
+                 conflicts: dict | None = None, private_conflicts: dict | None = None) -> None:
         self.entries = entries
-        self.final_segments = final_segments
-        self.segments, self.by_alloc_index = _plan(entries, final_segments)
-        self.pluggable = {s.pool for s in self.segments if s.nested}
-        self.memory = PhysicalMemory(capacity=2**62, backed=False, base=_REPLAY_BASE)
+        self.final = final
+        self.config = config
+        self.device_memory = device_memory
+        self.refuted = refuted
+        self.memory = PhysicalMemory(capacity=device_memory, backed=False, base=_REPLAY_BASE)
         self.clockwork = Clockwork()
-        self.sim = CachingAllocator(self.memory, self.clockwork)
+        self.sim = CachingAllocator(self.memory, self.clockwork, config)
+        if fraction is not None:
+            self.sim.set_memory_fraction(fraction)
+        self.sim.record_history(True, max_entries=1 << 30)
+        self.plan = _Plan(entries, final, self._virtual_size)
         self.traced_addresses = _TracedAddresses()
-        self.live = _LiveSegments()
+        self.pools: dict[Any, _Pool] = {DEFAULT_POOL: _Pool(DEFAULT_POOL, True, False)}
+        self.segment_pool: dict[int, Any] = {}  # creating entry index (or id of a pre-trace life) -> pool label
+        self.decisions: dict[str, str] = {}
+        self.choice_keys: dict[int, tuple] = {}  # sim segment address -> (decision key, label) of its pool
         self.blocks: dict[int, list] = {}  # traced address -> simulated blocks alive there
         self.pending: dict[int, list] = {}  # traced address -> [(block, phantom stream)] awaiting completion
-        streams = [e.get("stream", 0) for e in entries] + [0]
+        self.uncertain: set = set()  # sim segments whose layout before the trace is a guess
+        self.skipped: set = set()  # traced addresses of allocations that could not be replayed (mid-run)
+        self.diverged: set = set()  # sim segments that went their own way after an unverifiable decision
+        self.blaming = True  # False in the last replay, when the patience for refutations has run out
+        self.release_cause: dict[Any, tuple | None] = {}  # pool label -> choice of the segment whose release released it
+        self._pending_key = None  # (decision key, pool label) of the choice the current malloc rests on
+        self._oom_hint = None  # the likeliest pool of the failed allocation being replayed
+        streams = [e.get("stream", 0) for e in entries] + [s.get("stream", 0) for s in final] + [0]
         self._next_phantom = max(s for s in streams if isinstance(s, int)) + 1
         self._idle_phantoms: list = []
+        self._index = SortedDict()  # sim segment start -> segments (rebuilt when segments change)
+        self._index_stamp = None
+        self._next_inferred = _INFERRED_BASE
+        self.last_label: Any = DEFAULT_POOL
         self.checks = 0
+        self.unverifiable = 0
         self.mismatches: list[str] = []
+        # layout mode: every segment in a pool of its own, recording which segments could not share a pool
+        self.layout = layout
+        self.conflicts: dict[Any, set] = {} if conflicts is None else conflicts  # may not share any pool
+        self.private_conflicts: dict[Any, set] = {} if private_conflicts is None else private_conflicts
+        self.released_at: dict[Any, int] = {}  # (layout mode) identity -> entry of its first release
+        self.landings: list[tuple] = []  # (layout mode) (alloc entry, identity of the segment it landed in)
+        self.pluggable: set = set()  # (layout mode) identities of pluggable pools' segments
+        self.reservations: list = []  # (layout mode) expandable segments seen
+        self.assignment: dict[Any, Any] = {}  # identity -> pool label, decided before the replay
+        self.one_pool: list[set] = []  # (layout mode) identities released together by one private pool's emptyCache
+        self.one_pool_any: list[set] = []  # (layout mode) identities that share a pool, default or not
+        self.known_pools = {_identity(life): life.pool for life in [*self.plan.lives.values(), *self.plan.pre]
+                            if life.pool is not None}
+        self.active_at: dict[Any, int] = {}  # (layout mode) identity -> entry of its last allocation
+        self.members: dict[Any, set] = {DEFAULT_POOL: set()}  # pool label -> identities of its segments
+        self.identity: dict[tuple[int, int], Any] = {}  # (layout mode) pool id -> its segment's identity
+        self._groups_stamp = None
+        self._groups: dict[tuple, list] = {}
+        if not layout:
+            for life in [*self.plan.lives.values(), *self.plan.pre]:
+                if life.pool is not None:
+                    self.members.setdefault(life.pool, set()).add(_identity(life))
 
-    def check(self, ok: bool, message: str) -> None:
+    # --------------------------------------------------------------- bookkeeping
+
+    def _virtual_size(self, size: int, address: int) -> int:
+        """An expandable segment's virtual range for pages of this kind (as the allocator reserves it)."""
+        page = SMALL_BUFFER if size % self.config.large_segment_size else self.config.large_segment_size
+        total = self.device_memory
+        return -(-(total + total // 8) // page) * page
+
+    def check(self, ok: bool, message: str, uncertain: bool = False) -> None:
+        if uncertain:
+            self.unverifiable += 1
+            return
         self.checks += 1
         if not ok:
             self.mismatches.append(message)
 
+    def _segment_at(self, address: int):
+        """The innermost simulated segment containing ``address``."""
+        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, len(self.sim._segments))
+        if stamp != self._index_stamp:
+            self._index = SortedDict()
+            for segment in self.sim.segments():
+                self._index.setdefault(segment.address, []).append(segment)
+            self._index_stamp = stamp
+        i = self._index.bisect_right(address)
+        best = None
+        for key in reversed(self._index.keys()[max(0, i - 64):i]):
+            for segment in self._index[key]:
+                if segment.address <= address < segment.address + segment.size:
+                    if best is None or segment.size < best.size:
+                        best = segment
+        return best
+
+    def _label_of(self, segment) -> Any:
+        owner = segment.pool.owner
+        if owner is None:
+            return DEFAULT_POOL
+        for label, pool in self.pools.items():
+            if pool.id == owner.id:
+                return label
+        return owner.id
+
+    def _is_uncertain(self, segment) -> bool:
+        if segment is not None and segment in self.diverged:
+            return True
+        if segment is None or segment not in self.uncertain:
+            return False
+        head = segment.head
+        if head is not None and head.next is None and head.state == "inactive":
+            self.uncertain.discard(segment)  # wholly free again: its layout is exact from here on
+            return False
+        return True
+
     # --------------------------------------------------------------- pools
 
-    def _ensure_pool(self, pool_id: tuple[int, int]) -> None:
-        if pool_id != DEFAULT_POOL and pool_id not in self.sim.graph_pools:
-            allocator = self.traced_addresses if pool_id in self.pluggable else None
-            self.sim.create_or_incref_pool(pool_id, allocator=allocator)
+    def _pool(self, label: Any, pluggable: bool = False) -> _Pool:
+        pool = self.pools.get(label)
+        if pool is None:
+            if isinstance(label, tuple):
+                pool = _Pool(label, True, pluggable)
+            else:
+                pool = _Pool((0, self._next_inferred), False, pluggable)
+                self._next_inferred += 1
+            self.pools[label] = pool
+        if pool.id != DEFAULT_POOL and pool.id not in self.sim.graph_pools:
+            self.sim.create_or_incref_pool(pool.id, allocator=self.traced_addresses if pool.pluggable else None)
+        return pool
 
-    def _malloc(self, pool_id: tuple[int, int], size: int, stream: int):
+    def _choose(self, key: tuple, known: tuple | None, nbytes: int, stream: int, pluggable: bool,
+                expandable: bool, i: int) -> Any:
+        """The pool label for a new segment (or an allocation that failed): known, or the first consistent one.
+
+        Consistent: the pool had no cached block for the request on that stream (and, for a new
+        expandable reservation, no reservation of that kind on that stream).
+        """
+        identity = key[1] if key[0] == "segment" else None
+        if self.layout:
+            if identity is None:
+                return DEFAULT_POOL
+            label = f"own@{identity}"
+            self.identity[self._pool(label, pluggable).id] = identity
+            return label
+        if known is not None:
+            self._pool(known, pluggable)
+            return known
+        planned = self.assignment.get(identity) if identity is not None else self.assignment.get(key)
+        if planned is not None and (key, planned) not in self.refuted:
+            pool = self._pool(planned, pluggable) if planned not in self.pools else self.pools[planned]
+            if not pool.released and (pool.id == DEFAULT_POOL or pool.id in self.sim.graph_pools) \
+                    and self.sim.cached_block_for(nbytes, stream, pool.id) is None:
+                self._decide(key, planned)
+                if identity is not None:
+                    self.members.setdefault(planned, set()).add(identity)
+                return planned
+        ranked = [self.last_label, DEFAULT_POOL]
+        if key[0] == "oom" and self._oom_hint is not None:
+            ranked.insert(0, self._oom_hint)
+        ranked += sorted((label for label in self.pools if label not in ranked),
+                         key=lambda label: -self.pools[label].last_used)
+        if key[0] == "oom" and self._oom_hint not in (None, DEFAULT_POOL):
+            ranked = [label for label in ranked if label != DEFAULT_POOL]  # it left frees pending: not the default
+        size = round_size(nbytes, self.sim.divisions)
+        for label in ranked:
+            pool = self.pools.get(label)
+            if pool is None or pool.released or pool.pluggable != pluggable or (key, label) in self.refuted:
+                continue
+            if pool.id != DEFAULT_POOL and pool.id not in self.sim.graph_pools:
+                continue
+            if self.sim.cached_block_for(nbytes, stream, pool.id) is not None:
+                continue  # the real allocator would have used that block instead
+            if expandable and self._has_reservation(pool.id, size, stream):
+                continue  # it would have mapped pages of that reservation instead
+            members = self.members.get(label, set())
+            if identity is not None and self.conflicts.get(identity, set()) & members:
+                continue  # somewhere one of them had memory the other's allocation or release rules out
+            if identity is not None and pool.id != DEFAULT_POOL and self.private_conflicts.get(identity, set()) & members:
+                continue  # a private pool whose memory went back takes no allocation afterwards
+            self._decide(key, label)
+            if identity is not None:
+                self.members.setdefault(label, set()).add(identity)
+            return label
+        label = f"inferred@{i}"
+        self._pool(label, pluggable)
+        self._decide(key, label)
+        if identity is not None:
+            self.members.setdefault(label, set()).add(identity)
+        if (key, label) in self.refuted:
+            self._pending_key = None  # a pool of its own was refuted too: the evidence blames another choice
+        return label
+
+    def _oom_prior(self, released: list, completed: list, stream: int) -> Any:
+        """The likeliest pool of an allocation that failed, from what its failure did.
+
+        Outside captures and MemPools the out-of-memory path first completes every pending free
+        and releases what an empty_cache would; routed to a private pool it does neither.
+        """
+        collected = {(block.ptr, block.size) for block in self.sim.garbage_collection_victims()}
+        emptied = bool(completed) or any(not (e["action"] == "segment_free" and e["size"] >= self.sim.max_split
+                                               and e["stream"] == stream) and (e["addr"], e["size"]) not in collected
+                                         for e in released)
+        if emptied:
+            return DEFAULT_POOL
+        pending = any(block.state == "active_pending_free" for waiting in self.pending.values() for block, _ in waiting)
+        if pending:
+            if self.last_label != DEFAULT_POOL:
+                return self.last_label
+            private = [label for label, pool in self.pools.items() if label != DEFAULT_POOL and not pool.released]
+            return max(private, key=lambda label: self.pools[label].last_used) if private else "new"
+        return None
+
+    def _has_reservation(self, pool_id: tuple[int, int], size: int, stream: int) -> bool:
         if pool_id == DEFAULT_POOL:
-            return self.sim.malloc(size, stream)
-        self._ensure_pool(pool_id)
-        self.sim.begin_allocate_to_pool(pool_id, _route_everything)
+            block_pool = self.sim.small_blocks if size <= SMALL_SIZE else self.sim.large_blocks
+        else:
+            private = self.sim.graph_pools[pool_id]
+            block_pool = private.small_blocks if size <= SMALL_SIZE else private.large_blocks
+        return bool(block_pool.unmapped.get(stream))
+
+    def _decide(self, key: tuple, label: Any) -> None:
+        self.decisions[f"{key[0]} at event {key[1]}"] = str(self.pools[label].id)
+        self._pending_key = (key, label)
+
+    def _malloc(self, label: Any, nbytes: int, stream: int):
+        pool = self.pools[label]
+        if pool.id == DEFAULT_POOL:
+            return self.sim.malloc(nbytes, stream)
+        self.sim.begin_allocate_to_pool(pool.id, _route_everything)
         try:
-            return self.sim.malloc(size, stream)
+            return self.sim.malloc(nbytes, stream)
         finally:
-            self.sim.end_allocate_to_pool(pool_id)
-            self.sim.release_pool(pool_id)
+            self.sim.end_allocate_to_pool(pool.id)
+            self.sim.release_pool(pool.id)
 
     def _phantom_stream(self):
         """A stream that stays busy until the replay says its work is done."""
@@ -260,84 +615,289 @@ class _Replayer:
         stream.enqueue(1.0)
         return stream
 
-    # --------------------------------------------------------------- events
+    # --------------------------------------------------------------- the run
 
-    def run(self) -> ReplayReport:
+    def run(self) -> None:
+        if self.plan.mid_run:
+            self._rebuild_start()
+        for problem in self.plan.problems:  # memory from before the trace that nothing places
+            self.check(False, problem, uncertain=self.plan.mid_run)
         entries = self.entries
         i = 0
         while i < len(entries):
-            entry = entries[i]
-            action = entry.get("action")
-            if action == "segment_alloc":
-                i = self._alloc(i)
-            elif action == "alloc":
-                i = self._alloc(i)
+            action = entries[i].get("action")
+            if action in ("alloc", "segment_alloc", "segment_map", "oom"):
+                i = self._allocation(i, [], [])
+            elif action in _RELEASES:
+                i = self._releases(i, [])
             elif action == "free_requested":
-                self._free_requested(i)
+                i = self._free_requested(i)
             elif action == "free_completed":
-                self._free_completed(i)
-            elif action == "segment_free":
-                i = self._segment_free_run(i)
-                continue
-            elif action not in _SKIPPED_ACTIONS:
+                j = i
+                while j < len(entries) and entries[j].get("action") == "free_completed":
+                    j += 1
+                if j < len(entries) and entries[j].get("action") in _RELEASES:
+                    i = self._releases(j, entries[i:j])  # perhaps completed by the release's synchronisation
+                else:
+                    self._free_completed(i)
+                    i += 1
+            elif action in _SKIPPED:
+                i += 1
+            else:
                 raise SnapshotFormatError(f"trace entry {i} has an unknown action {action!r}")
-            i += 1
         self._compare_final()
-        agreement = 1.0 if self.checks == 0 else 1.0 - len(self.mismatches) / self.checks
-        return ReplayReport(agreement, self.mismatches, len(entries), self.checks)
 
-    def _alloc(self, i: int) -> int:
+    # allocations ------------------------------------------------------------------
+
+    def _allocation(self, i: int, released: list, completed: list) -> int:
+        """One malloc: [segment_alloc | segment_map...] alloc, or an oom.
+
+        ``released`` and ``completed`` are the entries the real allocator wrote inside this
+        malloc before them: segments it released and pending frees its synchronisation completed.
+        """
         entries = self.entries
-        traced_segment = None
-        if entries[i]["action"] == "segment_alloc":
-            traced_segment = self.by_alloc_index[i]
-            self.live.add(traced_segment)
+        start = i
+        new_segment = None
+        maps = []
+        while i < len(entries) and entries[i].get("action") == "segment_map":
+            maps.append(entries[i])
             i += 1
-            if i >= len(entries) or entries[i].get("action") != "alloc":
-                # a segment without its allocation (e.g. an OOM later in the same malloc)
-                self.check(False, f"event {i - 1} segment_alloc: no alloc follows; cannot replay it")
-                return i - 1
-            self._dictate(traced_segment, i - 1)
+        if not maps and i < len(entries) and entries[i].get("action") == "segment_alloc":
+            new_segment = entries[i]
+            i += 1
+        if i >= len(entries) or entries[i].get("action") not in ("alloc", "oom"):
+            self.check(False, f"event {start}: {entries[start]['action']} is not followed by its allocation")
+            return max(i, start + 1)
         entry = entries[i]
-        addr, size, stream = entry["addr"], entry["size"], entry.get("stream", 0)
-        if traced_segment is not None:
-            pool_id = traced_segment.pool
+        stream = entry.get("stream", 0)
+        oom = entry["action"] == "oom"
+        nbytes = entry["size"]
+        first = maps[0] if maps else new_segment
+        if not oom and first is None and self._segment_at(entry["addr"]) is None and self.plan.mid_run:
+            self.unverifiable += 2  # memory from before the trace that could not be rebuilt
+            self.skipped.add(entry["addr"])
+            return i + 1
+        if self.layout:
+            oversize = []  # with max_split_size set, a malloc over the cap first releases oversize blocks of its pool
+            for e in released:
+                segment = self._segment_at(e["addr"])
+                if segment is not None and segment.pool.owner is not None:
+                    mine = self.identity.get(segment.pool.owner.id)
+                    if self.sim.max_split == SIZE_MAX:  # else it may be an oversize release of a pool in use
+                        self.released_at.setdefault(mine, start)
+                    elif (e["action"] == "segment_free" and e["size"] >= self.sim.max_split
+                          and e["stream"] == stream and not segment.expandable):
+                        oversize.append(mine)
+                    self.sim.release_pool_memory(segment.pool.owner.id)
+            if oversize and len(oversize) == len(released) and new_segment is not None:
+                self.one_pool_any.append({start, *oversize})
+            self.sim.drain_trace()
+            if oom:
+                return i + 1
         else:
-            host = self.live.innermost(addr, addr + max(size, 1))
-            pool_id = host.pool if host is not None else DEFAULT_POOL
-        segments_before = self.sim._counters["num_device_alloc"]
+            for e in released:  # pools whose memory went back inside this malloc were released before it,
+                oversize = (e["action"] == "segment_free" and e["size"] >= self.sim.max_split
+                            and e["stream"] == stream)  # unless it was an oversize release of the pool in use
+                if not oversize:
+                    self._mark_released(self._segment_at(e["addr"]))
+        if oom:
+            self._oom_hint = self._oom_prior(released, completed, stream)
+        label, pluggable = self._route(start, first, entry, oom, {e["addr"] for e in released})
+        if self.layout:
+            self._record_conflicts(label, entry, stream, new_segment is not None or bool(maps), start)
+        expected = [(e["action"], e["addr"], e["size"]) for e in released]
+        expected += [(e["action"], e["addr"], e["size"]) for e in maps]
+        if new_segment is not None:
+            expected.append(("segment_alloc", new_segment["addr"], new_segment["size"]))
+        self._dictate(first, pluggable)
+        where = f"event {i} {'oom' if oom else 'alloc'} {nbytes} B on stream {stream} in pool {self._name(label)}"
+        block, failure = None, None
         try:
-            block = self._malloc(pool_id, size, stream)
-        except (RuntimeError, ValueError) as error:  # OutOfMemoryError is a RuntimeError
-            self.check(False, f"event {i} alloc {size} B on stream {stream} in pool {pool_id}: simulator raised {error}")
-            return i
+            block = self._malloc(label, nbytes, stream)
+        except Exception as error:  # OutOfMemoryError is a RuntimeError; a released pool raises too
+            failure = error
         finally:
             self.memory.expect_next_address(None)
             self.traced_addresses.expected = None
-        created = self.sim._counters["num_device_alloc"] != segments_before
-        expected_seg = None if traced_segment is None else (traced_segment.address, traced_segment.size)
-        simulated_seg = (block.segment.address, block.segment.size) if created else None
-        self.check(
-            expected_seg == simulated_seg,
-            f"event {i} alloc {size} B on stream {stream} in pool {pool_id}: expected new segment "
-            f"{_fmt_seg(expected_seg)}, simulated {_fmt_seg(simulated_seg)}",
-        )
-        self.check(
-            block.ptr == addr,
-            f"event {i} alloc {size} B on stream {stream} in pool {pool_id}: expected block at {addr:#x}, "
-            f"simulated {block.ptr:#x}",
-        )
+        emitted = self.sim.drain_trace()
+        self._settle(emitted, completed, where)
+        got = [(e["action"], e.get("addr", 0), e["size"]) for e in emitted if e["action"] in _DEVICE_CALLS]
+        uncertain = any(self._is_uncertain(self._segment_at(a)) for _, a, _ in got + expected if a)
+        calls_ok = sorted(got) == sorted(expected)
+        if oom:
+            ok = isinstance(failure, RuntimeError) and "out of memory" in str(failure)
+            if not calls_ok and not uncertain:
+                self._blame_calls(got, expected, where)
+            if not ok and not uncertain:
+                self._refute_pending(f"{where}: the simulator did not fail the same way")
+            self.check(ok, f"{where}: expected out of memory, simulated "
+                           f"{failure if failure is not None else 'an allocation at %#x' % block.ptr}", uncertain)
+            self.check(calls_ok, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}", uncertain)
+            if uncertain and (not ok or not calls_ok):
+                self._diverge([a for _, a, _ in got + expected if a])
+            if block is not None:
+                self.sim.free(block)
+                self.sim.drain_trace()
+            self._pending_key = None
+            return i + 1
+        if failure is not None:
+            if self.plan.mid_run and isinstance(failure, ValueError) and "overlaps" in str(failure):
+                uncertain = True  # the trace places memory where the unrebuilt state before it differs
+            if "cannot be used again" in str(failure) or "out of memory" in str(failure):
+                self._refute_pending(f"{where}: {failure}")
+            self.check(False, f"{where}: simulator raised {type(failure).__name__}: {failure}", uncertain)
+            self.check(False, f"{where}: no block", uncertain)
+            self._pending_key = None
+            return i + 1
+        addr = entry["addr"]
+        home = self._segment_at(addr)
+        uncertain = (uncertain or self._is_uncertain(home) or self._is_uncertain(block.segment)
+                     or (self.plan.mid_run and home is None))  # memory from before the trace that was not rebuilt
+        if uncertain and (block.ptr != addr or not calls_ok):  # from here on these segments are not comparable
+            self._diverge([block.ptr, addr] + [a for _, a, _ in got + expected if a])
+        if block.ptr != addr and not uncertain:
+            self._blame(block.ptr, addr, where)
+        if not calls_ok and not uncertain:
+            self._blame_calls(got, expected, where)
+        self.check(calls_ok, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}", uncertain)
+        self.check(block.ptr == addr, f"{where}: expected block at {addr:#x}, simulated {block.ptr:#x}", uncertain)
         self.blocks.setdefault(addr, []).append(block)
-        return i
+        self.last_label = label
+        self.pools[label].last_used = i
+        if self.layout and block.pool.owner is not None:
+            mine = self.identity.get(block.pool.owner.id)
+            self.active_at[mine] = i
+            self.landings.append((i, mine))
+            if block.pool.owner.allocator is not None:
+                self.pluggable.add(mine)
+            if maps and block.segment not in self.reservations:  # a new reservation: one per pool, stream, kind
+                for other in self.reservations:
+                    if other.stream == block.segment.stream and other.pool.is_small == block.segment.pool.is_small \
+                            and other in self.sim._segments:
+                        theirs = self.identity.get(other.pool.owner.id)
+                        self.conflicts.setdefault(mine, set()).add(theirs)
+                        self.conflicts.setdefault(theirs, set()).add(mine)
+                self.reservations.append(block.segment)
+        if self._pending_key is not None and (new_segment is not None or maps):
+            self.choice_keys.setdefault(block.segment.address, self._pending_key)
+        self._pending_key = None
+        return i + 1
 
-    def _dictate(self, segment: _Segment, i: int) -> None:
-        if segment.pool in self.pluggable:
-            self.traced_addresses.expected = segment.address
+    def _route(self, start: int, first: dict | None, entry: dict, oom: bool, going: set) -> tuple[Any, bool]:
+        """The pool a traced allocation went to: its segment's, or a choice (new segment, oom)."""
+        self._pending_key = None
+        stream = entry.get("stream", 0)
+        if first is None and not oom:
+            segment = self._segment_at(entry["addr"])
+            if segment is None:
+                return DEFAULT_POOL, False
+            owner = segment.pool.owner
+            return self._label_of(segment), owner is not None and owner.allocator is not None
+        if first is not None and first["action"] == "segment_map":
+            host = self._segment_at(first["addr"])
+            if host is not None and host.expandable:
+                return self._label_of(host), False  # more pages of a reservation the replay knows
+        life = self.plan.lives.get(start) if first is not None else None
+        known = life.pool if life is not None else None
+        nested = False
+        expandable = first is not None and first["action"] == "segment_map"
+        if first is not None and first["action"] == "segment_alloc":
+            host = self._segment_at(first["addr"])  # inside another segment (not going now): a pluggable pool
+            nested = host is not None and host.address not in going
+        key = ("segment" if first is not None else "oom", start)
+        return self._choose(key, known, entry["size"], stream, nested, expandable, start), nested
+
+    def _record_conflicts(self, label: Any, entry: dict, stream: int, new: bool, start: int) -> None:
+        """(Layout mode.) Segments that had a better block for this allocation cannot share its pool."""
+        pool = self.pools[label]
+        mine = self.identity.get(pool.id)
+        if mine is None:
             return
-        if self.memory._overlaps(segment.address, -(-segment.size // GRANULE) * GRANULE):
-            self.check(False, f"event {i} segment_alloc at {segment.address:#x}: the simulator still holds memory there")
+        nbytes = entry["size"]
+        chosen = None if new else self.sim.cached_block_for(nbytes, stream, pool.id)
+        small = round_size(nbytes, self.sim.divisions) <= SMALL_SIZE
+        for other in self._pools_on(stream, small):
+            if other == pool.id:
+                continue
+            best = self.sim.cached_block_for(nbytes, stream, other)
+            if best is not None and (chosen is None or best.key < chosen.key):
+                theirs = self.identity.get(other)
+                if theirs is not None:
+                    self.conflicts.setdefault(mine, set()).add(theirs)
+                    self.conflicts.setdefault(theirs, set()).add(mine)
+
+    def _pools_on(self, stream: int, small: bool) -> list:
+        """Ids of the pools with segments on this stream and of this kind (layout mode: one per segment)."""
+        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, len(self.sim._segments))
+        if stamp != self._groups_stamp:
+            groups: dict[tuple, list] = {}
+            for segment in self.sim.segments():
+                owner = segment.pool.owner
+                if owner is not None:
+                    groups.setdefault((segment.stream, segment.pool.is_small), []).append(owner.id)
+            self._groups, self._groups_stamp = groups, stamp
+        return self._groups.get((stream, small), [])
+
+    def _dictate(self, first: dict | None, pluggable: bool) -> None:
+        if first is None:
             return
-        self.memory.expect_next_address(segment.address)
+        if pluggable:
+            self.traced_addresses.expected = first["addr"]
+        elif first["action"] == "segment_alloc":  # (memory released inside this malloc may be reused)
+            self.memory.expect_next_address(first["addr"])
+        elif self._segment_at(first["addr"]) is None:  # a new reservation starts at its first page
+            self.memory.expect_next_address(first["addr"])
+
+    def _diverge(self, addresses: list) -> None:
+        for address in addresses:
+            segment = self._segment_at(address)
+            if segment is not None:
+                self.diverged.add(segment)
+
+    def _blame(self, taken: int, expected: int, where: str) -> None:
+        """The simulator took a block the real allocator did not: a pool choice may be wrong.
+
+        The segment of the block taken is in the routed pool only because of a choice, or the
+        expected segment is; the later of those choices is refuted.
+        """
+        mine, theirs = self._segment_at(taken), self._segment_at(expected)
+        if mine is None or mine is theirs:
+            return
+        keys = [self.choice_keys[s.address] for s in (mine, theirs) if s is not None and s.address in self.choice_keys]
+        if keys:
+            key, label = max(keys, key=lambda k: k[0][1])
+            self._refute(key, label, f"{where}: took a block of the segment at {mine.address:#x}")
+
+    def _blame_calls(self, got: list, expected: list, where: str) -> None:
+        """An allocation released (or kept) other memory than the real one did (garbage collection,
+        the out-of-memory retry): the pool of that memory may be wrong (only the default pool is
+        collected, only freeable pools are emptied); else the choice this allocation rests on."""
+        keys = []
+        for action, addr, _ in set(got) ^ set(expected):
+            if action in _RELEASES:
+                segment = self._segment_at(addr)
+                base = segment.address if segment is not None else addr
+                if base in self.choice_keys:
+                    keys.append(self.choice_keys[base])
+        if keys:
+            key, label = max(keys, key=lambda k: k[0][1])
+            self._refute(key, label, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")
+        self._refute_pending(f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")
+
+    def _refute(self, key: tuple, label: Any, reason: str) -> None:
+        if self.blaming:
+            raise _Refuted(key, label, reason)
+
+    def _refute_pending(self, reason: str) -> None:
+        if self._pending_key is not None:
+            key, label = self._pending_key
+            self._refute(key, label, reason)
+
+    def _name(self, label: Any) -> str:
+        pool = self.pools.get(label)
+        return str(pool.id if pool is not None else label)
+
+    # frees ------------------------------------------------------------------
 
     def _take_block(self, addr: int, requested: int):
         candidates = self.blocks.get(addr)
@@ -346,110 +906,590 @@ class _Replayer:
         for j in range(len(candidates) - 1, -1, -1):
             if candidates[j].requested_size == requested and candidates[j].allocated:
                 return candidates.pop(j)
-        return candidates.pop()
+        for j in range(len(candidates) - 1, -1, -1):
+            if candidates[j].allocated:
+                return candidates.pop(j)
+        return None
 
-    def _free_requested(self, i: int) -> None:
-        entry = self.entries[i]
+    def _free_requested(self, i: int) -> int:
+        entries = self.entries
+        entry = entries[i]
         addr, size = entry["addr"], entry["size"]
+        following = entries[i + 1] if i + 1 < len(entries) else {}
+        plain = following.get("action") == "free_completed" and following.get("addr") == addr
         block = self._take_block(addr, size)
-        if block is None or not block.allocated:
-            self.check(False, f"event {i} free_requested {addr:#x}: the simulator has no allocated block there")
-            return
-        following = self.entries[i + 1] if i + 1 < len(self.entries) else {}
-        if following.get("action") == "free_completed" and following.get("addr") == addr:
-            self.sim.free(block)  # a plain free: completes at once
-            return
+        if block is None:
+            if addr in self.skipped or (self.plan.mid_run and self._segment_at(addr) is None):
+                self.unverifiable += 1  # memory from before the trace that could not be rebuilt
+            else:
+                self.check(False, f"event {i} free_requested {addr:#x}: the simulator has no allocated block there",
+                           self._is_uncertain(self._segment_at(addr)))
+            return i + 2 if plain else i + 1
+        if plain:
+            self.sim.free(block)
+            self.sim.drain_trace()
+            return i + 2
         phantom = self._phantom_stream()
         self.sim.record_stream(block, phantom.id)
         self.sim.free(block)
+        self.sim.drain_trace()
         self.pending.setdefault(addr, []).append((block, phantom))
+        return i + 1
 
     def _free_completed(self, i: int) -> None:
-        entry = self.entries[i]
-        previous = self.entries[i - 1] if i else {}
-        addr = entry["addr"]
-        if previous.get("action") == "free_requested" and previous.get("addr") == addr:
-            return  # the plain free handled at free_requested
+        """A cross-stream free completed (its events were done at a malloc, or synchronised)."""
+        addr = self.entries[i]["addr"]
         waiting = self.pending.get(addr)
         if not waiting:
-            self.check(False, f"event {i} free_completed {addr:#x}: no cross-stream free is pending there")
+            if addr in self.skipped or (self.plan.mid_run and self._segment_at(addr) is None):
+                self.unverifiable += 1
+                return
+            self.check(False, f"event {i} free_completed {addr:#x}: no cross-stream free is pending there",
+                       self._is_uncertain(self._segment_at(addr)))
             return
         block, phantom = waiting.pop(0)
-        self.check(
-            block.state == "active_pending_free",
-            f"event {i} free_completed {addr:#x}: expected the block pending until now, simulated {block.state}",
-        )
         phantom.synchronize()
-        if not self.sim.captures_underway:
-            self.sim.process_events()
+        self.sim.process_events()
+        self.sim.drain_trace()
+        self.check(block.state == "inactive",
+                   f"event {i} free_completed {addr:#x}: the simulator kept the block {block.state}")
         self._idle_phantoms.append(phantom)
 
-    def _segment_free_run(self, i: int) -> int:
+    def _settle(self, emitted: list, completed: list, where: str) -> None:
+        """Pending frees the simulator completed by itself (a synchronisation) against the recorded ones."""
+        done = sorted(e["addr"] for e in emitted if e["action"] == "free_completed")
+        wanted = sorted(e["addr"] for e in completed)
+        for addr in done:
+            waiting = self.pending.get(addr)
+            for j, (block, phantom) in enumerate(waiting or ()):
+                if block.state == "inactive":
+                    waiting.pop(j)
+                    self._idle_phantoms.append(phantom)
+                    break
+        if done or wanted:
+            self.check(done == wanted, f"{where}: expected to complete frees at {[hex(a) for a in wanted]}, "
+                                       f"simulated {[hex(a) for a in done]}")
+
+    # releases ------------------------------------------------------------------
+
+    def _releases(self, i: int, completed: list) -> int:
+        """A run of segment_free / segment_unmap entries: inside the next allocation, or an empty_cache.
+
+        ``completed``: the free_completed entries just before it. A synchronisation (empty_cache,
+        the out-of-memory path) completes every pending free; if some stay pending, these
+        completed on their own (a malloc's event processing) before the releases.
+        """
         entries = self.entries
+        if completed:
+            waiting = sorted(addr for addr, items in self.pending.items() for block, _ in items
+                             if block.state == "active_pending_free")
+            if sorted(e["addr"] for e in completed) != waiting:
+                for k in range(len(completed)):
+                    self._free_completed(i - len(completed) + k)
+                completed = []
         j = i
-        expected = set()
-        pools = set()
-        while j < len(entries) and entries[j].get("action") == "segment_free":
-            segment = self.live.find(entries[j]["addr"], entries[j]["size"])
-            self.live.remove(segment)
-            expected.add((segment.address, segment.size))
-            pools.add(segment.pool)
+        while j < len(entries) and entries[j].get("action") in _RELEASES:
             j += 1
-        for pool_id in pools:
-            private = self.sim.graph_pools.get(pool_id)
-            if private is not None and private.use_count > 0:
-                self.sim.release_pool(pool_id)  # the trace shows this pool being given back
-        before = {(s.address, s.size) for s in self.sim.segments()}
-        only = next(iter(pools)) if len(pools) == 1 and DEFAULT_POOL not in pools else None
-        try:
-            self.sim.empty_cache(only)
-        except RuntimeError as error:
-            self.check(False, f"events {i}..{j - 1} segment_free: simulator raised {error}")
-            return j
-        after = {(s.address, s.size) for s in self.sim.segments()}
-        released = before - after
-        self.check(
-            released == expected,
-            f"events {i}..{j - 1} empty_cache: expected to release {_fmt_set(expected)}, simulated {_fmt_set(released)}",
-        )
+        run = entries[i:j]
+        m = j
+        while m < len(entries) and entries[m].get("action") in ("segment_alloc", "segment_map"):
+            m += 1
+        after = entries[m].get("action") if m < len(entries) else None
+        if (after == "alloc" and m > j) or (after == "oom" and m == j):  # releases inside an allocation?
+            if self._released_inside(entries[m], run, j, completed):
+                return self._allocation(j, run, completed)
+        for k in range(len(completed)):  # completed before the empty_cache's releases
+            self._free_completed(i - len(completed) + k)
+        self._empty_cache(i, run)
         return j
+
+    def _released_inside(self, entry: dict, run: list, start: int, completed: list) -> bool:
+        """Whether the allocation of ``entry`` (its entries begin at ``start``) made these releases itself.
+
+        Inside a malloc memory goes back only when device memory is over the cap (the
+        out-of-memory path: oversize blocks of the pool allocated from, then, outside any
+        capture or MemPool, everything an empty_cache would release) or through garbage
+        collection (whole free segments of the default large pool). Otherwise the run was
+        an empty_cache before it.
+        """
+        if entry.get("action") not in ("alloc", "oom"):
+            return False
+        sim = self.sim
+        size = round_size(entry["size"], sim.divisions)
+        life = self.plan.lives.get(start)
+        pool = life.pool if life is not None and life.pool is not None else self.assignment.get(start, DEFAULT_POOL)
+        private = pool != DEFAULT_POOL and not self.layout
+        oversize = all(e["action"] == "segment_free" and e["size"] >= sim.max_split and e["stream"] == entry.get("stream")
+                       for e in run)
+        allowed = sim.allowed_memory_maximum
+        over_cap = allowed is not None and sim.total_allocated_memory + allocation_size(size, sim.large_segment_size) > allowed
+        if completed:  # only empty_cache and the out-of-memory path (outside routing) complete pending frees
+            return over_cap and not private
+        if over_cap and (oversize or not private):
+            return True
+        if sim.gc_enabled:
+            threshold = int(self.config.garbage_collection_threshold * float(sim.allowed_memory_maximum))
+            if self.layout:  # no default pool to age blocks in: a run garbage collection could make proves nothing
+                return sim.total_allocated_memory > threshold and all(
+                    e["action"] == "segment_free" and e["size"] > 2 * 2**20 for e in run)
+            victims = {(block.ptr, block.size) for block in sim.garbage_collection_victims()}
+            return bool(victims) and victims == {(e["addr"], e["size"]) for e in run if e["action"] == "segment_free"}
+        return over_cap
+
+    def _mark_released(self, segment) -> None:
+        """The pool of ``segment`` gave its memory back, so it had been released (graphs reset, MemPool deleted)."""
+        if segment is None or segment.pool.owner is None:
+            return
+        owner = segment.pool.owner
+        label = self._label_of(segment)
+        if owner.use_count > 0:
+            self.release_cause[label] = self.choice_keys.get(segment.address)
+        while owner.use_count > 0:
+            self.sim.release_pool(owner.id)
+        if label in self.pools:
+            self.pools[label].released = True
+
+    def _empty_cache(self, i: int, run: list) -> None:
+        if self.layout:  # each segment in a pool of its own: release exactly what the trace released
+            released = {self._segment_at(e["addr"]) for e in run} - {None}
+            gone = {self.identity.get(s.pool.owner.id) for s in released if s.pool.owner is not None}
+            kept = {self.identity.get(s.pool.owner.id) for s in self.sim.segments()
+                    if s not in released and s.pool.owner is not None and _releasable(s)}
+            for mine in gone - {None}:  # a pool emptied gives back all its releasable memory
+                self.released_at.setdefault(mine, i)
+                for theirs in kept - {None}:
+                    self.conflicts.setdefault(mine, set()).add(theirs)
+                    self.conflicts.setdefault(theirs, set()).add(mine)
+            # empty_cache() empties the default pool and completes every pending free first; a release
+            # that keeps releasable default memory, or leaves frees pending, emptied one private pool
+            default_kept = any(self.known_pools.get(theirs) == DEFAULT_POOL for theirs in kept)
+            pending_kept = any(block.state == "active_pending_free" and block.segment not in released
+                               for waiting in self.pending.values() for block, _ in waiting)
+            if (default_kept or pending_kept) and gone - {None}:
+                self.one_pool.append(gone - {None})
+            for segment in released:
+                if segment.pool.owner is not None:
+                    self.sim.release_pool_memory(segment.pool.owner.id)
+            self._settle(self.sim.drain_trace(), [], "")
+            return
+        expected = sorted((e["action"], e["addr"], e["size"]) for e in run)
+        where = f"events {i}..{i + len(run) - 1} empty_cache"
+        segments = [self._segment_at(e["addr"]) for e in run]
+        uncertain = any(self._is_uncertain(s) for s in segments) or (self.plan.mid_run and None in segments)
+        owners = {s.pool.owner.id for s in segments if s is not None and s.pool.owner is not None}
+        default = any(s is not None and s.pool.owner is None for s in segments)
+        before = {s.address: (self._label_of(s), s) for s in self.sim.segments()}
+        diverged = [s for _, s in before.values() if s in self.diverged]
+        for segment in segments:
+            self._mark_released(segment)
+        only = None
+        # empty_cache() completes every pending free first; a release that leaves some pending was one pool's
+        pending_elsewhere = any(block.state == "active_pending_free" and
+                                (block.pool.owner is None or block.pool.owner.id not in owners)
+                                for waiting in self.pending.values() for block, _ in waiting)
+        if len(owners) == 1 and not default and (pending_elsewhere or self._more_releasable(next(iter(owners)))):
+            only = next(iter(owners))  # a MemPool going away: emptyCache(its id)
+        elif pending_elsewhere and not uncertain:
+            keys = [self.choice_keys[s.address] for s in segments if s is not None and s.address in self.choice_keys]
+            if keys:  # the segments of one private pool went back, so the pool choices are wrong somewhere
+                key, label = max(keys, key=lambda k: k[0][1])
+                self._refute(key, label, f"{where}: released without completing pending frees: one pool's memory")
+        self.sim.empty_cache(only)
+        emitted = self.sim.drain_trace()
+        synced = [e["addr"] for e in emitted if e["action"] == "free_completed"]
+        if synced and not uncertain:  # it completed frees the real one left pending: another pool's, or no empty_cache
+            keys = [self.choice_keys[s.address] for s in segments if s is not None and s.address in self.choice_keys]
+            for addr in synced:
+                segment = self._segment_at(addr)
+                if segment is not None and segment.address in self.choice_keys:
+                    keys.append(self.choice_keys[segment.address])
+            if keys:
+                key, label = max(keys, key=lambda k: k[0][1])
+                self._refute(key, label, f"{where}: completed pending frees the trace kept pending")
+        self._settle(emitted, [], where)
+        got = sorted((e["action"], e["addr"], e["size"]) for e in emitted if e["action"] in _RELEASES)
+        differ = {addr for _, addr, _ in set(got) ^ set(expected)}
+        uncertain = uncertain or any(s.address <= a < s.address + s.size for s in diverged for a in differ)
+        if got != expected and not uncertain:
+            self._blame_release([g for g in got if g not in expected], segments, before, where)
+        self.check(got == expected, f"{where}: expected to release {_fmt(expected)}, simulated {_fmt(got)}", uncertain)
+
+    def _blame_release(self, extra: list, released: list, before: dict, where: str) -> None:
+        """The simulator released memory the real allocator kept: a pool choice put it where it could go.
+
+        In the default pool it could not be (the default pool is always emptied); in a private
+        pool it shares that pool with a segment the trace released, and the later of the two
+        choices is refuted.
+        """
+        for _, addr, size in extra:
+            found = before.get(addr)
+            if found is None:
+                found = next(((label, s) for base, (label, s) in before.items()
+                              if base <= addr < base + s.size and s.expandable), None)
+            if found is None:
+                continue
+            label, segment = found
+            keys = [self.choice_keys[segment.address]] if segment.address in self.choice_keys else []
+            if label != DEFAULT_POOL:
+                keys += [self.choice_keys[s.address] for s in released
+                         if s is not None and s.address in self.choice_keys and before.get(s.address, (None,))[0] == label]
+                if self.release_cause.get(label) is not None:  # the segment whose release said the pool was released
+                    keys.append(self.release_cause[label])
+            if keys:
+                key, chosen = max(keys, key=lambda k: k[0][1])
+                self._refute(key, chosen, f"{where}: released {size} B at {addr:#x} that the trace kept")
+
+    def _more_releasable(self, pool_id: tuple[int, int]) -> bool:
+        """Whether an empty_cache() of everything would release more than this pool's memory."""
+        for segment in self.sim.segments():
+            owner = segment.pool.owner
+            if owner is not None and (owner.id == pool_id or owner.use_count > 0):
+                continue
+            for block in segment.blocks():
+                if block.key is None:
+                    continue
+                if segment.expandable:
+                    page = segment.page_size
+                    offset = block.ptr - segment.address
+                    if -(-offset // page) < (offset + block.size) // page:
+                        return True
+                elif block.prev is None and block.next is None:
+                    return True
+        return False
+
+    # the state before a mid-run trace ------------------------------------------------
+
+    def _rebuild_start(self) -> None:
+        """Restore the allocator to the trace's first entry from what the plan found."""
+        segments = []
+        for life in self.plan.pre:
+            if life.expandable:
+                self.unverifiable += 1  # expandable memory from before the trace is not rebuilt
+                continue
+            pool = self._pool(life.pool).id if life.pool is not None and not self.layout else self._pre_pool(life)
+            segments.append({
+                "address": life.address, "total_size": life.size, "stream": life.stream,
+                "segment_type": "small" if life.size == SMALL_BUFFER else "large", "segment_pool_id": pool,
+                "blocks": [{"size": size, "state": state, "requested_size": requested}
+                           for size, state, requested, _ in self._pre_layout(life)],
+            })
+        phantoms = {}
+
+        def pending_event(address: int) -> Event:
+            phantom = self._phantom_stream()
+            phantoms[address] = phantom
+            event = Event()
+            event.record(phantom)
+            return event
+
+        restored = self.sim.restore(segments, pending=pending_event)
+        for addr, block in restored.allocated.items():
+            self.blocks.setdefault(addr, []).append(block)
+        for addr, block in restored.pending.items():
+            self.pending.setdefault(addr, []).append((block, phantoms[addr]))
+        for life in self.plan.pre:  # small blocks are never handed out with slack: only large guesses are unsure
+            guessed = any(size is None for _, size, *_ in self.plan.pre_blocks.get(id(life), ()))
+            if not life.expandable and guessed and life.size != SMALL_BUFFER:
+                segment = self._segment_at(life.address)
+                if segment is not None:
+                    self.uncertain.add(segment)
+        self.sim.drain_trace()
+
+    def _pre_layout(self, life: _Life) -> list[tuple]:
+        """(size, state, requested, guessed) of the blocks of a segment from before the trace.
+
+        Blocks alive in the snapshot are exact; a block the trace frees (or completes) without
+        having allocated it gets its request's rounded size, a guess (it may have been handed
+        out whole). The rest of the segment is free.
+        """
+        known = sorted(self.plan.pre_blocks.get(id(life), ()), key=lambda b: b[0])
+        end = life.address + life.size
+        layout, cursor = [], life.address
+        for n, (addr, size, state, _, requested) in enumerate(known):
+            if addr < cursor or addr >= end:
+                continue
+            limit = known[n + 1][0] if n + 1 < len(known) else end
+            guessed = size is None
+            size = min(round_size(max(requested, 1), self.sim.divisions) if guessed else size, limit - addr)
+            if size <= 0:
+                continue
+            if addr > cursor:
+                layout.append((addr - cursor, "inactive", 0, False))
+            layout.append((size, state, requested, guessed))
+            cursor = addr + size
+        if cursor < end:
+            layout.append((end - cursor, "inactive", 0, False))
+        merged = []
+        for item in layout:
+            if merged and item[1] == "inactive" and merged[-1][1] == "inactive":
+                merged[-1] = (merged[-1][0] + item[0], "inactive", 0, False)
+            else:
+                merged.append(item)
+        return merged
+
+    def _pre_pool(self, life: _Life) -> tuple[int, int]:
+        """A segment from before the trace that the snapshot does not name: the default pool unless refuted."""
+        key = ("pre-trace segment", life.address)
+        if self.layout:
+            label = f"own@{_identity(life)}"
+            pool = self._pool(label)
+            self.identity[pool.id] = _identity(life)
+            return pool.id
+        label = DEFAULT_POOL if (key, DEFAULT_POOL) not in self.refuted else f"pre-trace@{life.address:#x}"
+        pool = self._pool(label)
+        self._decide(key, label)
+        self.choice_keys[life.address] = (key, label)
+        self._pending_key = None
+        return pool.id
+
+    # the end ------------------------------------------------------------------
 
     def _compare_final(self) -> None:
         simulated = {(s["address"], s["total_size"]): s for s in self.sim.snapshot()}
-        for segment in self.final_segments:
-            key = (segment["address"], segment["total_size"])
-            mine = simulated.get(key)
-            want = [(b["size"], b["state"]) for b in segment["blocks"]]
-            got = None if mine is None else [(b["size"], b["state"]) for b in mine["blocks"]]
-            self.check(
-                want == got,
-                f"final snapshot segment {_fmt_seg(key)}: expected blocks {want}, simulated {got}",
-            )
+        self.sim.drain_trace()
+        recorded = {(s["address"], s["total_size"]): s for s in self.final}
+        untouched = {(life.address, life.size) for life in self.plan.pre if not life.touched and not life.expandable}
+        for key in sorted(set(simulated) | set(recorded)):
+            if key in untouched:
+                continue  # rebuilt from the snapshot itself: comparing it would prove nothing
+            mine, theirs = simulated.get(key), recorded.get(key)
+            want = None if theirs is None else _shape(theirs)
+            got = None if mine is None else _shape(mine)
+            segment = self._segment_at(key[0])
+            self.check(want == got, f"final snapshot segment {_fmt_seg(key)}: expected {want}, simulated {got}",
+                       self._is_uncertain(segment))
+
+
+def _releasable(segment) -> bool:
+    """Whether an empty_cache of its pool would give memory of this segment back."""
+    for block in segment.blocks():
+        if block.key is None:
+            continue
+        if not segment.expandable:
+            return block.prev is None and block.next is None
+        offset = block.ptr - segment.address
+        if -(-offset // segment.page_size) < (offset + block.size) // segment.page_size:
+            return True
+    return False
+
+
+def _shape(segment: dict) -> tuple:
+    return (segment.get("stream", 0), segment.get("segment_type"), _pool_tuple(segment.get("segment_pool_id", (0, 0))),
+            bool(segment.get("is_expandable", False)), [(b["size"], b["state"]) for b in segment["blocks"]])
 
 
 def _fmt_seg(seg: tuple[int, int] | None) -> str:
     return "none" if seg is None else f"{seg[1]} B at {seg[0]:#x}"
 
 
-def _fmt_set(segments: set) -> str:
-    return "{" + ", ".join(_fmt_seg(s) for s in sorted(segments)) + "}"
+def _fmt(calls: list) -> str:
+    return "[" + ", ".join(f"{a} {s} B at {addr:#x}" for a, addr, s in calls) + "]" if calls else "none"
 
 
-def replay_trace(snapshot: Any, device: int | None = None) -> ReplayReport:
+# ----------------------------------------------------------------------------- pool inference
+
+
+def _infer_pools(layout: _Replayer, conflicts: dict, private_conflicts: dict, refuted: set) -> dict:
+    """A pool for every segment the snapshot does not name, from when and where allocations happened.
+
+    Routing comes in sessions (a capture, a ``use_mem_pool`` block): consecutive allocations
+    share a pool. So each segment goes to the pool most of the allocations next to its own
+    allocations went to, among the pools it may share: no conflict with their segments (a
+    better block it would have been given, memory released while it was kept, an allocation
+    after the pool's memory went back), no choice refuted by an earlier replay. Segments one
+    release gave back together from a single private pool stay together and private. Start
+    from "the pool of the allocation before it", then move segments to their neighbours'
+    majority until nothing moves. Returns identity -> label (a known pool id, or a new label).
+    """
+    known = layout.known_pools
+    landings = layout.landings
+    parent: dict[Any, Any] = {}
+
+    def root(x: Any) -> Any:
+        while parent.get(x, x) != x:
+            x = parent[x]
+        return x
+
+    private_only = set()
+    for group in [*layout.one_pool, *layout.one_pool_any]:
+        members_ = [m for m in group if m is not None]
+        for other in members_[1:]:
+            a, b = root(members_[0]), root(other)
+            if a != b and not (a in known and b in known and known[a] != known[b]):
+                if b in known:
+                    a, b = b, a
+                parent[b] = a
+    for group in layout.one_pool:
+        private_only.update(m for m in group if m is not None)
+    private_only = {root(m) for m in private_only}
+    known_root = {}
+    for identity, label in known.items():
+        known_root.setdefault(root(identity), label)
+    conflict_roots: dict[Any, set] = {}
+    private_roots: dict[Any, set] = {}
+    for table, into in ((conflicts, conflict_roots), (private_conflicts, private_roots)):
+        for a, others in table.items():
+            into.setdefault(root(a), set()).update(root(b) for b in others)
+    refused = {(root(key[1]), label) for key, label in refuted if key[0] in ("segment", "pre-trace segment")}
+    pluggable = {root(i) for i in layout.pluggable}
+    first_seen: dict[Any, int] = {}
+    neighbours: dict[Any, list] = {}
+    rooted = [(i, root(identity)) for i, identity in landings]
+    for k, (_, mine) in enumerate(rooted):
+        first_seen.setdefault(mine, k)
+        for step in (-1, 1):
+            j = k + step
+            while 0 <= j < len(rooted) and rooted[j][1] == mine:
+                j += step
+            if 0 <= j < len(rooted):
+                neighbours.setdefault(mine, []).append(rooted[j][1])
+    assignment = dict(known_root)
+    members: dict[Any, set] = {}
+    for r, label in known_root.items():
+        members.setdefault(label, set()).add(r)
+    pluggable_labels = {label for r, label in known_root.items() if r in pluggable}
+
+    def allowed(r: Any, label: Any) -> bool:
+        if (r, label) in refused or (r in pluggable) != (label in pluggable_labels):
+            return False
+        if label == DEFAULT_POOL and r in private_only:
+            return False
+        others = members.get(label, set()) - {r}
+        if conflict_roots.get(r, set()) & others:
+            return False
+        return label == DEFAULT_POOL or not (private_roots.get(r, set()) & others)
+
+    def put(r: Any, label: Any) -> None:
+        old = assignment.get(r)
+        if old is not None:
+            members[old].discard(r)
+        assignment[r] = label
+        members.setdefault(label, set()).add(r)
+        if r in pluggable:
+            pluggable_labels.add(label)
+
+    unknown = sorted((r for r in first_seen if r not in known_root and r is not None), key=lambda r: first_seen[r])
+    for r in unknown:  # the pool of the allocation before, else the default pool, else a new one
+        k = first_seen[r]
+        before = assignment.get(rooted[k - 1][1]) if k > 0 else None
+        for label in (before, DEFAULT_POOL):
+            if label is not None and allowed(r, label):
+                put(r, label)
+                break
+        else:
+            put(r, f"inferred@{r}")
+    for _ in range(12):  # move each segment to its neighbours' majority while that changes anything
+        moved = False
+        for r in unknown:
+            votes: dict[Any, int] = {}
+            for other in neighbours.get(r, ()):
+                label = assignment.get(other)
+                if label is not None:
+                    votes[label] = votes.get(label, 0) + 1
+            current = assignment[r]
+            best, best_votes = current, votes.get(current, 0)
+            for label, count in sorted(votes.items(), key=lambda kv: (-kv[1], kv[0] != DEFAULT_POOL, str(kv[0]))):
+                better = count > best_votes or (count == best_votes and label == DEFAULT_POOL != current)
+                if better and allowed(r, label):  # a tie goes to the default pool: sessions are short
+                    best, best_votes = label, count
+                    break
+            if best != current:
+                put(r, best)
+                moved = True
+        if not moved:
+            break
+    result = {}
+    for identity in set(first_seen) | set(parent) | {i for group in layout.one_pool for i in group}:  # noqa: C401
+        if identity is None or identity in known:
+            continue
+        label = assignment.get(root(identity))
+        if label is not None:
+            result[identity] = label
+    return result
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: float | None = None,
+                 device_memory: int | None = None, torch_version: str | None = None) -> ReplayReport:
     """Replay ``snapshot``'s device trace on a fresh simulated allocator; see the module docstring.
 
-    Raises ValueError when the trace does not start at an empty allocator (ring buffer
-    overflow or history enabled late) or was recorded with expandable segments.
+    Args:
+        snapshot: a ``_snapshot()`` dict, or a path to its pickle (``.pickle`` or ``.pickle.gz``).
+        device: which device's trace (default: the only one with entries).
+        memory_fraction: the ``set_per_process_memory_fraction`` the program ran with.
+        device_memory: the device's total memory in bytes (known devices are looked up).
+        torch_version: the torch that recorded it (its parsing rules for the settings string).
+            The three default to a ``corpus`` record in the snapshot, as the differential
+            corpus stores one; the recorded ``allocator_settings`` always decide the settings.
+
+    Returns:
+        :class:`ReplayReport`.
     """
-    snapshot = load_snapshot(snapshot)
+    snapshot = load_trace(snapshot)
     traces = snapshot["device_traces"]
     if device is None:
         busy = [d for d, trace in enumerate(traces) if trace]
         if len(busy) > 1:
             raise ValueError(f"the snapshot has traces for devices {busy}; pass device= to choose one")
         device = busy[0] if busy else 0
-    if device >= len(traces):
+    if device >= max(len(traces), 1):
         raise ValueError(f"the snapshot has traces for {len(traces)} device(s); device {device} is not among them")
-    entries = list(traces[device])
-    final_segments = [s for s in snapshot["segments"] if s.get("device", 0) == device]
-    return _Replayer(entries, final_segments).run()
+    entries = list(traces[device]) if traces else []
+    final = [s for s in snapshot["segments"] if s.get("device", 0) == device]
+    meta = snapshot.get("corpus") or {}
+    if memory_fraction is None:
+        memory_fraction = meta.get("fraction")
+    if torch_version is None:
+        torch_version = meta.get("torch")
+    if device_memory is None:
+        device_memory = DEVICE_MEMORY.get(meta.get("device"), _UNKNOWN_DEVICE_MEMORY)
+    config = AllocatorConfig.from_settings(snapshot.get("allocator_settings") or {}, torch_version or "2.11")
+    layout = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, set(), layout=True)
+    layout.run()
+    conflicts = layout.conflicts
+    private_conflicts: dict[Any, set] = {}
+    for gone, when in layout.released_at.items():
+        for other, last in layout.active_at.items():
+            if gone is not None and other is not None and other != gone and last > when:
+                private_conflicts.setdefault(gone, set()).add(other)
+                private_conflicts.setdefault(other, set()).add(gone)
+    refuted: set = set()
+    replayer = None
+    for _ in range(_MAX_REPLAYS):
+        assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
+        replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
+                             conflicts=conflicts, private_conflicts=private_conflicts)
+        replayer.assignment = assignment
+        try:
+            replayer.run()
+        except _Refuted as refutation:
+            refuted.add((refutation.key, refutation.label))
+            continue
+        break
+    else:  # out of patience: report the last replay as it stands
+        replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
+                             conflicts=conflicts, private_conflicts=private_conflicts)
+        replayer.assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
+        replayer.blaming = False
+        replayer.run()
+    checks = replayer.checks
+    agreement = 0.0 if checks == 0 else 1.0 - len(replayer.mismatches) / checks
+    report = ReplayReport(
+        agreement=agreement, mismatches=replayer.mismatches, events=len(entries), checks=checks,
+        unverifiable=replayer.unverifiable, mid_run=replayer.plan.mid_run,
+        inferred={k: v for k, v in replayer.decisions.items()}, refuted=len(refuted),
+    )
+    if checks == 0:
+        report.mismatches.append("no check could be made: the trace has no entries to compare")
+    recorded_stats = snapshot.get("memory_stats")
+    if recorded_stats and not replayer.plan.mid_run and entries:
+        mine = replayer.sim.memory_stats()
+        for key in sorted(recorded_stats):
+            if key in _UNOBSERVABLE_STATS or key not in mine:
+                continue
+            report.stats_checked += 1
+            if mine[key] != recorded_stats[key]:
+                report.stats_mismatches.append(f"memory_stats {key}: recorded {recorded_stats[key]}, simulated {mine[key]}")
+    return report

@@ -44,6 +44,9 @@ _BLAS_OPS = {
     _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten.mv, _aten.addmv,
     _aten.dot, _aten.vdot, _aten._addmm_activation,
 }
+# addmm's cuBLASLt path (bias fused in the epilogue): it also keeps a cuBLASLt workspace per stream
+_BLASLT_OPS = {_aten.addmm.default, _aten._addmm_activation.default}
+_BLASLT_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 # ops whose Python-scalar operand CUDA copies to the device (a tiny block for the op's duration)
 _SCALAR_TO_DEVICE = {_aten.where.self}
 _DEVICE_IS_CUDA: dict[Any, bool] = {}
@@ -115,6 +118,9 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        cuda_model = CUDA_MODELS.get(func)
+        if cuda_model is not None:  # an op whose CUDA implementation differs from the CPU one
+            return cuda_model(func, args, kwargs)
         if _is_composite(func):  # decompose as CUDA would, so each piece gets its memory
             out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -123,6 +129,30 @@ class SimTensor(torch.Tensor):
 
 
 _COMPOSITE: dict = {}
+# ops modelled on their CUDA implementation (which backend, which outputs, which temporaries);
+# filled by graphborrow.sim.attention through register_cuda_model
+CUDA_MODELS: dict = {}
+
+
+def register_cuda_model(*funcs):
+    """Route ``funcs`` on simulated tensors to a Python model of their CUDA implementation.
+
+    ``funcs`` are aten overloads (seen by ``__torch_dispatch__``; a composite op reaches it
+    whole only in inference mode) or the Python-level functions that call them (seen by
+    ``__torch_function__`` before any decomposition). The model is called as
+    ``model(func, args, kwargs)`` with the SimTensor arguments and allocates what the CUDA
+    kernel allocates, in the same order (see sim/attention.py).
+    """
+
+    def register(model):
+        for f in funcs:
+            if isinstance(f, torch._ops.OpOverload):
+                CUDA_MODELS[f] = model
+            else:
+                _OVERRIDES[f] = lambda *args, _f=f, **kwargs: model(_f, args, kwargs)
+        return model
+
+    return register
 
 
 def _is_composite(func) -> bool:
@@ -157,13 +187,16 @@ def _dispatch(func, args, kwargs):
     inner_args = _unwrap(args, sims)
     inner_kwargs = {k: _unwrap(v, sims) for k, v in kwargs.items()} if kwargs else kwargs
     backend = sims[0]._backend
+    if not backend.backed and inner_kwargs and _names_cpu(inner_kwargs.get("device")):
+        # a decomposition copied the wrapper's reported device (cpu): it means "this device"
+        inner_kwargs = dict(inner_kwargs, device=torch.device("meta"))
     for s in sims:
         if s._backend is not backend:
             raise RuntimeError(
                 f"{func}: tensors from two different simulated devices were mixed "
                 f"({backend.describe()} and {s._backend.describe()}); move one with .cpu() first"
             )
-    capture = backend._capture_for_current_stream() if backend._captures else None
+    capture = backend.capture_for_current_stream()
     if capture is not None:
         _check_capturable(func, args, kwargs)
     if not backend.backed and func is _aten._local_scalar_dense.default:
@@ -193,11 +226,31 @@ def _dispatch(func, args, kwargs):
     else:
         result = out
     del scalars
-    if backend.blas_workspace and getattr(func, "overloadpacket", None) in _BLAS_OPS:
-        backend._ensure_blas_workspace()
+    if getattr(func, "overloadpacket", None) in _BLAS_OPS:
+        if backend.blas_workspace:
+            backend.ensure_blas_workspace()
+        if backend.blaslt_workspace and _uses_cublaslt(func, args, kwargs):
+            backend.ensure_blaslt_workspace()
     if capture is not None and backend.backed:
         capture._record(func, inner_args, inner_kwargs, fresh)
     return result
+
+
+def _uses_cublaslt(func, args, kwargs) -> bool:
+    """addmm_out_cuda_impl's choice of cuBLASLt (isInputCompliesAddmmCudaLt, CUDA >= 12.1)."""
+    if func not in _BLASLT_OPS:
+        return False
+    bias, mat1, mat2 = args[:3]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    activation = func is _aten._addmm_activation.default
+    fusable_bias = (bias.is_contiguous() and (bias.dim() == 1 or bias.squeeze().dim() == 1)
+                    and bias.shape[-1] == mat2.shape[1])
+    return (beta == 1 and (fusable_bias or (activation and bias.dim() == 2))
+            and mat1.dtype in _BLASLT_DTYPES and min(mat1.shape) > 1 and min(mat2.shape) > 1)
+
+
+def _names_cpu(device) -> bool:
+    return device is not None and torch.device(device).type == "cpu"
 
 
 def _scalars_on_device(func, args, backend) -> list | None:
@@ -254,7 +307,7 @@ def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], backend, fresh: l
         return SimTensor(o, storage, backend)
     if o.device.type != ("cpu" if backend.backed else "meta"):
         return o  # e.g. an op that explicitly produced a meta tensor
-    t = backend._place(o, copy)
+    t = backend.place(o, copy)
     fresh.append((index, t._inner))
     return t
 
@@ -302,7 +355,7 @@ def to_host(t: SimTensor) -> torch.Tensor:
             "this tensor lives on a layout-only simulated device (backed=False) and has "
             "no values; create the backend with backed=True to read tensors"
         )
-    if backend._captures and backend._capture_for_current_stream() is not None:
+    if backend.capture_for_current_stream() is not None:
         raise SimCaptureError(
             "copying a tensor to the host is not permitted while a stream is capturing a "
             "CUDA graph; do it after the capture ends"
@@ -343,6 +396,26 @@ def _cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_fo
     return self
 
 
+_SIM_CUDA = torch.device("cuda", 0)
+
+
+@_override(torch.Tensor.device.__get__)
+def _device(self):
+    """Python code sees ``cuda:0`` (so ``.to(x.device)`` and ``device=x.device`` stay on the
+    simulated device, as model code expects); the dispatcher still sees the CPU wrapper."""
+    return _SIM_CUDA
+
+
+@_override(torch.Tensor.is_cuda.__get__)
+def _is_cuda_attr(self):
+    return True
+
+
+@_override(torch.Tensor.is_cpu.__get__)
+def _is_cpu_attr(self):
+    return False
+
+
 @_override(torch.Tensor.numpy, torch.Tensor.__array__)
 def _numpy(self, *args, **kwargs):
     raise TypeError(
@@ -366,7 +439,7 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, **kwar
     if device is not None and not _is_cuda(device):
         return torch.tensor(data, dtype=dtype or self.dtype, device=device)
     plain = torch.tensor(data, dtype=dtype or self.dtype, requires_grad=False)
-    return self._backend._from_host(plain)
+    return self._backend.from_host(plain)
 
 
 @_override(torch.Tensor.__repr__)
@@ -448,8 +521,8 @@ class SimFunctionMode(TorchFunctionMode):
         if isinstance(out, SimTensor) or not isinstance(out, torch.Tensor):
             result = out
         else:
-            result = backend._place(out, func not in _UNINITIALISED)
-            capture = backend._capture_for_current_stream() if backend._captures else None
+            result = backend.place(out, func not in _UNINITIALISED)
+            capture = backend.capture_for_current_stream()
             if capture is not None and backend.backed:
                 capture._record(func, args, kw, [(-1, result._inner)])
         if requires_grad:
@@ -464,7 +537,7 @@ class SimFunctionMode(TorchFunctionMode):
             dev = args[1] if len(args) > 1 else kwargs.get("device")
             if dev is not None:
                 _check_index(torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev))
-            return self.backend._from_host(self_)
+            return self.backend.from_host(self_)
         kw = {k: v for k, v in kwargs.items() if k != "copy"}
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kw)
         if device is None or device.type != "cuda":
@@ -473,4 +546,4 @@ class SimFunctionMode(TorchFunctionMode):
         host = self_
         if dtype is not None and dtype != host.dtype:
             host = host.to(dtype)
-        return self.backend._from_host(host)
+        return self.backend.from_host(host)

@@ -1,0 +1,37 @@
+"""EAGLE verification sampling: temperature, softmax, renorm, tree speculative sampling.
+
+One concept per module:
+
+- :mod:`.kernel` — the upstream kernel's semantics (:func:`tree_speculative_sampling_target_only`);
+- :mod:`.renorm` — top-k / top-p renormalisation with flashinfer's semantics;
+- :mod:`.step` — the step record (:class:`VerifyStep`) and its device-side parameters;
+- :mod:`.validate` — the checks that read values, kept apart so they can be skipped;
+- :mod:`.modes` — the reference step's modes (standard, lean, chunked);
+- :mod:`.sequence` — the step's allocation sequence, for the capacity planner;
+- :mod:`.verify` — :func:`eagle_verify`, the whole step, reference or fused.
+"""
+
+from ..draft_tree import DraftTree, build_draft_tree, tree_from_parents
+from .kernel import tree_speculative_sampling_target_only
+from .modes import MODES, VerifyResult
+from .renorm import top_k_renorm_probs, top_p_renorm_probs
+from .sequence import verify_bytes
+from .step import StepShape, VerifyStep
+from .verify import BORROW_USER, IMPLS, eagle_verify
+
+__all__ = [
+    "BORROW_USER",
+    "IMPLS",
+    "MODES",
+    "DraftTree",
+    "StepShape",
+    "VerifyResult",
+    "VerifyStep",
+    "build_draft_tree",
+    "eagle_verify",
+    "top_k_renorm_probs",
+    "top_p_renorm_probs",
+    "tree_from_parents",
+    "tree_speculative_sampling_target_only",
+    "verify_bytes",
+]

@@ -1,0 +1,212 @@
+"""A verification step's allocation sequence, and the plans the capacity planner makes of it.
+
+The reference step runs in phases (:mod:`.modes`): ``prepare``, then the mode's work on
+groups of requests, then the release of what ``prepare`` made. Each phase is recorded
+once per shape on the layout-only device (:mod:`graphborrow.planner`) and cached; a
+mode's sequence is their concatenation, e.g. chunked with 128 requests in groups of 48:
+``prepare(128) + body(48) * 2 + body(32) + release(128)``. That is exactly what
+:func:`~graphborrow.eagle.modes.run_reference` executes, phase for phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+
+from .. import planner
+from ..sizes import SMALL_SIZE, round_size
+from ..draft_tree import DraftTree
+from .modes import MODES, VerifyResult, lean_rows, standard_rows
+from .step import StepShape, VerifyStep, prepare
+
+__all__ = ["ChunkPlan", "describe_tensor", "plan_step", "requests_per_chunk", "verify_bytes", "verify_sequence"]
+
+CACHE_SIZE = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPlan:
+    """A verification step's plan: the replay, and the requests per group it was made for."""
+
+    replay: planner.Replay
+    requests_per_chunk: int
+    shape: StepShape
+    mode: str
+    peak_bytes: int  # most bytes (512-byte-rounded blocks) the step holds at once when it runs
+
+    @property
+    def fits(self) -> bool:
+        return self.replay.fits
+
+    @property
+    def reason(self) -> str:
+        return self.replay.reason
+
+
+def verify_sequence(shape: StepShape, mode: str, per_chunk: Optional[int] = None) -> planner.AllocationSequence:
+    """The reference step's allocation sequence for ``shape`` in ``mode``.
+
+    Args:
+        shape: the step's :class:`~graphborrow.eagle.step.StepShape`.
+        mode: "standard", "lean" or "chunked".
+        per_chunk: chunked mode's requests per group (default: the whole batch).
+
+    Returns:
+        The :class:`~graphborrow.planner.AllocationSequence` (phases recorded once per shape).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    bs, d = shape.batch_size, shape.draft_tokens
+    if bs == 0:
+        return planner.AllocationSequence()
+    prefix, release = _prepare_phases(bs, d, shape.top_k, shape.top_p)
+    if mode == "lean":
+        return prefix + _lean_body(shape) + release
+    per = bs if mode == "standard" or per_chunk is None else int(per_chunk)
+    if not 1 <= per <= bs:
+        raise ValueError(f"per_chunk must be in [1, {bs}], got {per_chunk!r}")
+    groups, rest = divmod(bs, per)
+    body = _standard_body(shape._replace(batch_size=per)) * groups
+    if rest:
+        body = body + _standard_body(shape._replace(batch_size=rest))
+    return prefix + body + release
+
+
+def verify_bytes(batch_size: int, draft_tokens: int, vocab: int, mode: str, top_k: bool = False,
+                 top_p: bool = False, chunk_rows: Optional[int] = None) -> int:
+    """Most bytes (allocator blocks) the step holds at once, from its recorded sequence.
+
+    A size, not a verdict: whether a step fits depends on the pool's layout as much as on
+    this number (see :func:`graphborrow.capacity.plan_verify`). ``chunk_rows`` sizes
+    chunked mode's groups (default: one request per group).
+    """
+    for name, value in (("batch_size", batch_size), ("draft_tokens", draft_tokens), ("vocab", vocab)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    per = max(1, (chunk_rows or draft_tokens) // draft_tokens) if mode == "chunked" else None
+    shape = StepShape(batch_size, draft_tokens, vocab, bool(top_k), bool(top_p))
+    return verify_sequence(shape, mode, min(per, batch_size) if per else None).peak_bytes
+
+
+def plan_step(image: planner.PoolImage, shape: StepShape, mode: str, per_chunk: Optional[int] = None) -> ChunkPlan:
+    """Replay the step's sequence against ``image``."""
+    per = shape.batch_size if mode != "chunked" or per_chunk is None else per_chunk
+    sequence = verify_sequence(shape, mode, per)
+    result = planner.replay(sequence, image, describe_tensor(shape, per))
+    return ChunkPlan(result, per, shape, mode, sequence.peak_bytes)
+
+
+def requests_per_chunk(state, shape: StepShape) -> ChunkPlan:
+    """The most requests per group whose chunked step fits ``state``'s borrow pool now.
+
+    Every group size from the whole batch down is tried in turn (the answer is not
+    monotone: a 1-10 MiB matrix needs a 20 MiB segment where a 12 MiB one needs 12).
+    When none fits, the returned plan (for one request per group) says why.
+    """
+    image = state if isinstance(state, planner.PoolImage) else planner.PoolImage.of(state)
+    if shape.batch_size == 0:
+        return ChunkPlan(planner.Replay(True, 0, 0, 0, None), 0, shape, "chunked", 0)
+    room = _free_space(image)
+    for per in range(shape.batch_size, 1, -1):
+        if _could_fit(room, shape, per):
+            found = plan_step(image, shape, "chunked", per)
+            if found.fits or image.disabled is not None:
+                return found
+    return plan_step(image, shape, "chunked", 1)
+
+
+def _free_space(image: planner.PoolImage) -> tuple[int, int]:
+    """(largest, total) bytes a step could ever get from the pool: cached free large blocks and
+    the arena's room (over-estimates: precarve seeds lie inside the extents)."""
+    cached = [b["size"] for s in image.segments if s.get("segment_type") == "large"
+              for b in s["blocks"] if b["state"] == "inactive"]
+    rooms = [n for _, n in image.extents]
+    return max(cached + rooms, default=0), sum(cached) + sum(rooms)
+
+
+def _could_fit(room: tuple[int, int], shape: StepShape, per: int) -> bool:
+    """A necessary condition, never a verdict: a group of ``per`` requests holds its float32 target
+    probabilities [per*D, V] and a draft scratch of that size at once, each in one block."""
+    block = round_size(per * shape.draft_tokens * shape.vocab * 4)
+    largest, total = room
+    return block <= SMALL_SIZE or (block <= largest and 2 * block <= total)
+
+
+def describe_tensor(shape: StepShape, per_chunk: int):
+    """A namer for the step's requests: "[rows, V] float32 matrix" where the size says so."""
+    bs, d, vocab = shape.batch_size, shape.draft_tokens, shape.vocab
+    row_counts = sorted({bs * d, per_chunk * d, (bs % per_chunk or per_chunk) * d, bs, per_chunk}, reverse=True)
+    kinds = {4: "float32 matrix", 8: "float64 matrix", 1: "bool mask"}
+    if shape.logits_dtype != torch.float32:
+        kinds[2] = f"matrix of {str(shape.logits_dtype).replace('torch.', '')} logits rows"
+
+    def describe(nbytes: int) -> str:
+        for width, name in kinds.items():
+            for rows in row_counts:
+                if rows * vocab * width == nbytes:
+                    return f"a [{rows}, {vocab}] {name}"
+        return ""
+
+    return describe
+
+
+# ----------------------------------------------------------------------------- recorded phases
+
+
+def _dummy_step(shape: StepShape) -> VerifyStep:
+    """A step of this shape on the (active) layout-only device: no values, exact layout."""
+    bs, d = shape.batch_size, shape.draft_tokens
+
+    def long():
+        return torch.empty(bs, d, dtype=torch.long, device="cuda")
+
+    tree = DraftTree(long(), long(), long(), long(), d)
+    logits = torch.empty(bs * d, shape.vocab, dtype=shape.logits_dtype, device="cuda")
+    return VerifyStep(logits, tree.candidates, tree, 1.0, 1 if shape.top_k else None, 1.0 if shape.top_p else None)
+
+
+def _outputs(step: VerifyStep) -> VerifyResult:
+    bs, d = step.batch_size, step.draft_tokens
+    c = step.candidates
+    return VerifyResult(c.new_zeros(bs * d, dtype=torch.int32), c.new_full((bs, step.tree_depth), -1, dtype=torch.int32),
+                        c.new_zeros(bs, dtype=torch.int32))
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _prepare_phases(bs: int, d: int, top_k: bool, top_p: bool):
+    """``prepare``'s allocations, and the frees that release them at the step's end."""
+    with planner.recording() as rec:
+        step = _dummy_step(StepShape(bs, d, 1, top_k, top_p))
+        with rec.phase() as made:
+            params = prepare(step)
+        with rec.phase() as released:
+            del params
+    return planner.AllocationSequence(tuple(made)), planner.AllocationSequence(tuple(released))
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _standard_body(shape: StepShape) -> planner.AllocationSequence:
+    """One group's :func:`~graphborrow.eagle.modes.standard_rows`."""
+    with planner.recording() as rec:
+        step = _dummy_step(shape)
+        out = _outputs(step)
+        params = prepare(step)
+        with rec.phase() as body:
+            standard_rows(step, params, 0, shape.batch_size, out)
+        del params, out
+    return planner.AllocationSequence(tuple(body))
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _lean_body(shape: StepShape) -> planner.AllocationSequence:
+    with planner.recording() as rec:
+        step = _dummy_step(shape)
+        out = _outputs(step)
+        params = prepare(step)
+        with rec.phase() as body:
+            lean_rows(step, params, out)
+        del params, out
+    return planner.AllocationSequence(tuple(body))

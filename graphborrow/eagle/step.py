@@ -1,0 +1,224 @@
+"""One verification step as a record: its inputs, checked once, and its device-side state.
+
+:class:`VerifyStep` holds what every implementation of the step reads (the reference
+modes in :mod:`graphborrow.eagle.verify`, a fused CUDA kernel elsewhere): logits, the
+draft tree, per-request sampling parameters, coins and thresholds. :meth:`VerifyStep.check`
+reads shapes only; :meth:`VerifyStep.validate` reads values (see :mod:`.validate`).
+
+:func:`prepare` turns the record into :class:`DeviceParams`, the step's first
+temporaries: per-request parameters as [bs] tensors, coins and the tree tables. They are
+always fresh tensors of the same sizes, whatever form the caller gave (a number or a
+tensor, coins given or drawn), so a step's allocations depend on its shape alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from ..draft_tree import DraftTree
+from .kernel import TreeTables
+from .validate import LOGIT_DTYPES, check_candidates, check_logits_rows, check_thresholds, check_tree, expect
+
+__all__ = ["DeviceParams", "StepShape", "VerifyStep", "prepare"]
+
+
+class StepShape(NamedTuple):
+    """What a step's allocation sequence depends on (and nothing else)."""
+
+    batch_size: int
+    draft_tokens: int
+    vocab: int
+    top_k: bool
+    top_p: bool
+    logits_dtype: torch.dtype = torch.float32
+
+
+@dataclasses.dataclass
+class VerifyStep:
+    """One non-greedy EAGLE verification step of ``tree`` against ``logits`` [bs*D, V].
+
+    ``temperatures`` (> 0), ``top_ks`` (>= 1) and ``top_ps`` (in (0, 1]) are numbers or
+    per-request tensors [bs]; ``top_ks`` / ``top_ps`` None skip that renorm. ``coins``
+    [bs, D] / ``coins_final`` [bs] fix the randomness; missing ones are drawn (from
+    ``generator`` when given). Thresholds as in the upstream kernel (1.0: exact).
+    """
+
+    logits: torch.Tensor
+    candidates: torch.Tensor
+    tree: DraftTree
+    temperatures: Any
+    top_ks: Any = None
+    top_ps: Any = None
+    coins: Optional[torch.Tensor] = None
+    coins_final: Optional[torch.Tensor] = None
+    generator: Optional[torch.Generator] = None
+    threshold_single: float = 1.0
+    threshold_acc: float = 1.0
+
+    @property
+    def batch_size(self) -> int:
+        return self.candidates.shape[0]
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.candidates.shape[1]
+
+    @property
+    def vocab(self) -> int:
+        return self.logits.shape[1]
+
+    @property
+    def tree_depth(self) -> int:
+        return int(self.tree.tree_depth)
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape(self.batch_size, self.draft_tokens, self.vocab, self.top_ks is not None,
+                         self.top_ps is not None, self.logits.dtype)
+
+    def check(self) -> "VerifyStep":
+        """Shapes, dtypes and plain numbers (reads no tensor values). Returns self."""
+        if not isinstance(self.tree, DraftTree) and not hasattr(self.tree, "retrive_next_token"):
+            raise ValueError("tree must be a DraftTree (see build_draft_tree / tree_from_parents)")
+        c = self.candidates
+        if not isinstance(c, torch.Tensor) or c.dim() != 2 or c.dtype != torch.int64:
+            raise ValueError("candidates must be an int64 tensor [bs, D] (draft tokens, node 0 = root)")
+        bs, d = c.shape
+        if d < 1:
+            raise ValueError("candidates must hold at least the root (D >= 1)")
+        logits = self.logits
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != bs * d:
+            raise ValueError(
+                f"logits must be [bs*D, V] = [{bs * d}, V] (one row per tree node), got "
+                f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}"
+            )
+        if logits.dtype not in LOGIT_DTYPES:
+            raise ValueError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
+        if not logits.is_contiguous():
+            raise ValueError("logits must be contiguous; call .contiguous() first")
+        if logits.shape[1] < 1:
+            raise ValueError("logits have an empty vocabulary dimension")
+        for name in ("retrive_index", "retrive_next_token", "retrive_next_sibling"):
+            expect(getattr(self.tree, name), f"tree.{name}", (bs, d), torch.int64)
+        depth = self.tree.tree_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"tree.tree_depth must be an int >= 1 (the accept width S), got {depth!r}")
+        if self.coins is not None:
+            expect(self.coins, "coins", (bs, d), torch.float32)
+        if self.coins_final is not None:
+            expect(self.coins_final, "coins_final", (bs,), torch.float32)
+        self.threshold_single, self.threshold_acc = check_thresholds(self.threshold_single, self.threshold_acc)
+        for name, integer in (("temperatures", False), ("top_ks", True), ("top_ps", False)):
+            _check_per_request(getattr(self, name), bs, name, integer)
+        return self
+
+    def validate(self) -> None:
+        """The value checks (they read on the host): tree, candidates, parameters, logits rows."""
+        bs, d = self.candidates.shape
+        check_tree(self.tree.retrive_next_token, self.tree.retrive_next_sibling, self.tree.retrive_index, bs * d)
+        check_candidates(self.candidates, self.vocab)
+        temps = _as_rows(self.temperatures, bs, torch.float32)
+        if bool((~(temps > 0) | ~torch.isfinite(temps)).any()):
+            raise ValueError("temperatures must be finite and > 0 (greedy requests take the argmax path instead)")
+        if self.top_ks is not None and bool((_as_rows(self.top_ks, bs, torch.long) < 1).any()):
+            raise ValueError(f"top_k must be >= 1 (a value >= the vocabulary {self.vocab} keeps all)")
+        if self.top_ps is not None and bool((~(_as_rows(self.top_ps, bs, torch.float32) > 0)).any()):
+            raise ValueError("top_p must be in (0, 1] (1 keeps all)")
+        for name in ("coins", "coins_final"):
+            coins = getattr(self, name)
+            if coins is not None and coins.numel() and not bool(((coins >= 0) & (coins < 1)).all()):
+                raise ValueError(f"{name} must be uniform samples in [0, 1)")
+        check_logits_rows(self.logits, temps, d)
+
+    def rows(self, lo: int, hi: int) -> "VerifyStep":
+        """The step of requests lo..hi-1 (views; parameters sliced where per request)."""
+        d = self.draft_tokens
+        tree = self.tree._replace(**{name: getattr(self.tree, name)[lo:hi]
+                                     for name in ("candidates", "retrive_index", "retrive_next_token",
+                                                  "retrive_next_sibling")})
+        return dataclasses.replace(
+            self, logits=self.logits[lo * d:hi * d], candidates=self.candidates[lo:hi], tree=tree,
+            temperatures=_slice(self.temperatures, lo, hi), top_ks=_slice(self.top_ks, lo, hi),
+            top_ps=_slice(self.top_ps, lo, hi), coins=_slice(self.coins, lo, hi),
+            coins_final=_slice(self.coins_final, lo, hi),
+        )
+
+
+class DeviceParams(NamedTuple):
+    """The step's parameters on the device, one row per request, and its tree tables."""
+
+    temps: torch.Tensor             # [bs] float32
+    top_k: Optional[torch.Tensor]   # [bs] int64, or None: no top-k renorm
+    top_p: Optional[torch.Tensor]   # [bs] float32, or None: no top-p renorm
+    coins: torch.Tensor             # [bs, D] float32
+    coins_final: torch.Tensor       # [bs] float32
+    tables: TreeTables
+
+    def rows(self, lo: int, hi: int) -> "DeviceParams":
+        """Requests lo..hi-1 (views)."""
+        return DeviceParams(self.temps[lo:hi], _slice(self.top_k, lo, hi), _slice(self.top_p, lo, hi),
+                            self.coins[lo:hi], self.coins_final[lo:hi], self.tables.rows(lo, hi))
+
+
+def prepare(step: VerifyStep) -> DeviceParams:
+    """Allocate the step's parameters, coins and tree tables next to its logits."""
+    bs, d = step.candidates.shape
+    like = step.logits
+    return DeviceParams(
+        temps=_per_request(step.temperatures, bs, like, torch.float32),
+        top_k=None if step.top_ks is None else _per_request(step.top_ks, bs, like, torch.long),
+        top_p=None if step.top_ps is None else _per_request(step.top_ps, bs, like, torch.float32),
+        coins=draw(step.coins, (bs, d), step.generator, like),
+        coins_final=draw(step.coins_final, (bs,), step.generator, like),
+        tables=TreeTables.build(step.candidates, step.tree.retrive_next_token, step.tree.retrive_next_sibling),
+    )
+
+
+def draw(given, shape, generator, like) -> torch.Tensor:
+    """A fresh [shape] float32 tensor next to ``like``: the caller's coins, or uniforms in [0, 1)."""
+    out = like.new_empty(shape, dtype=torch.float32)
+    if given is not None:
+        return out.copy_(given)
+    if generator is None:
+        return out.uniform_()
+    if generator.device.type == "cpu":
+        return out.copy_(torch.rand(shape, generator=generator))
+    return out.uniform_(generator=generator)
+
+
+def _per_request(value, bs, like, dtype) -> torch.Tensor:
+    """A number or a per-request tensor as a fresh [bs] tensor next to ``like``."""
+    if isinstance(value, torch.Tensor):
+        return like.new_empty(bs, dtype=dtype).copy_(value.reshape(-1).expand(bs))
+    return like.new_full((bs,), value, dtype=dtype)
+
+
+def _check_per_request(value, bs, name, integer) -> None:
+    if value is None and name != "temperatures":
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != bs and not (value.dim() == 0 or value.numel() == 1 and bs == 0):
+            raise ValueError(
+                f"{name} must be a number or hold one value per request ({bs}), got shape {tuple(value.shape)}"
+            )
+        if integer and value.is_floating_point():
+            raise ValueError(f"{name} must hold integers, got {value.dtype}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number or a tensor of one value per request, got {type(value).__name__}")
+    if integer and isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{name} must be an integer, got {value}")
+
+
+def _as_rows(value, bs, dtype) -> torch.Tensor:
+    """A per-request parameter as a host tensor [bs], for value checks."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().reshape(-1).expand(bs).to(dtype)
+    return torch.full((bs,), value, dtype=dtype, device="cpu")
+
+
+def _slice(value, lo, hi):
+    return value[lo:hi] if isinstance(value, torch.Tensor) and value.dim() > 0 else value

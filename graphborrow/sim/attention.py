@@ -1,0 +1,308 @@
+"""Scaled-dot-product attention as CUDA runs it, on the simulated device.
+
+On a CPU build ``F.scaled_dot_product_attention`` decomposes into CPU kernels whose
+outputs have other layouts and whose temporaries differ from the CUDA ones, so model
+code (transformers' ``sdpa`` attention) would allocate differently on the simulated
+device than on a GPU. This module replaces the op on simulated tensors with a model of
+the CUDA path, written from PyTorch's ``attention.cpp`` / ``attention.cu`` /
+``sdp_utils.cpp`` and flash-attention's ``flash_api.cpp``:
+
+1. pick a backend as ``select_sdp_backend`` does: a priority order (cuDNN first on
+   Hopper with a recent cuDNN, else flash, memory-efficient, math) and each backend's
+   constraints (masks, dtypes, head dims, grouped-query heads);
+2. convert a boolean mask into an additive one (a device scalar and one ``where``), pad
+   it to a multiple of 8 for the memory-efficient kernel;
+3. allocate what the chosen kernel allocates, in order: its output (in the kernel's
+   layout, which decides whether the caller's ``.transpose(1, 2).contiguous()`` copies),
+   its auxiliary outputs (flash's log-sum-exp, cuDNN's RNG seed and offset) and its
+   temporaries (flash's split-KV accumulators, the memory-efficient kernel's fp32
+   accumulator for head dims over 128, a cuDNN workspace), freed when CUDA frees them.
+
+The values (on a backed device) come from the math kernel on the CPU; a captured graph
+re-runs that into the output's address on replay. What is uncertain without a GPU (which
+backend a given torch and cuDNN pick, cuDNN's workspace size) is a field of
+:class:`AttentionModel`; ``benchmarks/model_pools.py`` records the real choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .tensor import SimTensor, register_cuda_model
+
+__all__ = [
+    "AttentionModel",
+    "BACKENDS",
+    "CUDNN",
+    "EFFICIENT",
+    "FLASH",
+    "MATH",
+    "call_signature",
+    "flash_num_splits",
+    "select_backend",
+]
+
+CUDNN, FLASH, EFFICIENT, MATH = "cudnn", "flash", "efficient", "math"
+BACKENDS = (CUDNN, FLASH, EFFICIENT, MATH)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionModel:
+    """What the simulated device's attention depends on (defaults: an H200, torch 2.11).
+
+    ``priority``: backends in the order torch tries them. Torch prefers cuDNN on sm90
+    when the runtime cuDNN is newer than 9.15 (the CUDA 13 wheels); give
+    ``(FLASH, EFFICIENT, MATH)`` for older stacks.
+    ``forced``: always use this backend, bypassing selection.
+    ``recorded``: ``(call_signature(...), backend)`` pairs a GPU run recorded; a call with a
+    recorded signature uses that backend, any other call is selected by the rules.
+    ``multiprocessors``: SM count, for flash's split-KV heuristic (H200: 132).
+    ``cudnn_workspace``: bytes of the cuDNN execution plan's workspace per call, allocated
+    after the output and freed before the RNG tensors (256: measured on the H200, torch
+    2.11+cu130, cuDNN 9.19, for every call shape of ``data/models_h200``: 8 or 1024 query
+    tokens against 1032 keys, batch 1 to 64, 28 or 32 heads of 128).
+    ``efficient_gqa``: whether the memory-efficient kernel accepts fewer KV heads.
+    """
+
+    priority: tuple = (CUDNN, FLASH, EFFICIENT, MATH)
+    forced: str | None = None
+    multiprocessors: int = 132
+    cudnn_workspace: int = 256
+    efficient_gqa: bool = True
+    recorded: tuple = ()
+
+    def __post_init__(self):
+        recorded = tuple(b for _, b in self.recorded)
+        for name in self.priority + ((self.forced,) if self.forced else ()) + recorded:
+            if name not in BACKENDS:
+                raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+        if MATH not in self.priority and self.forced is None:
+            raise ValueError("the priority order must end in 'math' (the backend that always applies)")
+        if self.multiprocessors < 1 or self.cudnn_workspace < 0:
+            raise ValueError("multiprocessors must be >= 1 and cudnn_workspace >= 0")
+
+
+def _head_counts_ok(q, k, v, enable_gqa: bool, gqa_supported: bool) -> bool:
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if hq == hk == hv:
+        return True
+    return enable_gqa and gqa_supported and hk == hv and hq % hk == 0
+
+
+def call_signature(q, k, mask, is_causal: bool, enable_gqa: bool) -> str:
+    """What identifies an attention call across devices: shapes, dtypes, mask, flags."""
+    m = None if mask is None else (str(mask.dtype), tuple(mask.shape))
+    return repr((tuple(q.shape), tuple(k.shape), str(q.dtype), m, bool(is_causal), bool(enable_gqa)))
+
+
+def select_backend(model: AttentionModel, q, k, v, mask, dropout_p: float, is_causal: bool,
+                   enable_gqa: bool) -> str:
+    """The backend CUDA's ``select_sdp_backend`` would pick for these (4-D, dense) inputs."""
+    if model.forced is not None:
+        return model.forced
+    if model.recorded:
+        found = dict(model.recorded).get(call_signature(q, k, mask, is_causal, enable_gqa))
+        if found is not None:
+            return found
+    d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
+    last_dim_contiguous = all(t.stride(-1) == 1 for t in (q, k, v))
+    low_precision = q.dtype in _LOW_PRECISION
+    for name in model.priority:
+        if name == CUDNN:
+            ok = (low_precision and d_q == d_k and d_q % 8 == 0 and d_v % 8 == 0 and d_q <= 128
+                  and d_v <= 128 and last_dim_contiguous and _head_counts_ok(q, k, v, enable_gqa, True))
+        elif name == FLASH:
+            ok = (low_precision and mask is None and d_q == d_k == d_v and d_q <= 256
+                  and not (is_causal and q.shape[-2] != k.shape[-2]) and last_dim_contiguous
+                  and _head_counts_ok(q, k, v, enable_gqa, True))
+        elif name == EFFICIENT:
+            align = 8 if low_precision else 4
+            ok = (q.dtype in _LOW_PRECISION + (torch.float32,) and d_q == d_k and d_q % align == 0
+                  and d_v % align == 0 and last_dim_contiguous
+                  and _head_counts_ok(q, k, v, enable_gqa, model.efficient_gqa))
+        else:
+            ok = True
+        if ok:
+            return name
+    return MATH
+
+
+def flash_num_splits(batch_heads_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
+    """flash-attention 2's split-KV heuristic: split the keys when the grid leaves SMs idle.
+
+    Picks the smallest split count whose wave efficiency (work per wave over a full wave)
+    is within 85 % of the best, counting only split counts that change the blocks per split.
+    """
+    if batch_heads_mblocks >= 0.8 * num_sms:
+        return 1
+    max_splits = min(max_splits, num_sms, num_n_blocks)
+
+    def eligible(n):
+        return n == 1 or math.ceil(num_n_blocks / n) != math.ceil(num_n_blocks / (n - 1))
+
+    efficiency = {}
+    for n in range(1, max_splits + 1):
+        if eligible(n):
+            waves = batch_heads_mblocks * n / num_sms
+            efficiency[n] = waves / math.ceil(waves)
+    if not efficiency:
+        return 1
+    best = max(efficiency.values())
+    for n in sorted(efficiency):
+        if efficiency[n] >= 0.85 * best:
+            return n
+    return 1
+
+
+# ----------------------------------------------------------------------- the op itself
+
+
+def _parse(args, kwargs):
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    return (values["query"], values["key"], values["value"], values.get("attn_mask"),
+            float(values.get("dropout_p", 0.0)), bool(values.get("is_causal", False)),
+            values.get("scale"), bool(values.get("enable_gqa", False)))
+
+
+def _additive_mask(mask, dtype):
+    """``convert_boolean_attn_mask``: a device scalar, then ``where(mask, 0, -inf)``."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    neg_inf = _empty(mask._backend, (), (), dtype)
+    if mask._backend.backed:
+        neg_inf.fill_(float("-inf"))
+    return torch.where(mask, 0.0, neg_inf)
+
+
+def _padded_bias(mask, alignment: int = 8):
+    """The memory-efficient kernel's ``preprocess_mask``: pad the last dim unless aligned."""
+    if mask is None:
+        return None
+    aligned = mask.stride(-1) == 1 and all(s % alignment == 0 for s in mask.stride()[:-1])
+    if aligned:
+        return mask
+    length = mask.shape[-1]
+    padded = torch.nn.functional.pad(mask, (0, alignment - length % alignment))
+    return padded[..., :length]
+
+
+def _empty(backend, size, stride, dtype) -> SimTensor:
+    template = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+    return backend.place(template, copy=False)
+
+
+def _contiguous_strides(size):
+    strides, acc = [], 1
+    for n in reversed(size):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _bshd_strides(b, h, s, d):
+    """Strides of a (b, h, s, d) view of memory laid out (b, s, h, d)."""
+    return (s * h * d, d, h * d, 1)
+
+
+def _dense(t) -> bool:
+    """No gaps and no overlaps: some permutation of the dims is contiguous (as empty_like checks)."""
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _like_query(q, shape):
+    """``empty_like`` of the query keeps its strides when it is dense, else contiguous."""
+    if tuple(q.shape) == tuple(shape) and _dense(q):
+        return tuple(q.stride())
+    return _contiguous_strides(shape)
+
+
+def _values(q, k, v, mask, is_causal, scale, enable_gqa):
+    """Attention values by the math kernel on plain CPU tensors (backed devices, replay)."""
+    with torch._C.DisableTorchFunction():
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, mask, 0.0, is_causal, None, scale=scale, enable_gqa=enable_gqa
+        )[0]
+
+
+def _fill(backend, out: SimTensor, q, k, v, mask, is_causal, scale, enable_gqa) -> None:
+    """Write the values into ``out`` and, during a capture, record that for replay."""
+    if not backend.backed:
+        return
+    inner = [t._inner if t is not None else None for t in (q, k, v, mask)]
+    with torch._C.DisableTorchFunction():
+        out._inner.copy_(_values(*inner, is_causal, scale, enable_gqa))
+    capture = backend.capture_for_current_stream()
+    if capture is not None:
+        capture._record(_values, (*inner, is_causal, scale, enable_gqa), {}, [(-1, out._inner)])
+
+
+@register_cuda_model(torch.ops.aten.scaled_dot_product_attention.default,
+                     torch.nn.functional.scaled_dot_product_attention)
+def scaled_dot_product_attention(func, args, kwargs):
+    """The CUDA composite ``scaled_dot_product_attention`` on simulated tensors."""
+    q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _parse(args, kwargs)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise NotImplementedError(
+            "the simulated device models scaled_dot_product_attention for 4-D (batch, heads, "
+            f"seq, dim) inputs; got {q.dim()}-D / {k.dim()}-D / {v.dim()}-D"
+        )
+    if dropout_p > 0.0:
+        raise NotImplementedError("the simulated device models attention without dropout (inference)")
+    backend = q._backend
+    model = backend.attention
+    choice = select_backend(model, q, k, v, mask, dropout_p, is_causal, enable_gqa)
+    mask = _additive_mask(mask, q.dtype)
+    if choice == MATH:
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+        )[0]
+    b, h, s_q, _ = q.shape
+    d_v = v.shape[-1]
+    out_shape = (b, h, s_q, d_v)
+    f32 = torch.float32
+    if choice == FLASH:
+        out = _empty(backend, out_shape, _like_query(q, out_shape), q.dtype)
+        lse = _empty(backend, (b, h, s_q), _contiguous_strides((b, h, s_q)), f32)
+        d = q.shape[-1]
+        block_n = 256 if d <= 64 else 128 if d <= 128 else 64
+        splits = flash_num_splits(b * h * math.ceil(s_q / 64), model.multiprocessors * 2,
+                                  math.ceil(k.shape[-2] / block_n))
+        if splits > 1:
+            rounded = (d + 31) // 32 * 32
+            lse_accum = backend._new_storage(splits * b * h * s_q * 4)
+            out_accum = backend._new_storage(splits * b * h * s_q * rounded * 4)
+            del out_accum, lse_accum  # freed when mha_fwd returns (reverse declaration order)
+        _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
+        del lse  # the composite keeps only the output
+        return out
+    if choice == EFFICIENT:
+        mask = _padded_bias(mask)
+        if mask is not None:
+            mask = mask.expand(b, h, s_q, k.shape[-2])
+        out = _empty(backend, out_shape, _bshd_strides(b, h, s_q, d_v), q.dtype)
+        if q.shape[-1] > 128 and q.dtype != f32:  # kernels past kMaxK=128 accumulate in fp32 memory
+            accum = backend._new_storage(b * s_q * h * d_v * 4)
+            del accum
+        _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
+        return out
+    # cuDNN: RNG seed and offset on the device, output in the query's layout, workspace
+    seed = _empty(backend, (1,), (1,), torch.int64)  # at::zeros on the device
+    offset = _empty(backend, (1,), (1,), torch.int64)
+    out = _empty(backend, out_shape, _like_query(q, out_shape), q.dtype)
+    if model.cudnn_workspace:
+        workspace = backend._new_storage(model.cudnn_workspace)
+        del workspace
+    _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
+    del seed, offset
+    return out

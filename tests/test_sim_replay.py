@@ -293,3 +293,10 @@ def test_traces_are_read_by_the_one_snapshot_reader():
     overlapping = [good, segment(A + 1 * MiB, [(2 * MiB, "inactive")])]
     with pytest.raises(SnapshotFormatError, match="overlap partly"):
         replay_trace(snapshot_of([entry("alloc", A, 4096)], overlapping))
+
+
+def test_final_pools_must_be_pool_ids():
+    snapshot = snapshot_of([entry("alloc", A, 4096)])
+    for bad in ([], [(0,)], [("0", 1)]):
+        with pytest.raises(ValueError, match="final_pools must be pool ids"):
+            replay_trace(snapshot, final_pools=bad)

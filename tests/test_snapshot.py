@@ -353,3 +353,11 @@ def test_blocks_without_addresses_follow_each_other_only_on_request(tmp_path):
     path = tmp_path / "trace.pickle.gz"
     path.write_bytes(gzip.compress(pickle.dumps({"segments": [host], "device_traces": [[]]})))
     assert load_snapshot(path)["segments"] == [host]
+
+
+def test_partial_overlap_names_both_ranges():
+    first = make_segment(1 << 30, [("inactive", 8192)])
+    second = make_segment((1 << 30) + 4096, [("inactive", 8192)])
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([first, second])
+    assert "segment 1 [0x40001000, 0x40003000) and segment 0 [0x40000000, 0x40002000) overlap partly" in str(info.value)

@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep gpu-wheels model-pools model-pools-sim strip clean mutation-capacity
+.PHONY: setup run demo test test-core test-notebooks test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep gpu-wheels model-pools model-pools-sim strip clean deep mutation mutation-capacity
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -51,6 +51,21 @@ test-notebooks: setup
 	  --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/ && \
 	$(PY) scripts/check_notebook_results.py --since $$start
 
+# Property tests and randomized stress loops (interrupts included), 50x longer: the
+# Hypothesis "deep" profile (tests/conftest.py). Not part of CI; tens of minutes.
+deep: setup
+	GRAPHBORROW_HYPOTHESIS=deep $(PY) -m pytest -q -p no:cacheprovider -m "property and not gpu" tests
+
+# Mutation testing (not in CI; tens of minutes): mutmut 3 over the modules that hold rules
+# ([tool.mutmut] in pyproject.toml), a hand-rolled pass over arena.c, one record of both
+# with the survivors judged harmless in data/mutation.json.
+mutation: setup
+	$(PY) -m pip install -q -e ".[mutation]"
+	rm -rf mutants
+	$(VENV)/bin/mutmut run --max-children 2 'graphborrow.arena.*' 'graphborrow.runs.*' 'graphborrow.snapshot.*' 'graphborrow.borrow.*'
+	$(PY) scripts/mutate_arena_c.py --json data/mutation_arena_c.json --jobs 2
+	$(PY) scripts/mutation_report.py --out data/mutation.json
+
 # On a CUDA machine: the GPU twins of the borrow tests.
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests
@@ -92,10 +107,10 @@ model-pools-sim: setup
 
 # Mutation testing of the capacity planner (not in CI; about 15 minutes on 2 cores).
 mutation-capacity: setup
-	$(PY) -m pip install -q ".[mutation]"
+	$(PY) -m pip install -q -e ".[mutation]"
 	rm -rf mutants
-	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 || true
-	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py data/mutation_capacity.json
+	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 'graphborrow.capacity.*' 'graphborrow.planner.*' || true
+	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py data/mutation_capacity.json 'graphborrow.capacity.*' 'graphborrow.planner.*'
 
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb

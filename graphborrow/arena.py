@@ -2,25 +2,37 @@
 
 One compiled library serves three callers: torch's pluggable allocator on CUDA (through
 ``BumpArena.allocator``), the simulated device's MemPool, and direct host calls in tests.
-Each ``BumpArena`` owns a slot of the library, i.e. its own extents, cursors, lock and
-freed counter; a process may hold up to ``MAX_SLOTS`` at once.
+Each ``BumpArena`` owns a slot of the library, i.e. its own extents, cursors, lock,
+freed counter and record of live allocations; a process may hold up to ``MAX_SLOTS``
+at once. The library is loaded only after its digest checks out (see
+:func:`library_is_intact`): a damaged cached build is rebuilt, never loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import operator
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .errors import ArenaFreeError
+
+__all__ = [
+    "BumpArena", "cache_dir", "library_path", "library_is_intact", "digest_path",
+    "first_overlap", "describe_free_error", "ADDRESS_LIMIT",
+]
+
 SOURCE = Path(__file__).with_name("arena.c")
+ADDRESS_LIMIT = 1 << 64  # extents must end below this; sizes must be below it
 _ERRORS = {
     -1: "the arena slot is not acquired",
     -2: "too many extents",
@@ -28,7 +40,12 @@ _ERRORS = {
     -4: "an extent base is not aligned",
     -5: "extents overlap",
     -6: "alignment must be a positive power of two",
+    -7: "an extent runs past the end of the 64-bit address space",
+    -8: "an extent base is 0",
+    -9: "the host is out of memory for the arena's allocation record",
 }
+FREE_NEGATIVE, FREE_UNKNOWN, FREE_TWICE, FREE_SIZE = -10, -11, -12, -13
+NO_MEMORY = -9
 
 
 def cache_dir() -> Path:
@@ -53,32 +70,78 @@ def _compiler() -> str:
     return cc
 
 
-def library_path() -> Path:
-    """Build the arena library if this source has not been built yet; return its path.
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
-    The name carries a hash of the source and the platform, and the file appears by an
-    atomic rename, so concurrent processes either find a complete library or build their
-    own private copy and race harmlessly on the rename.
+
+def digest_path(library: Path) -> Path:
+    """The file beside a built library that holds the library's SHA-256."""
+    return library.with_name(library.name + ".sha256")
+
+
+def library_is_intact(library: Path) -> bool:
+    """True when ``library`` exists and matches the digest recorded when it was built.
+
+    A truncated or overwritten shared library can crash the interpreter when loaded
+    (SIGBUS on a page past the end of the file), so nothing is loaded unchecked.
+    """
+    try:
+        recorded = digest_path(library).read_text().strip()
+        return recorded == _digest(library)
+    except OSError:
+        return False
+
+
+def _remove_stale_temporaries(directory: Path, max_age_s: float = 3600.0) -> None:
+    """Delete build temporaries left by builds that died (a kill -9, a full disk)."""
+    now = time.time()
+    for leftover in directory.glob(".build-*"):
+        try:
+            if leftover.is_file() and now - leftover.stat().st_mtime > max_age_s:
+                leftover.unlink()
+        except OSError:
+            pass
+
+
+def library_path() -> Path:
+    """Build the arena library if no intact build of this source exists; return its path.
+
+    The name carries a hash of the source and the platform; a digest file beside it
+    records the library's own hash. Both appear by atomic renames, library first, so a
+    concurrent process either finds a complete, verified library or builds its own
+    private copy and races harmlessly on the renames. A library that fails its check
+    (truncated, overwritten, digest missing) is rebuilt.
     """
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + sys.platform.encode() + os.uname().machine.encode()).hexdigest()[:16]
     target = cache_dir() / f"libgbarena-{tag}.so"
-    if target.exists():
+    if library_is_intact(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [_compiler(), "-O2", "-shared", "-fPIC", "-pthread", "-o", tmp, str(SOURCE)]
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot write the arena build cache {target.parent} ({exc}); "
+            "set GRAPHBORROW_CACHE_DIR to a writable directory"
+        ) from None
+    os.close(fd)
+    tmp_digest = tmp + ".sha256"
+    try:
+        cmd = [_compiler(), "-O2", "-shared", "-fPIC", "-pthread", "-o", tmp, str(SOURCE)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(
                 f"building the bump arena failed ({' '.join(cmd)}):\n{result.stderr}"
             )
+        Path(tmp_digest).write_text(_digest(Path(tmp)) + "\n")
         os.replace(tmp, target)
+        os.replace(tmp_digest, digest_path(target))
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp_digest):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return target
 
 
@@ -101,13 +164,22 @@ def _library() -> ctypes.CDLL:
         lib.gb_arena_set_best_fit.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.gb_arena_malloc.argtypes = [ctypes.c_int, ctypes.c_size_t]
         lib.gb_arena_malloc.restype = ctypes.c_void_p
-        lib.gb_arena_free.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
-        for name in ("cursor", "freed", "align", "best_fit", "num_extents"):
+        lib.gb_arena_free_checked.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+        lib.gb_arena_free_checked.restype = ctypes.c_int
+        for name in ("cursor", "freed", "align", "best_fit", "num_extents", "live_count", "live_bytes", "errors"):
             fn = getattr(lib, f"gb_arena_{name}")
             fn.argtypes = [ctypes.c_int]
             fn.restype = ctypes.c_size_t
-        lib.gb_arena_freed_ptr.argtypes = [ctypes.c_int]
-        lib.gb_arena_freed_ptr.restype = ctypes.c_void_p
+        for name in ("freed_ptr", "errors_ptr"):
+            fn = getattr(lib, f"gb_arena_{name}")
+            fn.argtypes = [ctypes.c_int]
+            fn.restype = ctypes.c_void_p
+        lib.gb_arena_last_error.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.POINTER(ctypes.c_uint64),
+        ]
         lib.gb_arena_extent_cursor.argtypes = [ctypes.c_int, ctypes.c_size_t]
         lib.gb_arena_extent_cursor.restype = ctypes.c_size_t
         _lib = lib
@@ -128,17 +200,60 @@ def _check(code: int, what: str) -> None:
         raise ValueError(f"{what}: {_ERRORS.get(code, f'error {code}')}")
 
 
+def _integer(value, what: str) -> int:
+    """``value`` as a Python int; floats, strings and other non-integers are refused."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer number of bytes, got a bool ({value!r})")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be an integer, got {type(value).__name__} ({value!r}); "
+            "pass addresses and sizes as ints"
+        ) from None
+
+
+def describe_free_error(code: int, ptr: int, nbytes: int, live_size: int = 0) -> str:
+    """What an arena error code means, for one free (or malloc) call."""
+    call = f"free({ptr:#x}, {nbytes})"
+    if code == FREE_NEGATIVE:
+        return f"{call}: a negative size is never valid; pass the size malloc was asked for"
+    if code == FREE_TWICE:
+        return (
+            f"{call}: {ptr:#x} lies in memory this arena handed out but is not a live allocation: "
+            "it was freed already (double free) or is not the start of an allocation"
+        )
+    if code == FREE_UNKNOWN:
+        return (
+            f"{call}: {ptr:#x} was never returned by this arena since its last set_extents "
+            "(an unknown pointer, or a stale one from before the extents were replaced)"
+        )
+    if code == FREE_SIZE:
+        return f"{call}: that allocation was made for {live_size} bytes; free it with that size"
+    if code == NO_MEMORY:
+        return f"malloc({nbytes}) failed: {_ERRORS[NO_MEMORY]}"
+    return f"{call}: {_ERRORS.get(code, f'error {code}')}"
+
+
 class BumpArena:
     """Carves aligned allocations out of caller-owned extents; never reuses freed bytes.
 
     ``best_fit`` defaults to True: free runs arrive largest first, and first fit would
     carve small segments out of the run a large probability matrix needs.
+
+    Every allocation since the last ``set_extents`` is recorded, so frees are checked.
+    A host call to :meth:`free` raises :class:`ArenaFreeError` for a double, unknown,
+    stale, wrongly sized or negative free and changes nothing. torch's pluggable path
+    (and the simulated device's, :meth:`raw_delete`) cannot raise: such frees are
+    counted in :attr:`errors` and described by :meth:`last_error`, and the borrow state
+    refuses to go on with an arena that reports them.
     """
 
     MAX_EXTENTS = 64
     MAX_SLOTS = 64
 
     def __init__(self, align: int = 512, best_fit: bool = True) -> None:
+        align = _integer(align, "align")
         if align <= 0 or align & (align - 1):
             raise ValueError(f"align must be a positive power of two, got {align}")
         self._lib = _library()
@@ -150,13 +265,22 @@ class BumpArena:
             )
         self._finalizer = weakref.finalize(self, self._lib.gb_arena_release, self.slot)
         self._freed = ctypes.c_size_t.from_address(self._lib.gb_arena_freed_ptr(self.slot))
+        self._errors = ctypes.c_size_t.from_address(self._lib.gb_arena_errors_ptr(self.slot))
         self._extents: list[tuple[int, int]] = []
         self._allocator = None
 
     # extents
     def set_extents(self, extents: Iterable[Sequence[int]]) -> None:
-        """Hand over ``(base, nbytes)`` ranges; resets every cursor and the freed counter."""
-        extents = [(int(b), int(n)) for b, n in extents]
+        """Hand over ``(base, nbytes)`` ranges; resets every cursor, the freed counter and
+        the record of live allocations. A rejected list changes nothing."""
+        checked = []
+        for i, extent in enumerate(extents):
+            try:
+                base, nbytes = extent
+            except (TypeError, ValueError):
+                raise TypeError(f"extent {i} is {extent!r}; each extent is a (base, nbytes) pair") from None
+            checked.append((_integer(base, f"extent {i} base"), _integer(nbytes, f"extent {i} size")))
+        extents = checked
         if len(extents) > self.MAX_EXTENTS:
             raise ValueError(
                 f"{len(extents)} extents given, at most {self.MAX_EXTENTS} are supported; "
@@ -168,6 +292,11 @@ class BumpArena:
                 raise ValueError(f"extent {i} at {base:#x} has non-positive size {nbytes}")
             if base <= 0:
                 raise ValueError(f"extent {i} has base {base:#x}; a base must be a positive address")
+            if base + nbytes >= ADDRESS_LIMIT:
+                raise ValueError(
+                    f"extent {i} [{base:#x}, {base + nbytes:#x}) runs past the end of the 64-bit "
+                    "address space; an extent must end below 2**64"
+                )
             if base % align:
                 raise ValueError(
                     f"extent {i} base {base:#x} is not aligned to {align} bytes; "
@@ -197,13 +326,33 @@ class BumpArena:
     # allocation (host calls of the same C functions torch calls)
     def malloc(self, nbytes: int) -> int:
         """Address of ``nbytes`` rounded up to ``align``; 0 when no extent has room."""
+        nbytes = _integer(nbytes, "malloc size")
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size ({nbytes})")
+        if nbytes >= ADDRESS_LIMIT:
+            raise ValueError(f"cannot allocate {nbytes} bytes: sizes must be below 2**64")
         return self._lib.gb_arena_malloc(self.slot, nbytes) or 0
 
     def free(self, ptr: int, nbytes: int) -> None:
-        """Count ``nbytes`` as freed. The bytes are not reused until set_extents."""
-        self._lib.gb_arena_free(self.slot, ptr, nbytes)
+        """Count ``nbytes`` as freed (the bytes are not reused until set_extents).
+
+        Raises ArenaFreeError, changing nothing, unless ``ptr`` is a live allocation of
+        this arena and ``nbytes`` the size malloc was asked for.
+        """
+        code = self._free(ptr, nbytes)
+        if code:
+            raise ArenaFreeError(describe_free_error(code, int(ptr), int(nbytes), self._last_live_size()))
+
+    def _free(self, ptr, nbytes) -> int:
+        ptr, nbytes = _integer(ptr, "free pointer"), _integer(nbytes, "free size")
+        if not 0 <= ptr < ADDRESS_LIMIT:
+            raise ValueError(f"free({ptr}, {nbytes}): a pointer is an address in [0, 2**64)")
+        if nbytes >= 2**63:
+            nbytes = -1  # no size this large was ever allocated; counted like a negative one
+        return self._lib.gb_arena_free_checked(self.slot, ptr, nbytes)
+
+    def _last_live_size(self) -> int:
+        return self.last_error()[3]
 
     # state
     @property
@@ -216,6 +365,31 @@ class BumpArena:
     @property
     def freed_bytes(self) -> int:
         return self._freed.value  # read in place: checked on every borrow
+
+    @property
+    def errors(self) -> int:
+        """Frees (and record failures) the arena refused since it was created."""
+        return self._errors.value  # read in place: checked on every borrow
+
+    def last_error(self) -> tuple[int, int, int, int]:
+        """``(code, ptr, nbytes, live_size)`` of the most recent refused call (code 0: none)."""
+        ptr, size, live = ctypes.c_uint64(), ctypes.c_int64(), ctypes.c_uint64()
+        code = self._lib.gb_arena_last_error(self.slot, ctypes.byref(ptr), ctypes.byref(size), ctypes.byref(live))
+        return code, ptr.value, size.value, live.value
+
+    def describe_last_error(self) -> str:
+        code, ptr, size, live = self.last_error()
+        return describe_free_error(code, ptr, size, live) if code else "no error"
+
+    @property
+    def live_count(self) -> int:
+        """Allocations handed out since set_extents and not yet freed."""
+        return self._lib.gb_arena_live_count(self.slot)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes asked for by those allocations (before alignment)."""
+        return self._lib.gb_arena_live_bytes(self.slot)
 
     @property
     def best_fit(self) -> bool:
@@ -231,6 +405,8 @@ class BumpArena:
 
     @align.setter
     def align(self, value: int) -> None:
+        """Applies to later allocations: each starts at a multiple of the new alignment."""
+        value = _integer(value, "align")
         if value <= 0 or value & (value - 1):
             raise ValueError(f"align must be a positive power of two, got {value}")
         _check(self._lib.gb_arena_set_align(self.slot, value), "align")
@@ -252,11 +428,13 @@ class BumpArena:
         return self.malloc(nbytes)
 
     def raw_delete(self, address: int, nbytes: int, stream: int = 0) -> None:
-        self.free(address, nbytes)
+        """Like torch's pluggable free: an invalid free is counted in ``errors``, not raised."""
+        self._free(address, nbytes)
 
     def __repr__(self) -> str:
         return (
             f"BumpArena(slot={self.slot}, extents={len(self._extents)}, "
             f"capacity={self.capacity_bytes}, cursor={self.cursor_bytes}, "
-            f"freed={self.freed_bytes}, best_fit={self.best_fit}, align={self.align})"
+            f"freed={self.freed_bytes}, live={self.live_count}, errors={self.errors}, "
+            f"best_fit={self.best_fit}, align={self.align})"
         )

@@ -17,6 +17,7 @@ import torch
 
 from .arena import BumpArena
 from .device_api import DeviceAPI, ExternalBuffer
+from .interrupts import CRITICAL, CRITICAL_ENTRY
 
 __all__ = ["CUDA", "SIM", "CudaBackend", "ExternalBuffer", "cuda_available", "get_backend"]
 
@@ -195,19 +196,31 @@ _ROUTING_HOOKS = _routing_hooks()
 
 
 class _PoolRouting:
-    """What torch.cuda.use_mem_pool does outside a graph capture, as a plain class."""
+    """What torch.cuda.use_mem_pool does outside a graph capture, as a plain class.
 
-    __slots__ = ("device", "pool_id")
+    Entry and exit each run in a critical section (nested in the borrow scope's, so
+    nearly free there): an interrupt cannot fall between ending the routing and
+    releasing the pool, and a second exit does nothing.
+    """
+
+    __slots__ = ("device", "pool_id", "routed")
 
     def __init__(self, device: int, pool_id):
-        self.device, self.pool_id = device, pool_id
+        self.device, self.pool_id, self.routed = device, pool_id, False
 
     def __enter__(self):
-        _ROUTING_HOOKS[0](self.device, self.pool_id)
+        with CRITICAL_ENTRY:
+            _ROUTING_HOOKS[0](self.device, self.pool_id)
+            self.routed = True
 
     def __exit__(self, *exc):
-        _ROUTING_HOOKS[1](self.device, self.pool_id)
-        _ROUTING_HOOKS[2](self.device, self.pool_id)
+        if self.routed:
+            with CRITICAL:
+                self.routed = False
+                try:
+                    _ROUTING_HOOKS[1](self.device, self.pool_id)
+                finally:
+                    _ROUTING_HOOKS[2](self.device, self.pool_id)
         return False
 
 

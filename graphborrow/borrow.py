@@ -14,20 +14,31 @@ nothing the borrow creates may outlive the scope.
         ...                                  # every borrowed tensor dies here
     with state.replay_scope():
         g.replay()                          # raises if a borrowed tensor survived
+
+Scopes are safe against asynchronous interrupts: each one's entry and exit run inside
+critical sections (:mod:`graphborrow.interrupts`), so a Ctrl-C lands before or after a
+state change, never inside one, and a scope whose exit an interrupt prevented (the one
+instruction boundary before ``__exit__`` can act) is released when it is collected or
+when the next claimant finds it gone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Iterable, Iterator, Optional, Sequence
+import weakref
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from .arena import BumpArena, first_overlap
-from .errors import BorrowLeakError, PoolBusyError, WrongStreamError
+from .errors import (
+    ArenaIntegrityError, BorrowLeakError, EmptyGraphPoolError, PoolBusyError, WrongStreamError,
+)
+from .interrupts import CRITICAL, CRITICAL_ENTRY
 from .runs import find_free_runs
 from .sizes import MB, allocation_size, is_small, round_size
+
+__all__ = ["BorrowState", "BorrowScope", "CaptureScope", "ReplayScope", "CAPTURE_USER", "REPLAY_USER"]
 
 CAPTURE_USER = "CUDA graph capture"
 REPLAY_USER = "CUDA graph replay"
@@ -70,6 +81,11 @@ class BorrowState:
     builds: int = dataclasses.field(default=0, init=False)
     stream_key: Any = dataclasses.field(default=None, init=False, repr=False)
     _runs: Optional[list] = dataclasses.field(default=None, init=False, repr=False)
+    _pool_segments: int = dataclasses.field(default=0, init=False, repr=False)
+    # the scope holding the slot (a weak reference: an abandoned scope must be collectable)
+    _holder_ref: Any = dataclasses.field(default=None, init=False, repr=False)
+    _routing: Any = dataclasses.field(default=None, init=False, repr=False)  # the borrow's routing context
+    _arena_errors_seen: int = dataclasses.field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # bound once: checked and entered on every borrow
@@ -87,11 +103,12 @@ class BorrowState:
 
     def disable(self, reason: str) -> None:
         """Turn borrowing off for good reason (e.g. graphs saved to external storage)."""
-        if not reason or not str(reason).strip():
+        if not isinstance(reason, str) or not reason.strip():
             raise ValueError("disable() needs a reason, e.g. disable('graph pool is externally managed')")
-        self._require_idle("disable borrowing")
-        self._retire()
-        self.disabled_reason = str(reason)
+        with CRITICAL:
+            self._require_idle("disable borrowing")
+            self._retire()
+            self.disabled_reason = reason
 
     def enable(self) -> None:
         self.disabled_reason = None
@@ -119,10 +136,11 @@ class BorrowState:
                 "merge them into one run or pass disjoint ranges"
             )
         self._refuse_live_overlap(runs)
-        self._require_idle("replace the static runs")
-        self._retire()
         runs.sort(key=lambda r: (-r[1], r[0]))
-        self.static_runs = runs[: BumpArena.MAX_EXTENTS]
+        with CRITICAL:
+            self._require_idle("replace the static runs")
+            self._retire()
+            self.static_runs = runs[: BumpArena.MAX_EXTENTS]
 
     def _refuse_live_overlap(self, runs: list) -> None:
         """Static runs must not cover blocks the caching allocator still hands out."""
@@ -142,9 +160,10 @@ class BorrowState:
                         )
 
     def clear_static_runs(self) -> None:
-        self._require_idle("clear the static runs")
-        self._retire()
-        self.static_runs = None
+        with CRITICAL:
+            self._require_idle("clear the static runs")
+            self._retire()
+            self.static_runs = None
 
     @property
     def high_water(self) -> int:
@@ -159,9 +178,21 @@ class BorrowState:
         if self.static_runs is not None:
             return list(self.static_runs)
         if self._runs is None:
-            segments = self.backend.memory_snapshot(self.pool_id)
+            segments = self._pool_snapshot()
+            self._pool_segments = len(segments)
             self._runs = find_free_runs(segments, self.policy)[: BumpArena.MAX_EXTENTS]
         return list(self._runs)
+
+    def _pool_snapshot(self) -> list:
+        """The segments of this state's pool, and only those.
+
+        A snapshot asked for one pool holds that pool's segments (torch fills
+        ``segment_pool_id`` for them); any other segment is left out rather than trusted,
+        so memory of another pool can never become a run.
+        """
+        pool = tuple(self.pool_id)
+        segments = self.backend.memory_snapshot(pool)
+        return [s for s in segments if tuple(s.get("segment_pool_id", pool)) == pool]
 
     def largest_run(self) -> int:
         runs = self.free_runs()
@@ -208,7 +239,9 @@ class BorrowState:
         return any(room >= segment for room in rooms)
 
     # ------------------------------------------------------------------ scopes
-    def _take_slot(self, user: str) -> None:
+    def _take_slot(self, user: str, scope: Any = None) -> None:
+        if self.holder is not None:
+            self._reclaim_abandoned()
         if self.holder is not None:
             raise PoolBusyError(
                 f"the graph pool is held by {self.holder!r}; cannot start {user!r}. "
@@ -216,57 +249,73 @@ class BorrowState:
                 "(and let every borrowed tensor die) before entering the next."
             )
         self.holder = user
+        self._holder_ref = None if scope is None else weakref.ref(scope)
 
-    @contextlib.contextmanager
-    def _claim(self, user: str) -> Iterator[None]:
-        self._take_slot(user)
+    def _release_slot(self) -> None:
+        self.holder = None
+        self._holder_ref = None
+
+    def _reclaim_abandoned(self) -> None:
+        """Release the slot of a scope that was collected without leaving (an interrupt
+        between its entry and exit, or in its finalizer). A live holder stays."""
+        ref = self._holder_ref
+        if ref is not None and ref() is None:
+            self._leave()
+
+    def _leave(self) -> None:
+        """Undo whatever the holding scope did on entry and release the slot (idempotent)."""
+        routing, self._routing = self._routing, None
         try:
-            yield
+            if routing is not None:
+                routing.__exit__(None, None, None)
+                self.check_pending = True  # a tensor may have escaped the borrow
         finally:
-            self.holder = None
+            if self.holder == CAPTURE_USER:
+                self._runs = None  # the capture re-carved the free space
+            self._release_slot()
 
     def _require_idle(self, action: str) -> None:
+        if self.holder is not None:
+            self._reclaim_abandoned()
         if self.holder is not None:
             raise PoolBusyError(
                 f"cannot {action} while the graph pool is held by {self.holder!r}; "
                 "leave that scope first"
             )
 
-    @contextlib.contextmanager
-    def capture_scope(self) -> Iterator[None]:
+    def capture_scope(self) -> "CaptureScope":
         """Wrap a graph capture into the shared pool: retires the borrow pool first."""
-        if not self.enabled:
-            yield
-            return
-        with self._claim(CAPTURE_USER):
-            self._retire()
-            try:
-                yield
-            finally:
-                self._runs = None  # the capture re-carved the free space
+        return CaptureScope(self, CAPTURE_USER)
 
-    @contextlib.contextmanager
-    def replay_scope(self) -> Iterator[None]:
+    def replay_scope(self) -> "ReplayScope":
         """Wrap a graph replay: refuses while any borrowed byte is still referenced."""
-        if not self.enabled:
-            yield
-            return
-        with self._claim(REPLAY_USER):
-            if self.check_pending:
-                self._raise_on_live_borrows("graph replay")
-            yield
+        return ReplayScope(self, REPLAY_USER)
 
     def borrow(self, user: str = "borrow") -> "BorrowScope":
         """Route new tensors of this thread into the graph pool's free runs.
 
-        A request no run can hold raises the backend's OutOfMemoryError; nothing falls
-        back silently to fresh device memory.
+        ``user`` names the borrower in errors (``PoolBusyError`` names the holder); it
+        must be a non-empty string. A request no run can hold raises the backend's
+        OutOfMemoryError; nothing falls back silently to fresh device memory.
         """
+        if not isinstance(user, str) or not user.strip():
+            raise TypeError(
+                f"borrow() needs a non-empty string naming the borrower, e.g. "
+                f"state.borrow('EAGLE verify'); got {user!r}"
+            )
         return BorrowScope(self, user)
 
     # ------------------------------------------------------------------ pool life
     def _build(self) -> None:
         runs = self.free_runs()
+        if self.static_runs is None and self._pool_segments == 0:
+            raise EmptyGraphPoolError(
+                f"the graph pool {tuple(self.pool_id)} holds no segments: no graph has been captured "
+                "into it yet (or its graphs were freed and the memory returned), so there is nothing "
+                "idle to borrow, and handing out memory from any other pool would collide with plain "
+                "allocations. Capture into state.pool_id first (inside state.capture_scope()), or use "
+                "set_static_runs() for memory the caching allocator does not manage."
+            )
         if self.arena is None:
             self.arena = BumpArena(best_fit=self.best_fit)
         self.arena.best_fit = self.best_fit
@@ -303,8 +352,24 @@ class BorrowState:
 
     def retire(self) -> None:
         """Drop the borrow pool: leak check, synchronise, drain deferred frees, release."""
-        self._require_idle("retire the borrow pool")
-        self._retire()
+        with CRITICAL:
+            self._require_idle("retire the borrow pool")
+            self._retire()
+
+    def _check_arena(self, event: str) -> None:
+        """Raise once for frees the arena refused since the last check (torch's pluggable
+        path, and the simulated device's, count them because they cannot raise)."""
+        arena = self.arena
+        if arena is None or arena.errors == self._arena_errors_seen:
+            return
+        new = arena.errors - self._arena_errors_seen
+        self._arena_errors_seen = arena.errors
+        raise ArenaIntegrityError(
+            f"at {event}: the borrow pool's arena refused {new} free(s) from the allocator above it; "
+            f"the last: {arena.describe_last_error()}. The refused frees changed nothing in the arena, "
+            "but something released memory it did not get from it, or released it twice. "
+            "If you call BumpArena.free or raw_delete yourself, pass what malloc returned, once."
+        )
 
     def _retire(self) -> None:
         self._runs = None
@@ -318,8 +383,9 @@ class BorrowState:
         self.backend.synchronize()
         self.backend.touch()
         self._high_water = self.high_water
-        self.mem_pool = None
+        self.mem_pool = None  # the pool's segments go back to the arena now
         self.stream = self.stream_key = None
+        self._check_arena("borrow-pool retirement")
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
@@ -335,55 +401,107 @@ class BorrowState:
             "builds": self.builds,
             "cursor_bytes": self.arena.cursor_bytes if self.arena else 0,
             "freed_bytes": self.arena.freed_bytes if self.arena else 0,
+            "arena_errors": self.arena.errors if self.arena else 0,
             "high_water": self.high_water,
         }
 
 
-class BorrowScope:
-    """The context manager of ``BorrowState.borrow``; a class, not a generator, because
-    it runs every decode step and its host cost is measured against use_mem_pool's."""
+class _SlotScope:
+    """A scope that holds the owner slot from entry to exit.
 
-    __slots__ = ("state", "user", "_pool_ctx")
+    Entry runs in a critical section that carries interrupts past it (see
+    :data:`~graphborrow.interrupts.CRITICAL_ENTRY`): either the scope took effect and
+    ``__enter__`` returns, or nothing changed. Exit runs in a critical section too. If an
+    interrupt lands on the instruction boundary before ``__exit__`` can act, the with
+    statement drops the scope without leaving it; ``__del__`` then leaves it, and the next
+    claimant of the slot reclaims it if even that was interrupted.
+    """
+
+    __slots__ = ("state", "user", "__weakref__")
 
     def __init__(self, state: BorrowState, user: str):
-        self.state, self.user, self._pool_ctx = state, user, None
+        self.state, self.user = state, user
+
+    def _enter(self) -> None:
+        """What the scope does once it holds the slot; raise to refuse (the slot is released)."""
 
     def __enter__(self) -> None:
         s = self.state
         if not s.enabled:
             return
-        s._take_slot(self.user)
-        try:
-            if s.mem_pool is not None:
-                if s._stream_key() != s.stream_key:
-                    raise WrongStreamError(
-                        f"{self.user!r} borrows on stream {s.backend.current_stream()} but the "
-                        f"borrow pool was built on stream {s.stream}; borrow on that stream, or "
-                        "call retire() first so the next borrow builds a pool on the new one"
-                    )
-                s.backend.touch()  # lets the allocator finish completed cross-stream frees
-                if s.arena.freed_bytes:
-                    # the caching layer released arena segments (empty_cache); a bump arena
-                    # cannot hand those bytes out again, so start over from fresh runs
-                    s._retire()
-            if s.mem_pool is None:
-                s._build()
-            ctx = s._route(s.mem_pool)
-            ctx.__enter__()
-            self._pool_ctx = ctx
-        except BaseException:
-            s.holder = None
-            raise
+        with CRITICAL_ENTRY:
+            s._take_slot(self.user, self)
+            try:
+                self._enter()
+            except BaseException:
+                s._leave()
+                raise
+
+    def _holds(self) -> bool:
+        ref = self.state._holder_ref
+        return ref is not None and ref() is self
 
     def __exit__(self, *exc) -> bool:
-        ctx = self._pool_ctx
-        if ctx is None:
-            return False
-        self._pool_ctx = None
-        s = self.state
-        try:
-            ctx.__exit__(*exc)
-        finally:
-            s.check_pending = True  # even on error: a tensor may have escaped
-            s.holder = None
+        if self._holds():
+            with CRITICAL:
+                self._exit()
         return False
+
+    def _exit(self) -> None:
+        self.state._leave()
+
+    def __del__(self) -> None:
+        try:
+            if self._holds():  # entered, never left: an interrupt cut the with statement short
+                with CRITICAL:
+                    self._exit()
+        except Exception:  # interpreter shutdown: the state may be half torn down
+            pass
+
+
+class CaptureScope(_SlotScope):
+    """``BorrowState.capture_scope()``: retires the borrow pool; the capture re-carves the runs."""
+
+    __slots__ = ()
+
+    def _enter(self) -> None:
+        self.state._retire()
+
+
+class ReplayScope(_SlotScope):
+    """``BorrowState.replay_scope()``: refuses while a borrowed tensor is still referenced."""
+
+    __slots__ = ()
+
+    def _enter(self) -> None:
+        s = self.state
+        if s.check_pending:
+            s._raise_on_live_borrows("graph replay")
+
+
+class BorrowScope(_SlotScope):
+    """The context manager of ``BorrowState.borrow``. It runs every decode step, and its
+    host cost is measured against use_mem_pool's (``benchmarks/interrupt_cost.py``)."""
+
+    __slots__ = ()
+
+    def _enter(self) -> None:
+        s = self.state
+        if s.mem_pool is not None:
+            if s._stream_key() != s.stream_key:
+                raise WrongStreamError(
+                    f"{self.user!r} borrows on stream {s.backend.current_stream()} but the "
+                    f"borrow pool was built on stream {s.stream}; borrow on that stream, or "
+                    "call retire() first so the next borrow builds a pool on the new one"
+                )
+            s.backend.touch()  # lets the allocator finish completed cross-stream frees
+            s._check_arena(f"the start of {self.user!r}")
+            if s.arena.freed_bytes:
+                # the caching layer released arena segments (empty_cache); a bump arena
+                # cannot hand those bytes out again, so start over from fresh runs
+                s._retire()
+        if s.mem_pool is None:
+            s._build()
+        routing = s._route(s.mem_pool)
+        routing.__enter__()
+        s._routing = routing

@@ -5,6 +5,12 @@ RuntimeError (or ValueError for bad arguments) so callers that only know
 torch's conventions still catch them.
 """
 
+__all__ = [
+    "GraphBorrowError", "PoolBusyError", "BorrowLeakError", "WrongStreamError",
+    "BorrowCapacityError", "EmptyGraphPoolError", "ArenaIntegrityError", "ArenaFreeError",
+    "SnapshotFormatError", "ParameterError",
+]
+
 
 class GraphBorrowError(RuntimeError):
     """Base class for borrow-state errors."""
@@ -24,6 +30,18 @@ class WrongStreamError(GraphBorrowError):
 
 class BorrowCapacityError(GraphBorrowError, ValueError):
     """A request can never fit the free runs (e.g. a chunk size of zero rows)."""
+
+
+class EmptyGraphPoolError(GraphBorrowError, ValueError):
+    """The pool handle holds no segments: no graph was captured into it (or it was released)."""
+
+
+class ArenaIntegrityError(GraphBorrowError):
+    """The borrow pool's arena refused frees (double, unknown, stale or wrongly sized)."""
+
+
+class ArenaFreeError(ValueError):
+    """A host call freed what the arena never handed out live, or with the wrong size."""
 
 
 class SnapshotFormatError(ValueError):

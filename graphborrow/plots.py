@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from .capacity import unborrowable_runs
-from .errors import SnapshotFormatError
+from .snapshot import load_snapshot
 
 __all__ = ["BORROWED_COLOR", "RUN_COLOR", "STATE_COLORS", "UNBORROWABLE_COLOR", "bar_policy_comparison", "capacity_map", "largest_borrowable_plot", "memory_map", "sweep_plot"]
 
@@ -39,22 +39,8 @@ def _new_axes(ax, figsize):
 
 
 def _segment_list(segments: Any) -> list[Mapping]:
-    if isinstance(segments, Mapping):
-        if "segments" not in segments:
-            raise SnapshotFormatError(
-                "snapshot dict has no 'segments'; pass memory_snapshot() or _snapshot()"
-            )
-        segments = segments["segments"]
-    if not isinstance(segments, (list, tuple)):
-        raise SnapshotFormatError(
-            f"expected a list of segment dicts, got {type(segments).__name__}"
-        )
-    for i, seg in enumerate(segments):
-        if not isinstance(seg, Mapping) or "blocks" not in seg or "address" not in seg:
-            raise SnapshotFormatError(
-                f"segment {i} needs 'address' and 'blocks' (torch.cuda.memory_snapshot() format)"
-            )
-    return sorted(segments, key=lambda s: s["address"])
+    """The checked segments of any snapshot form (see :func:`graphborrow.snapshot.load_snapshot`)."""
+    return sorted(load_snapshot(segments)["segments"], key=lambda s: s["address"])
 
 
 def _unit(max_bytes: int) -> tuple[float, str]:

@@ -3,117 +3,104 @@
 A *run* is a maximal stretch of consecutive ``inactive`` blocks inside one segment.
 Runs never cross segments (segments need not be adjacent in address space) and never
 cover ``active_allocated`` or ``active_pending_free`` blocks (the latter still wait for
-another stream's work). Two policies:
+another stream's work). Memory of a segment nested inside another segment's free block
+(a borrow pool's segment inside a graph pool, in a snapshot of every pool) counts once,
+for the nested segment: the host's runs stop at it. Two policies:
 
 ``"runs"``            every segment counts, mixed ones included.
 ``"whole_segments"``  only segments with nothing allocated (the first upstream rule);
                       one live block hides its whole segment.
+
+Every snapshot is read through :func:`graphborrow.snapshot.load_snapshot`, so a
+malformed one is refused with a message naming the segment and block, never turned
+into runs over memory no free block covers.
 """
 
 from __future__ import annotations
 
-import pickle
-from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
-from .errors import SnapshotFormatError
+from .snapshot import FREE_STATE, load_snapshot, nested_in
+
+__all__ = ["find_free_runs", "summarize", "runs_total", "load_snapshot", "POLICIES"]
 
 POLICIES = ("runs", "whole_segments")
-_BLOCK_KEYS = ("state", "size", "address")
 
 
-def _segments_of(snapshot: Any) -> list[Mapping]:
-    if isinstance(snapshot, (str, Path)):
-        snapshot = load_snapshot(snapshot)
-    if isinstance(snapshot, Mapping):
-        if "segments" not in snapshot:
-            raise SnapshotFormatError(
-                "snapshot dict has no 'segments' key; pass torch.cuda.memory_snapshot() "
-                "or the dict of torch.cuda.memory._snapshot()"
-            )
-        snapshot = snapshot["segments"]
-    if not isinstance(snapshot, (list, tuple)):
-        raise SnapshotFormatError(
-            f"expected a list of segment dicts, got {type(snapshot).__name__}"
-        )
-    return list(snapshot)
+def _runs_of(segment, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Maximal stretches of free blocks in one segment, less the nested segments' ranges."""
+    runs = []
+    start = length = 0
+    for block in segment["blocks"]:
+        if block["state"] == FREE_STATE:
+            if length == 0:
+                start = block["address"]
+            length += block["size"]
+        elif length:
+            runs.append((start, length))
+            length = 0
+    if length:
+        runs.append((start, length))
+    for hole_start, hole_size in holes:
+        hole_end = hole_start + hole_size
+        cut = []
+        for a, n in runs:
+            if hole_end <= a or a + n <= hole_start:
+                cut.append((a, n))
+                continue
+            if a < hole_start:
+                cut.append((a, hole_start - a))
+            if hole_end < a + n:
+                cut.append((hole_end, a + n - hole_end))
+        runs = cut
+    return runs
 
 
-def load_snapshot(path: str | Path) -> dict:
-    """Read a pickle written by ``torch.cuda.memory._dump_snapshot`` (or ours)."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            data = pickle.load(f)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # truncated or foreign file
-        raise SnapshotFormatError(
-            f"{path} is not a readable snapshot pickle ({type(exc).__name__}: {exc}); "
-            "write it with torch.cuda.memory._dump_snapshot or graphborrow.sim.export.dump_snapshot"
-        ) from exc
-    if isinstance(data, list):
-        data = {"segments": data}
-    if not isinstance(data, dict) or "segments" not in data:
-        raise SnapshotFormatError(f"{path} holds no 'segments'; it is not a memory snapshot")
-    return data
-
-
-def _check_segment(i: int, segment: Mapping) -> None:
-    if not isinstance(segment, Mapping):
-        raise SnapshotFormatError(f"segment {i} is a {type(segment).__name__}, not a dict")
-    if "blocks" not in segment:
-        raise SnapshotFormatError(
-            f"segment {i} (address {segment.get('address', '?')}) has no 'blocks'; "
-            "take the snapshot with torch.cuda.memory_snapshot(), which lists blocks per segment"
-        )
-    for j, block in enumerate(segment["blocks"]):
-        missing = [k for k in _BLOCK_KEYS if k not in block]
-        if missing:
-            raise SnapshotFormatError(
-                f"segment {i} block {j} lacks {', '.join(repr(k) for k in missing)}; "
-                "every block needs 'address', 'size' and 'state'"
-            )
+def _holes(segments: list) -> dict[int, list[tuple[int, int]]]:
+    holes: dict[int, list[tuple[int, int]]] = {}
+    for inner, host in nested_in(segments).items():
+        holes.setdefault(host, []).append((segments[inner]["address"], segments[inner]["total_size"]))
+    return holes
 
 
 def find_free_runs(segments: Any, policy: str = "runs") -> list[tuple[int, int]]:
-    """``(address, nbytes)`` of every free run, largest first (lowest address on ties)."""
+    """``(address, nbytes)`` of every free run, largest first (lowest address on ties).
+
+    Args:
+        segments: a snapshot in any form :func:`~graphborrow.snapshot.load_snapshot` reads.
+        policy: ``"runs"`` or ``"whole_segments"``.
+    """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    segs = load_snapshot(segments)["segments"]
+    holes = _holes(segs)
     runs: list[tuple[int, int]] = []
-    for i, segment in enumerate(_segments_of(segments)):
-        _check_segment(i, segment)
-        blocks = segment["blocks"]
-        if policy == "whole_segments" and any(b["state"] != "inactive" for b in blocks):
+    for i, segment in enumerate(segs):
+        if policy == "whole_segments" and (
+            i in holes or any(b["state"] != FREE_STATE for b in segment["blocks"])
+        ):
             continue
-        start, length = 0, 0
-        for block in blocks:
-            if block["state"] == "inactive":
-                if length == 0:
-                    start = block["address"]
-                length += block["size"]
-            elif length:
-                runs.append((start, length))
-                length = 0
-        if length:
-            runs.append((start, length))
+        runs.extend(_runs_of(segment, holes.get(i, ())))
     runs.sort(key=lambda r: (-r[1], r[0]))
     return runs
 
 
 def summarize(segments: Any) -> dict[str, int]:
-    """Reserved, allocated and free bytes of a segment list, and the runs by policy."""
-    segs = _segments_of(segments)
-    for i, s in enumerate(segs):
-        _check_segment(i, s)
-    reserved = sum(b["size"] for s in segs for b in s["blocks"])
-    inactive = sum(b["size"] for s in segs for b in s["blocks"] if b["state"] == "inactive")
+    """Reserved, allocated and free bytes of a segment list, and the runs by policy.
+
+    Nested segments (a borrow pool inside a graph pool's free blocks) count once:
+    ``reserved_bytes`` and ``inactive_bytes`` are those of the outermost segments, less
+    the nested ones' memory for ``inactive_bytes``.
+    """
+    segs = load_snapshot(segments)["segments"]
+    outer = [s for i, s in enumerate(segs) if i not in nested_in(segs)]
+    reserved = sum(s["total_size"] for s in outer)
     runs = find_free_runs(segs, "runs")
     whole = find_free_runs(segs, "whole_segments")
     return {
         "segments": len(segs),
         "reserved_bytes": reserved,
-        "inactive_bytes": inactive,
+        "inactive_bytes": sum(n for _, n in runs),
         "runs": len(runs),
         "run_bytes": sum(n for _, n in runs),
         "largest_run": runs[0][1] if runs else 0,

@@ -1,9 +1,17 @@
-"""Shared fixtures: a backend per device kind, and a small graph ladder to borrow from."""
+"""Shared fixtures: a backend per device kind, and a small graph ladder to borrow from.
+
+Also the Hypothesis profiles. ``GRAPHBORROW_HYPOTHESIS=ci`` (the default) runs each
+property test with its usual number of examples; ``GRAPHBORROW_HYPOTHESIS=deep`` (what
+``make deep`` sets) runs 50 times as many, including tests that ask for a number of
+their own, and scales :func:`deep_factor` for randomized stress loops. Property tests are
+marked ``property`` automatically, so ``pytest -m property`` selects them.
+"""
 
 import gc
 import os
 
 import torch
+from hypothesis import HealthCheck, settings
 
 if not torch.cuda.is_available():
     # The fused kernels run in Triton's interpreter here, which must be chosen before anything
@@ -16,6 +24,46 @@ from graphborrow.backend import get_backend  # noqa: E402
 from graphborrow.borrow import BorrowState  # noqa: E402
 
 MiB = 1 << 20
+
+HYPOTHESIS_ENV = "GRAPHBORROW_HYPOTHESIS"
+DEEP_FACTOR = 50
+CI_EXAMPLES = 100
+settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, print_blob=True)
+settings.register_profile(
+    "deep",
+    max_examples=CI_EXAMPLES * DEEP_FACTOR,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+PROFILE = os.environ.get(HYPOTHESIS_ENV, "ci")
+if PROFILE not in ("ci", "deep"):
+    raise pytest.UsageError(f"{HYPOTHESIS_ENV}={PROFILE!r}: choose 'ci' (the default) or 'deep'")
+settings.load_profile(PROFILE)
+
+
+def deep_factor() -> int:
+    """How many times longer randomized tests run: 1, or 50 under the deep profile."""
+    return DEEP_FACTOR if PROFILE == "deep" else 1
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        test = getattr(item, "obj", None)
+        if getattr(test, "hypothesis", None) is None:
+            continue
+        item.add_marker(pytest.mark.property)
+        if PROFILE != "deep":
+            continue
+        # a test that asked for its own number of examples gets 50 times that number too
+        own = getattr(test, "_hypothesis_internal_use_settings", None)
+        if own is None:
+            raise pytest.UsageError(
+                "the deep profile cannot scale per-test example counts with this Hypothesis version "
+                f"({item.nodeid}); run with {HYPOTHESIS_ENV}=ci or update tests/conftest.py"
+            )
+        if own.max_examples != settings.default.max_examples:
+            test._hypothesis_internal_use_settings = settings(own, max_examples=own.max_examples * DEEP_FACTOR)
 
 
 def _cuda_param():

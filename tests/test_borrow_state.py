@@ -120,3 +120,36 @@ def test_stats_report_the_pool(external):
     assert stats["enabled"] and stats["pool_built"] and stats["builds"] == 1
     assert stats["runs"] == 1 and stats["largest_run"] == 64 * MB
     assert stats["cursor_bytes"] > 0 and stats["high_water"] == stats["cursor_bytes"]
+
+
+def test_stats_report_the_pool_and_arena(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 128 * MB), (buf.address + 128 * MB, 64 * MB)])
+    before = state.stats()
+    assert before == {
+        "enabled": True, "disabled_reason": None, "holder": None, "runs": 2,
+        "run_bytes": 192 * MB, "largest_run": 128 * MB, "pool_built": False, "builds": 0,
+        "cursor_bytes": 0, "freed_bytes": 0, "arena_errors": 0, "high_water": 0,
+    }
+    with state.borrow("stats"):
+        t = torch.empty(4 * MB, dtype=torch.uint8, device="cuda")
+        inside = state.stats()
+        del t
+    assert inside["holder"] == "stats" and inside["pool_built"] and inside["builds"] == 1
+    assert inside["cursor_bytes"] > 0 and inside["high_water"] == inside["cursor_bytes"]
+    state.disable("stats test")
+    assert state.stats()["enabled"] is False and state.stats()["disabled_reason"] == "stats test"
+    assert state.stats()["runs"] == 0 and state.stats()["high_water"] == inside["cursor_bytes"]
+
+
+def test_clearing_static_runs_goes_back_to_the_pool_and_is_refused_while_held(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow("held"):
+        with pytest.raises(PoolBusyError, match="clear the static runs"):
+            state.clear_static_runs()
+    assert state.static_runs == [(buf.address, 64 * MB)] and state.mem_pool is not None
+    state.clear_static_runs()
+    assert state.static_runs is None and state.mem_pool is None and not state.enabled

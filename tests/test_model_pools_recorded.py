@@ -71,8 +71,16 @@ if RECORDINGS:
     def test_recorded_trace_replays_on_the_simulated_allocator(path):
         gpu = load_recording(path)
         events = [{k: v for k, v in e.items() if k != "site"} for e in expand_trace(gpu["trace"], gpu["sites"])]
-        report = replay_trace({"segments": gpu["segments"], "device_traces": [events]})
+        pools = {tuple(s["segment_pool_id"]) for s in gpu["segments"]}  # the recording keeps the graph pool
+        report = replay_trace({"segments": gpu["segments"], "device_traces": [events]}, final_pools=pools)
         assert report.agreement == 1.0 and report.checks > 1000, str(report)
+
+    def test_a_pool_snapshot_read_as_the_whole_device_misses_the_other_pools():
+        gpu = load_recording(DATA / "synthetic.json.gz")
+        events = [{k: v for k, v in e.items() if k != "site"} for e in expand_trace(gpu["trace"], gpu["sites"])]
+        whole = replay_trace({"segments": gpu["segments"], "device_traces": [events]})
+        assert whole.agreement < 1.0 and whole.mismatches
+        assert all("expected None" in m for m in whole.mismatches), str(whole)
 
     def test_without_the_gpu_addresses_equal_segments_swap_layouts():
         """The driver's address order, not the allocation sequence, is what the addresses fix."""

@@ -76,8 +76,10 @@ def test_memory_map_small_segments_use_kib():
 
 
 def test_memory_map_rejects_non_snapshots():
-    with pytest.raises(SnapshotFormatError, match="blocks"):
+    with pytest.raises(SnapshotFormatError, match="segment 0 has no 'total_size'"):
         plots.memory_map([{"address": 0}])
+    with pytest.raises(SnapshotFormatError, match="cover 1048576 bytes but total_size is 2097152"):  # the one reader checks
+        plots.memory_map([{**segment(1 << 30, [(MiB, "inactive")]), "total_size": 2 * MiB}])
     with pytest.raises(SnapshotFormatError, match="segments"):
         plots.memory_map({"traces": []})
 

@@ -77,10 +77,11 @@ def test_full_snapshot_dict_and_pickle_file_are_accepted(tmp_path):
 @pytest.mark.parametrize(
     "segments, fragment",
     [
-        ([{"address": 1}], "no 'blocks'"),
-        ([{"address": 1, "blocks": [{"size": 1, "address": 1}]}], "'state'"),
-        ([{"address": 1, "blocks": [{"state": "inactive", "address": 1}]}], "'size'"),
-        ([{"address": 1, "blocks": [{"state": "inactive", "size": 1}]}], "'address'"),
+        ([{"address": 1, "total_size": 1}], "no 'blocks'"),
+        ([{"address": 1, "blocks": []}], "no 'total_size'"),
+        ([{"address": 1, "total_size": 1, "blocks": [{"size": 1, "address": 1}]}], "'state'"),
+        ([{"address": 1, "total_size": 1, "blocks": [{"state": "inactive", "address": 1}]}], "'size'"),
+        ([{"address": 1, "total_size": 1, "blocks": [{"state": "inactive", "size": 1}]}], "'address'"),
         ({"device_traces": []}, "no 'segments'"),
         (42, "list of segment dicts"),
     ],

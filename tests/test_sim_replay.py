@@ -11,7 +11,7 @@ import pytest
 from graphborrow.errors import SnapshotFormatError
 from graphborrow.sim.allocator import CachingAllocator
 from graphborrow.sim.memory import PhysicalMemory
-from graphborrow.sim.replay import ReplayReport, replay_trace
+from graphborrow.sim.replay import ReplayReport, load_trace, replay_trace
 from graphborrow.sim.streams import Clockwork
 
 KiB, MiB = 2**10, 2**20
@@ -277,7 +277,26 @@ def test_foreign_input_is_refused_with_the_reason(tmp_path):
         replay_trace({"segments": []})
     broken = tmp_path / "broken.pickle.gz"
     broken.write_bytes(b"not gzip")
-    with pytest.raises(SnapshotFormatError, match="cannot read a trace"):
+    with pytest.raises(SnapshotFormatError, match="broken.pickle.gz is not a readable snapshot pickle"):
         replay_trace(broken)
     with pytest.raises(SnapshotFormatError, match="unknown action"):
         replay_trace(snapshot_of([entry("teleport", A, 1)]))
+
+
+def test_traces_are_read_by_the_one_snapshot_reader():
+    """A trace whose final snapshot is malformed is refused before the replay trusts it."""
+    good = segment(A, [(4096, "active_allocated"), (2 * MiB - 4096, "inactive")])
+    assert load_trace(snapshot_of([entry("alloc", A, 4096)], [good]))["segments"] == [good]
+    negative = dict(good, blocks=[{"size": 4096, "state": "active_allocated"}, {"size": -4096, "state": "inactive"}])
+    with pytest.raises(SnapshotFormatError, match="block 1 has size -4096"):
+        replay_trace(snapshot_of([entry("alloc", A, 4096)], [negative]))
+    overlapping = [good, segment(A + 1 * MiB, [(2 * MiB, "inactive")])]
+    with pytest.raises(SnapshotFormatError, match="overlap partly"):
+        replay_trace(snapshot_of([entry("alloc", A, 4096)], overlapping))
+
+
+def test_final_pools_must_be_pool_ids():
+    snapshot = snapshot_of([entry("alloc", A, 4096)])
+    for bad in ([], [(0,)], [("0", 1)]):
+        with pytest.raises(ValueError, match="final_pools must be pool ids"):
+            replay_trace(snapshot, final_pools=bad)

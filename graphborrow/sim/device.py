@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Iterator
 
 import torch
 
 from ..device_api import ExternalBuffer
+from ..interrupts import CRITICAL, CRITICAL_ENTRY
 from . import graphs
 from .allocator import CachingAllocator
 from .attention import AttentionModel
@@ -161,6 +163,8 @@ class SimBackend:
         self._lock = threading.RLock()
         self._depth = 0  # > 0 while inside an allocator call (frees then wait in _pending)
         self._pending: list = []
+        self._owners: dict = {}  # block -> _StorageOwner of the storage that frees it
+        self._dead: list = []  # owners whose storage died (appended by the weakref machinery)
         self._tls = threading.local()
         self.captures = graphs.CaptureRegistry()  # capturing stream id -> graph (graphs.py owns it)
         self._capture_stream: Stream | None = None
@@ -295,19 +299,9 @@ class SimBackend:
         """The borrow scope's per-step routing; on the simulator simply ``use_mem_pool``."""
         return self.use_mem_pool(pool)
 
-    @contextlib.contextmanager
-    def use_mem_pool(self, pool) -> Iterator[None]:
+    def use_mem_pool(self, pool) -> "_SimPoolRouting":
         """Route this thread's allocations to ``pool`` (no stream filter, as in torch 2.8+)."""
-        pool_id = self.pool_id(pool)
-        thread = threading.get_ident()
-        with self._allocator_call():
-            self.allocator.begin_allocate_to_pool(pool_id, lambda stream, t: t == thread)
-        try:
-            yield
-        finally:
-            with self._allocator_call():
-                self.allocator.end_allocate_to_pool(pool_id)
-                self.allocator.release_pool(pool_id)
+        return _SimPoolRouting(self, self.pool_id(pool))
 
     def pool_id(self, pool) -> tuple[int, int]:
         return tuple(pool.id) if hasattr(pool, "id") else tuple(pool)
@@ -422,30 +416,42 @@ class SimBackend:
     # ------------------------------------------------------ allocation (for tensors)
     @contextlib.contextmanager
     def _allocator_call(self) -> Iterator[None]:
-        """Serialise allocator calls; frees arriving meanwhile (GC, other threads) wait."""
-        with self._lock:
+        """Serialise allocator calls; frees arriving meanwhile (GC, other threads) wait.
+
+        Each call is a critical section: an interrupt cannot stop the allocator halfway
+        through a split, a merge or a free-list update (see :mod:`graphborrow.interrupts`).
+        """
+        with CRITICAL, self._lock:
+            if (self._pending or self._dead) and not self._depth:
+                self._drain()
             self._depth += 1
             try:
                 yield
             finally:
                 self._depth -= 1
-            if self._pending and not self._depth:
+            if (self._pending or self._dead) and not self._depth:
                 self._drain()
 
     def _new_storage(self, nbytes: int) -> SimStorage:
         self._check_open()
-        with self._lock:
-            self._depth += 1
-            try:
-                block = self.allocator.malloc(nbytes, self.current_stream().id, threading.get_ident())
-            finally:
-                self._depth -= 1
-            if self._pending and not self._depth:
-                self._drain()
-        if self.backed:
-            host = self.memory.host_view(block.ptr, nbytes)
-            return _BackedStorage(self, block, host, nbytes)
-        return SimStorage(self, block, 0, nbytes, 0)
+        with CRITICAL:  # the block and the storage that will free it come into being together
+            with self._lock:
+                if (self._pending or self._dead) and not self._depth:
+                    self._drain()
+                self._depth += 1
+                try:
+                    block = self.allocator.malloc(nbytes, self.current_stream().id, threading.get_ident())
+                finally:
+                    self._depth -= 1
+                if self._pending and not self._depth:
+                    self._drain()
+            if self.backed:
+                host = self.memory.host_view(block.ptr, nbytes)
+                storage = _BackedStorage(self, block, host, nbytes)
+            else:
+                storage = SimStorage(self, block, 0, nbytes, 0)
+            self._owners[block] = _StorageOwner(storage, self._dead.append, block)
+        return storage
 
     def clear_library_workspaces(self) -> None:
         """Release the cuBLAS and cuBLASLt workspaces kept per stream, as ``torch._C._cuda_clearCublasWorkspaces``."""
@@ -468,9 +474,16 @@ class SimBackend:
             self._generator_state = [self._new_storage(8), self._new_storage(8)]
 
     def _release(self, block) -> None:
+        """Free ``block`` for a storage that died (called from its finalizer).
+
+        If an interrupt stops the finalizer before this runs, the storage's owner record
+        (a weak reference whose callback is ``list.append``, C code no signal can split
+        from the death) still reaches ``_dead``, and the next allocator call frees it.
+        """
         if self._closed:
             return
-        with self._lock:
+        with CRITICAL, self._lock:
+            self._owners.pop(block, None)
             if self._depth:
                 self._pending.append(block)
                 return
@@ -479,7 +492,7 @@ class SimBackend:
                 self.allocator.free(block)
             finally:
                 self._depth -= 1
-            if self._pending:
+            if self._pending or self._dead:
                 self._drain()
 
     def _drain(self) -> None:
@@ -487,6 +500,12 @@ class SimBackend:
         try:
             while self._pending:
                 self.allocator.free(self._pending.pop(0))
+            dead, owners = self._dead, self._owners
+            while dead:
+                owner = dead.pop()
+                if owners.get(owner.block) is owner:  # its storage died but never freed it
+                    del owners[owner.block]
+                    self.allocator.free(owner.block)
         finally:
             self._depth -= 1
 
@@ -515,6 +534,62 @@ class SimBackend:
         if self.backed:
             placed._inner.copy_(host)
         return placed
+
+
+class _StorageOwner(weakref.ref):
+    """A weak reference to a storage that remembers its block (see ``SimBackend._release``)."""
+
+    __slots__ = ("block",)
+
+    def __new__(cls, storage, callback, block):
+        self = super().__new__(cls, storage, callback)
+        self.block = block
+        return self
+
+    def __init__(self, storage, callback, block) -> None:
+        super().__init__(storage, callback)
+
+
+class _SimPoolRouting:
+    """``use_mem_pool`` on the simulated device, safe against interrupts.
+
+    Routing starts at entry and stops (ending the routing and releasing the pool) at
+    exit, each in a critical section; a routing dropped without its exit (an interrupt
+    right before ``__exit__``) is stopped when it is collected.
+    """
+
+    __slots__ = ("backend", "pool_id", "routed")
+
+    def __init__(self, backend: "SimBackend", pool_id: tuple[int, int]) -> None:
+        self.backend, self.pool_id, self.routed = backend, pool_id, False
+
+    def __enter__(self) -> None:
+        backend, thread = self.backend, threading.get_ident()
+        with CRITICAL_ENTRY:
+            with backend._allocator_call():
+                backend.allocator.begin_allocate_to_pool(self.pool_id, lambda stream, t: t == thread)
+            self.routed = True
+
+    def __exit__(self, *exc) -> bool:
+        if self.routed:
+            with CRITICAL:
+                self._stop()
+        return False
+
+    def _stop(self) -> None:
+        self.routed = False
+        backend = self.backend
+        with backend._allocator_call():
+            backend.allocator.end_allocate_to_pool(self.pool_id)
+            backend.allocator.release_pool(self.pool_id)
+
+    def __del__(self) -> None:
+        try:
+            if self.routed and not self.backend._closed:
+                with CRITICAL:
+                    self._stop()
+        except Exception:  # interpreter shutdown
+            pass
 
 
 class _BackedStorage(SimStorage):

@@ -42,15 +42,13 @@ Statistics: for a trace that starts at an empty allocator and carries the real
 
 from __future__ import annotations
 
-import gzip
-import os
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 from sortedcontainers import SortedDict
 
 from ..errors import SnapshotFormatError
+from ..snapshot import load_snapshot
 from ..sizes import SMALL_BUFFER, SMALL_SIZE, allocation_size, round_size
 from .allocator import DEFAULT_POOL, CachingAllocator
 from .config import SIZE_MAX, AllocatorConfig
@@ -108,23 +106,20 @@ class ReplayReport:
 
 
 def load_trace(source: Any) -> dict:
-    """A ``_snapshot()`` dict with a device trace, from a dict or a path to its pickle (``.gz`` or not)."""
-    if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        opener = gzip.open if path.endswith(".gz") else open
-        try:
-            with opener(path, "rb") as f:
-                source = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError) as error:
-            raise SnapshotFormatError(f"cannot read a trace from {path!r}: {type(error).__name__}: {error}") from None
-    if not isinstance(source, dict) or "segments" not in source or "device_traces" not in source:
+    """A ``_snapshot()`` dict with a device trace, from a dict or a path to its pickle (``.gz`` or not).
+
+    Read and checked by :func:`graphborrow.snapshot.load_snapshot`, the one reader of
+    snapshots: every segment, block and trace entry is checked before the replay trusts it
+    (blocks may omit their addresses: the replay reads them from the sizes).
+    An empty trace is accepted here; the replay then reports that it made no check.
+    """
+    snapshot = load_snapshot(source, block_addresses=False)
+    if "device_traces" not in snapshot:
         raise SnapshotFormatError(
             "expected the dict written by torch.cuda.memory._snapshot() (keys 'segments' and "
             "'device_traces'); record it after torch.cuda.memory._record_memory_history()"
         )
-    if not isinstance(source["device_traces"], list) or not isinstance(source["segments"], list):
-        raise SnapshotFormatError("'device_traces' and 'segments' must be lists, as _snapshot() writes them")
-    return source
+    return snapshot
 
 
 # ----------------------------------------------------------------------------- plan: what the trace says
@@ -379,9 +374,11 @@ class _Pool:
 class _Replayer:
     def __init__(self, snapshot: dict, entries: list[dict], final: list[dict], config: AllocatorConfig,
                  device_memory: int, fraction: float | None, refuted: set, layout: bool = False,
-                 conflicts: dict | None = None, private_conflicts: dict | None = None) -> None:
+                 conflicts: dict | None = None, private_conflicts: dict | None = None,
+                 final_pools: set | None = None) -> None:
         self.entries = entries
         self.final = final
+        self.final_pools = final_pools  # None: the final snapshot shows every pool
         self.config = config
         self.device_memory = device_memory
         self.refuted = refuted
@@ -1250,7 +1247,8 @@ class _Replayer:
     # the end ------------------------------------------------------------------
 
     def _compare_final(self) -> None:
-        simulated = {(s["address"], s["total_size"]): s for s in self.sim.snapshot()}
+        simulated = {(s["address"], s["total_size"]): s for s in self.sim.snapshot()
+                     if self.final_pools is None or tuple(s["segment_pool_id"]) in self.final_pools}
         self.sim.drain_trace()
         recorded = {(s["address"], s["total_size"]): s for s in self.final}
         untouched = {(life.address, life.size) for life in self.plan.pre if not life.touched and not life.expandable}
@@ -1417,7 +1415,8 @@ def _infer_pools(layout: _Replayer, conflicts: dict, private_conflicts: dict, re
 
 
 def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: float | None = None,
-                 device_memory: int | None = None, torch_version: str | None = None) -> ReplayReport:
+                 device_memory: int | None = None, torch_version: str | None = None,
+                 final_pools: Any = None) -> ReplayReport:
     """Replay ``snapshot``'s device trace on a fresh simulated allocator; see the module docstring.
 
     Args:
@@ -1428,11 +1427,19 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         torch_version: the torch that recorded it (its parsing rules for the settings string).
             The three default to a ``corpus`` record in the snapshot, as the differential
             corpus stores one; the recorded ``allocator_settings`` always decide the settings.
+        final_pools: the pool ids (``(a, b)`` pairs) the snapshot's segments were taken from,
+            when it shows only some pools (``memory_snapshot(pool_id)``, as the model-pool
+            recordings store): simulated segments of other pools are then not compared.
+            Default: the snapshot shows every pool.
 
     Returns:
         :class:`ReplayReport`.
     """
     snapshot = load_trace(snapshot)
+    if final_pools is not None:
+        final_pools = {tuple(p) for p in final_pools}
+        if not final_pools or any(len(p) != 2 or not all(isinstance(v, int) for v in p) for p in final_pools):
+            raise ValueError(f"final_pools must be pool ids, (int, int) pairs such as (0, 1); got {final_pools!r}")
     traces = snapshot["device_traces"]
     if device is None:
         busy = [d for d, trace in enumerate(traces) if trace]
@@ -1451,7 +1458,8 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
     if device_memory is None:
         device_memory = DEVICE_MEMORY.get(meta.get("device"), _UNKNOWN_DEVICE_MEMORY)
     config = AllocatorConfig.from_settings(snapshot.get("allocator_settings") or {}, torch_version or "2.11")
-    layout = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, set(), layout=True)
+    layout = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, set(), layout=True,
+                       final_pools=final_pools)
     layout.run()
     conflicts = layout.conflicts
     private_conflicts: dict[Any, set] = {}
@@ -1465,7 +1473,7 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
     for _ in range(_MAX_REPLAYS):
         assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
-                             conflicts=conflicts, private_conflicts=private_conflicts)
+                             conflicts=conflicts, private_conflicts=private_conflicts, final_pools=final_pools)
         replayer.assignment = assignment
         try:
             replayer.run()
@@ -1475,7 +1483,7 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         break
     else:  # out of patience: report the last replay as it stands
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
-                             conflicts=conflicts, private_conflicts=private_conflicts)
+                             conflicts=conflicts, private_conflicts=private_conflicts, final_pools=final_pools)
         replayer.assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
         replayer.blaming = False
         replayer.run()

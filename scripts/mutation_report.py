@@ -1,0 +1,184 @@
+"""Collect a mutation run into one record: mutmut's results for the Python modules, the
+hand-rolled pass over arena.c, and the survivors judged harmless, each with its reason.
+
+    python scripts/mutation_report.py --out data/mutation.json [--c-json data/mutation_arena_c.json]
+
+Run after ``mutmut run`` (from the repository root, where ``mutants/`` is) and
+``scripts/mutate_arena_c.py``; ``make mutation`` runs all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from collections import Counter
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# The modules that hold rules, this record's share of [tool.mutmut] only_mutate (the capacity
+# planner's mutants are scored by scripts/mutation_score.py, make mutation-capacity).
+RULE_MODULES = ("graphborrow/arena.py", "graphborrow/runs.py", "graphborrow/snapshot.py", "graphborrow/borrow.py")
+RULE_MUTANTS = tuple(m[:-3].replace("/", ".") + ".*" for m in RULE_MODULES)
+
+# Survivors looked at and judged harmless: mutant name (fnmatch pattern) -> why.
+# A survivor not listed here (and not a wording-only change, see _only_wording) is one a
+# test should kill.
+HARMLESS_PY: dict[str, str] = {
+    "graphborrow.arena.x_library_path__mutmut_*": (
+        "the build path's temporary names and flags (prefix, suffix, hash length, mkdir flags): "
+        "the file still appears by atomic rename and verified by digest; tests check the result, "
+        "the build-cache tests run in subprocesses, where mutmut's test selection cannot see them"
+    ),
+    "graphborrow.arena.x__remove_stale_temporaries__mutmut_*": "the age boundary (> or >=) of a one-hour sweep",
+    "graphborrow.arena.xǁBumpArenaǁset_extents__mutmut_2[78]": (
+        "weakens the Python bound check on the end address; the C check refuses the same extent "
+        "with the same message (tested by calling C directly)"
+    ),
+    "graphborrow.arena.xǁBumpArenaǁset_extents__mutmut_30": "a wrong end address in the message of the same refusal",
+    "graphborrow.arena.x__check__mutmut_*": "the message of C codes the Python checks always pre-empt",
+    "graphborrow.runs.x_summarize__mutmut_17": "passes the default policy explicitly or not: the same call",
+    "graphborrow.arena.xǁBumpArenaǁraw_alloc__mutmut_*": "the unused stream argument's default",
+    "graphborrow.arena.xǁBumpArenaǁraw_delete__mutmut_*": "the unused stream argument's default",
+    "graphborrow.arena.x__compiler__mutmut_*": (
+        "the compiler's fallback names and sysconfig lookup: another compiler of the same kind "
+        "is found or the same error raised; tested with a stubbed PATH"
+    ),
+}
+# C survivors, by regular expression over "line: mutant text" -> why.
+HARMLESS_C: dict[str, str] = {
+    r"\d+: if \(slot >= 0 && slot < GB_MAX_SLOTS \|\| arenas\[slot\]\.in_use\) \{": (
+        "gb_arena_release of a slot that is not in use (Python never does it) then clears state "
+        "that is already clear"
+    ),
+    r"\d+: gb_arena_free_checked\(slot, ptr, nbytes > \(size_t\)INT64_MAX \? -0 : .*": (
+        "the size_t host entry point (torch uses the ssize_t ones) passes 0 instead of -1 for sizes "
+        "above 2**63: the free is refused and counted either way (size mismatch instead of negative)"
+    ),
+    r"\d+: if \(n > SIZE_MAX - \(align [+-] [01]\)\) return 0;": (
+        "moves the overflow bound of align_up by one byte near 2**64, where no extent fits anyway"
+    ),
+    r"\d+: if \(slot < 0 \|\| slot > GB_MAX_SLOTS .*": (
+        "slot 64 then reads one slot past the array, static zeroed memory whose in_use is 0: the "
+        "same refusal in practice (undefined behaviour in principle)"
+    ),
+}
+
+
+def _only_wording(diff: list[str]) -> bool:
+    """A mutant that changes nothing but the text of a message (mutmut's XX..XX wrapping or
+    a change of case): the tests check the words that matter, not every letter."""
+    removed = [ln[1:] for ln in diff if ln.startswith("-")]
+    added = [ln[1:] for ln in diff if ln.startswith("+")]
+    if len(removed) != 1 or len(added) != 1:
+        return False
+    before, after = removed[0], added[0]
+    return "XX" in after and after.replace("XX", "") == before or (
+        after != before and after.lower() == before.lower() and '"' in before
+    )
+
+
+def mutmut(*args: str) -> str:
+    exe = Path(sys.executable).with_name("mutmut")
+    result = subprocess.run([str(exe), *args], cwd=REPO, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"mutmut {' '.join(args)} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def python_results() -> dict:
+    statuses = {}
+    for line in mutmut("results", "--all", "true").splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if sep and any(fnmatch.fnmatch(name, pattern) for pattern in RULE_MUTANTS):
+            statuses[name] = status
+    counts = Counter(statuses.values())
+    survivors, harmless = [], []
+    for name, status in sorted(statuses.items()):
+        if status not in ("survived", "no tests"):
+            continue
+        diff = [ln for ln in mutmut("show", name).splitlines() if ln.startswith(("+", "-")) and not ln.startswith(("+++", "---"))]
+        entry = {"mutant": name, "status": status, "diff": diff[:6]}
+        reason = next((why for pattern, why in HARMLESS_PY.items() if fnmatch.fnmatch(name, pattern)), None)
+        if reason is None and _only_wording(diff):
+            reason = "changes only the wording of a message; tests check its key words"
+        if reason:
+            harmless.append({**entry, "why_harmless": reason})
+        else:
+            survivors.append(entry)
+    by_module = Counter(name.split(".x")[0] for name in statuses)
+    killed = counts.get("killed", 0) + counts.get("caught by type check", 0) + counts.get("timeout", 0)
+    scored = killed + counts.get("survived", 0) + counts.get("no tests", 0)
+    return {
+        "counts": dict(counts),
+        "mutants_by_module": dict(by_module),
+        "score": round(killed / scored, 4) if scored else None,
+        "score_counting_harmless_as_killed": round((killed + len(harmless)) / scored, 4) if scored else None,
+        "survivors_to_kill": survivors,
+        "survivors_judged_harmless": harmless,
+    }
+
+
+def c_results(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    survivors, harmless = [], []
+    for s in data["survivors"]:
+        key = f"{s['line']}: {s['mutant']}"
+        reason = HARMLESS_C.get(key) or next(
+            (why for pattern, why in HARMLESS_C.items() if re.fullmatch(pattern, key)), None
+        )
+        (harmless if reason else survivors).append({**s, **({"why_harmless": reason} if reason else {})})
+    counts = data["counts"]
+    valid = counts["killed"] + counts["survived"]
+    return {
+        "command": data["command"],
+        "tests": data["tests"],
+        "counts": counts,
+        "score": data["score"],
+        "score_counting_harmless_as_killed": round((counts["killed"] + len(harmless)) / valid, 4) if valid else None,
+        "survivors_to_kill": survivors,
+        "survivors_judged_harmless": harmless,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--c-json", type=Path, default=REPO / "data" / "mutation_arena_c.json")
+    args = parser.parse_args()
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]
+    record = {
+        "tool": f"mutmut {version('mutmut')}",
+        "command": "make mutation  (mutmut run --max-children 2 " + " ".join(f"'{p}'" for p in RULE_MUTANTS)
+                   + "; python scripts/mutate_arena_c.py; python scripts/mutation_report.py --out data/mutation.json)",
+        "python_modules": [m for m in config["only_mutate"] if m in RULE_MODULES],
+        "tests": config["pytest_add_cli_args_test_selection"],
+        "pytest_args": config["pytest_add_cli_args"],
+        "python": python_results(),
+        "c": c_results(args.c_json),
+        "to_add_later": {
+            "graphborrow/sim/allocator.py": "the statistics (StatCounters, _increase, memory_stats): add the file to only_mutate "
+                                            "and tests/test_sim_allocator.py to the selection; run with GRAPHBORROW_SIM_PURE=1 so "
+                                            "the mutated Python, not the compiled build, is what runs",
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    py = record["python"]
+    print(f"python: {py['counts']} score {py['score']}; {len(py['survivors_to_kill'])} survivors to kill, "
+          f"{len(py['survivors_judged_harmless'])} judged harmless")
+    if record["c"]:
+        c = record["c"]
+        print(f"c: {c['counts']} score {c['score']}; {len(c['survivors_to_kill'])} survivors to kill")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

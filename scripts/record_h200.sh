@@ -14,7 +14,7 @@ set -uo pipefail
 out=${1:?usage: scripts/record_h200.sh OUT_DIR [STEP ...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(gpu-tests capacity sweep kernels suite capacity-renorm)
+[ ${#steps[@]} -eq 0 ] && steps=(gpu-tests capacity sweep kernels interrupt-cost suite capacity-renorm)
 py=${PYTHON:-python}
 mkdir -p "$out/data" "$out/logs"
 
@@ -43,6 +43,8 @@ want capacity && run_step capacity 120 "$py" benchmarks/capacity_gpu.py --out "$
 [ -n "$sweep_pid" ] && wait "$sweep_pid"
 want kernels && run_step kernels 110 "$py" benchmarks/verify_kernels.py --out "$out/data/verify_kernels_h200.json" \
   --budget-s 80
+want interrupt-cost && run_step interrupt-cost 40 "$py" benchmarks/interrupt_cost.py --device cuda \
+  --out "$out/data/interrupt_cost_h200.json"
 if want suite; then
   run_step suite 150 "$py" -m graphborrow suite --device cuda --out "$out/suite" \
     -p HIDDEN 4096 -p INTERMEDIATE 14336 -p VOCAB 128256 -p PREFILL_TOKENS 8192 \

@@ -183,7 +183,7 @@ def inspect_snapshot(snapshot: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
         SnapshotFormatError: the input is not an allocator snapshot, or names a pool it lacks.
     """
     from .borrow import precarve_bytes
-    from .capacity import plan_verify
+    from .capacity_study import plan_table
     from .planner import PoolImage
 
     segments, settings, source = read_snapshot(snapshot)
@@ -210,14 +210,7 @@ def inspect_snapshot(snapshot: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
     image = dataclasses.replace(PoolImage.from_runs(runs, best_fit=best_fit, seeds=seeds), config=_config(settings))
     if settings:
         notes.append("allocator rounding and splitting as the snapshot's allocator_settings record them")
-    fit = []
-    for d in draft_tokens:
-        for bs in batches:
-            for mode in modes:
-                p = plan_verify(image, bs, d, vocab, mode, top_k, top_p)
-                fit.append({"batch_size": bs, "draft_tokens": d, "mode": mode, "fits": p.fits,
-                            "requests_per_chunk": p.requests_per_chunk, "peak_bytes": p.peak_bytes,
-                            "reason": p.reason})
+    fit = plan_table(image, batches, draft_tokens, vocab, modes, top_k, top_p)
     return SnapshotReport(source, segments, pools, chosen.pool_id, vocab, fit, tuple(notes))
 
 

@@ -15,7 +15,7 @@ import torch
 from .draft_tree import DraftTree, build_draft_tree, tree_depth_for
 from .errors import BorrowCapacityError
 
-__all__ = ["boundary_cells", "fit_grid_figure", "fit_policy_contrast", "plan_table", "run_verify_step", "summarize_fit"]
+__all__ = ["boundary_cells", "verify_inputs", "fit_grid_figure", "fit_policy_contrast", "plan_table", "run_verify_step", "summarize_fit"]
 
 
 def plan_table(pool, batches: Iterable[int], draft_tokens: Iterable[int], vocab: int,
@@ -74,6 +74,29 @@ def boundary_cells(rows: Iterable[dict], draft_tokens: int) -> list[dict]:
     return out
 
 
+def verify_inputs(backend, batch_size: int, draft_tokens: int, vocab: int, branching: int = 4,
+                  seed: int = 0) -> tuple[torch.Tensor, DraftTree]:
+    """Logits ``[bs*D, V]`` (float32) and a draft tree for one verification step on ``backend``.
+
+    On a device with bytes the tree is a real EAGLE tree (``branching`` children per
+    expanded node) and the logits are random; on the layout-only simulated device, which
+    has no values to read, both only have their shapes, which is all the allocator sees
+    (run ``eagle_verify`` with ``validate=False`` there).
+    """
+    device = backend.device
+    if getattr(backend, "backed", True):
+        g = torch.Generator().manual_seed(seed)
+        branching = min(branching, vocab)
+        tree = build_draft_tree(branching, tree_depth_for(draft_tokens, branching), draft_tokens, batch_size,
+                                vocab, generator=g, device=device)
+        logits = torch.randn(batch_size * draft_tokens, vocab, generator=g).to(device)
+    else:
+        links = torch.zeros(batch_size, draft_tokens, dtype=torch.long, device=device)
+        tree = DraftTree(links, links, links, links, draft_tokens)
+        logits = torch.empty(batch_size * draft_tokens, vocab, device=device)
+    return logits, tree
+
+
 def run_verify_step(state, batch_size: int, draft_tokens: int, vocab: int, mode: str,
                     branching: int = 4, seed: int = 0) -> bool:
     """Run one ``eagle_verify`` step borrowing from ``state``; True when it completed.
@@ -95,18 +118,7 @@ def run_verify_step(state, batch_size: int, draft_tokens: int, vocab: int, mode:
     from .eagle import eagle_verify
 
     backend = state.backend
-    device = backend.device
-    backed = getattr(backend, "backed", True)
-    if backed:
-        g = torch.Generator().manual_seed(seed)
-        branching = min(branching, vocab)
-        tree = build_draft_tree(branching, tree_depth_for(draft_tokens, branching), draft_tokens, batch_size,
-                                vocab, generator=g, device=device)
-        logits = torch.randn(batch_size * draft_tokens, vocab, generator=g).to(device)
-    else:
-        links = torch.zeros(batch_size, draft_tokens, dtype=torch.long, device=device)
-        tree = DraftTree(links, links, links, links, draft_tokens)
-        logits = torch.empty(batch_size * draft_tokens, vocab, device=device)
+    logits, tree = verify_inputs(backend, batch_size, draft_tokens, vocab, branching, seed)
     state.retire()
     try:
         eagle_verify(logits, None, tree, 1.0, borrow=state, mode=mode, validate=False)

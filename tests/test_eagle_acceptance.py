@@ -5,13 +5,14 @@ import torch
 
 from graphborrow.draft_tree import build_draft_tree, repeat_tree, tree_depth_for, tree_from_parents
 from graphborrow.eagle import eagle_verify
-from graphborrow.eagle.acceptance import (chi_square, emitted_tokens, expected_emitted_tokens, path_probabilities,
+from graphborrow.eagle.acceptance import (children_of, chi_square, emitted_tokens, expected_emitted_tokens, path_probabilities,
                                           tokens_after)
 
 
 def test_path_probabilities_by_hand():
     # root (token 0) -> a=1, b=2; a -> c=3
     tree = tree_from_parents([[-1, 0, 0, 1]], [[0, 1, 2, 3]])
+    assert children_of(tree, 0) == [1, 2] and children_of(tree, 1) == [3] and children_of(tree, 3) == []
     probs = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.0, 0.0, 0.0, 1.0], [0.25] * 4, [0.25] * 4])
     assert path_probabilities(tree, probs).tolist() == pytest.approx([1.0, 0.5, 0.3, 0.5 * 1.0])
     assert expected_emitted_tokens(tree, probs) == pytest.approx(1 + 0.5 + 0.3 + 0.5)

@@ -19,7 +19,7 @@ import torch
 
 from ..draft_tree import DraftTree
 
-__all__ = ["chi_square", "emitted_tokens", "expected_emitted_tokens", "path_probabilities", "tokens_after"]
+__all__ = ["children_of", "chi_square", "emitted_tokens", "expected_emitted_tokens", "path_probabilities", "tokens_after"]
 
 
 def path_probabilities(tree: DraftTree, probs: torch.Tensor, request: int = 0) -> torch.Tensor:
@@ -112,3 +112,12 @@ def tokens_after(result, first_token: int) -> torch.Tensor:
     requests, second = emitted_tokens(result, 1)
     first = result.predicts.long().cpu()[result.accept_index.long().cpu()[requests, 0]]
     return second[first == first_token]
+
+
+def children_of(tree: DraftTree, node: int = 0, request: int = 0) -> list[int]:
+    """The children of ``node`` in one request's tree, in sibling order (the order they are tried)."""
+    out, child = [], int(tree.retrive_next_token[request, node])
+    while child != -1:
+        out.append(child)
+        child = int(tree.retrive_next_sibling[request, child])
+    return out

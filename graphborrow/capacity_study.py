@@ -121,7 +121,8 @@ def run_verify_step(state, batch_size: int, draft_tokens: int, vocab: int, mode:
     logits, tree = verify_inputs(backend, batch_size, draft_tokens, vocab, branching, seed)
     state.retire()
     try:
-        eagle_verify(logits, None, tree, 1.0, borrow=state, mode=mode, validate=False)
+        # the reference implementation: the one whose allocation sequence the planner replays
+        eagle_verify(logits, None, tree, 1.0, borrow=state, mode=mode, validate=False, impl="reference")
         completed = True
     except (backend.OutOfMemoryError, BorrowCapacityError):
         completed = False

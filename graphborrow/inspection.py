@@ -278,9 +278,4 @@ def plot_report(report: SnapshotReport, ax=None):
     segments = [s for s in report.segments if _pool_id(s) == report.planned_pool]
     title = (f"{Path(report.source).name}: pool {report.planned_pool}, {_mib(pool.reserved_bytes)} reserved, "
              f"{_mib(sum(n for _, n in pool.runs))} in {len(pool.runs)} free runs")
-    fig = memory_map(segments, runs=list(pool.runs), ax=ax, title=title)
-    axes = fig.axes[0] if ax is None else ax
-    legend = axes.get_legend()
-    if legend is not None:  # beside the map, not over its longest segments
-        axes.legend(handles=legend.legend_handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    return fig
+    return memory_map(segments, runs=list(pool.runs), ax=ax, title=title)

@@ -8,26 +8,41 @@ from graphborrow.backend import get_backend
 from graphborrow.capacity import fit_policy_pool
 from graphborrow.workload import ModelShape, build_ladder
 
+from conftest import _cuda_param
 
-@pytest.fixture(scope="module")
-def ladder():
-    backend = get_backend("sim", backed=False)
+
+@pytest.fixture(scope="module", params=["sim", _cuda_param()])
+def ladder(request):
+    """The layout-only simulated device, and the real GPU (marked gpu): the planner must hold on both."""
+    backend = get_backend("sim", backed=False) if request.param == "sim" else get_backend("cuda")
     shape = ModelShape(hidden=512, intermediate=1536, layers=2, vocab=8192, dtype=torch.bfloat16)
     yield build_ladder("synthetic", backend, shape=shape, decode_batches=[16, 8, 4, 2, 1], draft_tokens=4,
                        prefill_tokens=1024).capture()
-    backend.close()
+    if request.param == "sim":
+        backend.close()
 
 
 def test_plans_hold_where_they_change(ladder):
     rows = capacity_study.plan_table(ladder.state, [16, 8, 4, 2, 1], [4, 16], 8192)
     assert len(rows) == 5 * 2 * 3
-    best = capacity_study.summarize_fit(rows)
-    assert 0 < best["standard"][16] < best["standard"][4], "more draft tokens, smaller largest batch"
     cells = capacity_study.boundary_cells(rows, 4)
     assert any(c["fits"] for c in cells) and any(not c["fits"] for c in cells)
     for cell in cells:
         ran = capacity_study.run_verify_step(ladder.state, cell["batch_size"], 4, 8192, cell["mode"])
         assert ran == cell["fits"], cell
+
+
+def test_more_draft_tokens_fit_a_smaller_batch():
+    backend = get_backend("sim", backed=False)
+    try:
+        shape = ModelShape(hidden=512, intermediate=1536, layers=2, vocab=8192, dtype=torch.bfloat16)
+        ladder = build_ladder("synthetic", backend, shape=shape, decode_batches=[16, 8, 4, 2, 1], draft_tokens=4,
+                              prefill_tokens=1024).capture()
+        best = capacity_study.summarize_fit(capacity_study.plan_table(ladder.state, [16, 8, 4, 2, 1], [4, 16], 8192))
+        assert 0 < best["standard"][16] < best["standard"][4], "more draft tokens, a smaller largest batch"
+        assert all(best["lean"][d] >= best["standard"][d] for d in (4, 16)), "lean holds less, so fits as much"
+    finally:
+        backend.close()
 
 
 def test_boundary_cells_pick_the_last_fit_and_the_first_miss():

@@ -1,7 +1,8 @@
-"""Command line: ``python -m graphborrow {run,demo,sweep,suite,build} ...``.
+"""Command line: ``python -m graphborrow {run,demo,sweep,suite,inspect,build} ...``.
 
 Each command is a thin layer over a public function: :func:`graphborrow.demo.run_demo`,
-:func:`graphborrow.suite.run_suite`, :func:`graphborrow.sweep.run_sweep`. Bad arguments
+:func:`graphborrow.suite.run_suite`, :func:`graphborrow.sweep.run_sweep`,
+:func:`graphborrow.inspection.inspect_snapshot`. Bad arguments
 exit with status 2 and one line naming the problem; Ctrl-C exits with 130.
 """
 
@@ -110,6 +111,63 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if suite.failed or sweep.failed else 0
 
 
+def _int_list(text: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value} in {text!r} must be 1 or more")
+        values.append(value)
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    from .eagle.modes import MODES
+
+    modes = [m.strip() for m in text.split(",")]
+    wrong = [m for m in modes if m not in MODES]
+    if wrong:
+        raise argparse.ArgumentTypeError(f"unknown mode {wrong[0]!r}; choose from {', '.join(MODES)}")
+    return modes
+
+
+def _pool(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pool id; write it as two numbers, e.g. 0,1") from None
+    return a, b
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """Pools, free runs, fitting verification steps and the memory map of a recorded snapshot."""
+    import json
+
+    from .errors import SnapshotFormatError
+    from .inspection import format_report, inspect_snapshot, plot_report
+
+    try:
+        report = inspect_snapshot(args.snapshot, batches=args.batches, draft_tokens=args.draft_tokens,
+                                  vocab=args.vocab, modes=args.modes, pool_id=args.pool,
+                                  top_k=args.top_k, top_p=args.top_p)
+    except SnapshotFormatError as exc:
+        raise ParameterError(str(exc)) from None
+    print(format_report(report))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = Path(args.snapshot).stem
+    figure = out / f"{stem}_memory_map.png"
+    plot_report(report).savefig(figure, dpi=110)
+    table = out / f"{stem}_fit.json"
+    table.write_text(json.dumps({"snapshot": str(args.snapshot), "pool": list(report.planned_pool),
+                                 "vocab": report.vocab, "fit": report.fit}, indent=1))
+    print(f"\nmemory map: {figure}\nfit table:  {table}")
+    return 0
+
+
 def _build(args: argparse.Namespace) -> int:
     from .sim import compiled
 
@@ -162,6 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                        help="override a parameter in every notebook that declares it, e.g. -p VOCAB 128256")
     suite.set_defaults(func=_suite)
+
+    inspect = sub.add_parser("inspect", help="pools, free runs and fitting verification steps of your own snapshot")
+    inspect.add_argument("snapshot", help="a pickle of torch.cuda.memory._snapshot() (torch.cuda.memory._dump_snapshot)")
+    inspect.add_argument("--batches", type=_int_list, default=[1, 4, 16, 32, 64, 128],
+                         help="batch sizes to plan, comma-separated (default 1,4,16,32,64,128)")
+    inspect.add_argument("--draft-tokens", type=_int_list, default=[4, 8, 16],
+                         help="draft tokens per request, comma-separated (default 4,8,16)")
+    inspect.add_argument("--vocab", type=_positive_int, default=128256, help="target vocabulary (default 128256)")
+    inspect.add_argument("--modes", type=_modes, default=["standard", "lean", "chunked"],
+                         help="verification modes, comma-separated (default standard,lean,chunked)")
+    inspect.add_argument("--pool", type=_pool, default=None,
+                         help="pool to borrow from, e.g. 0,1 (default: the private pool with the most idle runs)")
+    inspect.add_argument("--top-k", action="store_true", help="the step runs the top-k renorm")
+    inspect.add_argument("--top-p", action="store_true", help="the step runs the top-p renorm")
+    inspect.add_argument("--out", default=str(DEFAULT_OUT / "inspect"),
+                         help="where the memory map and fit table go (default output/inspect)")
+    inspect.set_defaults(func=_inspect)
 
     build = sub.add_parser("build", help="compile the simulated allocator with Cython (no-op when built)")
     build.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")

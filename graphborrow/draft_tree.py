@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes", "tree_from_parents"]
+__all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes", "repeat_tree", "tree_depth_for", "tree_from_parents"]
 
 
 class DraftTree(NamedTuple):
@@ -38,6 +38,47 @@ class DraftTree(NamedTuple):
 def max_tree_nodes(topk: int, depth: int) -> int:
     """Nodes an EAGLE tree of this shape can hold, root included."""
     return 1 + topk + (depth - 1) * topk * topk
+
+
+def tree_depth_for(num_draft_tokens: int, branching: int) -> int:
+    """The fewest draft levels (at least 1) a tree with ``branching`` children per expanded
+    node needs to hold ``num_draft_tokens`` nodes, root included.
+
+    Args:
+        num_draft_tokens: nodes per request (D), at least 1.
+        branching: children per expanded node (EAGLE's ``topk``), at least 1.
+
+    Returns:
+        The depth to pass to :func:`build_draft_tree`.
+    """
+    for name, value in (("num_draft_tokens", num_draft_tokens), ("branching", branching)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    depth = 1
+    while max_tree_nodes(branching, depth) < num_draft_tokens:
+        depth += 1
+    return depth
+
+
+def repeat_tree(tree: DraftTree, copies: int) -> DraftTree:
+    """``copies`` requests that each carry the first request's tree, as one batch.
+
+    The links (first child, next sibling) are node numbers within a request and are copied
+    as they are; ``retrive_index`` holds global output slots (request * D + node) and is
+    renumbered, so the copies write to slots of their own. Why: verifying one tree many
+    times with independent coins samples the distribution of what it emits.
+
+    Args:
+        tree: a :class:`DraftTree`; its request 0 is repeated.
+        copies: how many requests the result holds, at least 1.
+    """
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"copies must be a positive int, got {copies!r}")
+    d = tree.candidates.shape[1]
+    first = [t[:1].expand(copies, d).contiguous() for t in
+             (tree.candidates, tree.retrive_next_token, tree.retrive_next_sibling)]
+    slots = torch.arange(copies * d, device=tree.retrive_index.device, dtype=tree.retrive_index.dtype).view(copies, d)
+    return DraftTree(first[0], slots, first[1], first[2], tree.tree_depth)
 
 
 def build_draft_tree(

@@ -229,20 +229,30 @@ def render_explorer(settings: ExplorerSettings | None = None, **changes: Any):
 
 
 def render_result(r: ExplorerResult):
-    """Draw an :class:`ExplorerResult` (see :func:`render_explorer`)."""
+    """Draw an :class:`ExplorerResult` (see :func:`render_explorer`): the pool's memory map with
+    the step's blocks at its peak on the left, the capacity grid on the right, the verdict on top."""
     from matplotlib.figure import Figure
 
     s = r.settings
-    fig = Figure(figsize=(11, 4.2 + 0.3 * len(r.segments)), layout="constrained")
-    left, right = fig.subfigures(1, 2, width_ratios=(1.7, 1))
+    fig = Figure(figsize=(13, 4.4 + 0.32 * len(r.segments)), layout="constrained")
+    left, right = fig.subfigures(1, 2, width_ratios=(1.75, 1))
     verdict = "fits in the free runs" if r.fits else "does NOT fit: nothing is borrowed"
+    chunks = f", {r.plan.requests_per_chunk} requests per group" if s.mode == "chunked" and r.fits else ""
     where = "fit-policy demo pool" if s.pool == "fit-policy demo" else \
-        f"graph pool, ladder {s.ladder}, prefill {s.prefill_tokens} tokens"
-    memory_map(r.segments, runs=r.runs, borrowed=r.borrowed or [], ax=left.add_subplot(), title=where)
-    left.suptitle(f"verify bs={s.batch_size}, D={s.draft_tokens}, V={s.vocab}, {s.mode}: "
-                  f"peak {r.needed_bytes / MB:.1f} MiB, {verdict}", fontsize=10)
-    capacity_map(r.table, ax=right.add_subplot(),
-                 title=f"peak MiB ({s.mode}, {s.fit_policy} fit); hatched: no fit")
+        f"graph pool: ladder {s.ladder}, prefill {s.prefill_tokens} tokens"
+    fig.suptitle(f"verify bs={s.batch_size} x D={s.draft_tokens}, V={s.vocab}, {s.mode} ({s.fit_policy} fit): "
+                 f"peak {r.needed_bytes / MB:.1f} MiB, {verdict}{chunks}", fontsize=11)
+    ax = left.add_subplot()
+    memory_map(r.segments, runs=r.runs, borrowed=r.borrowed or [], ax=ax, title=where)
+    legend = ax.get_legend()
+    if legend is not None:  # below the map, where it hides no block
+        ax.legend(handles=legend.legend_handles, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3,
+                  fontsize=8, frameon=False)
+    grid = right.add_subplot()
+    capacity_map(r.table, ax=grid, title=f"peak MiB per step ({s.mode})\nhatched: does not fit")
+    for text in grid.texts:  # readable over hatching and dark cells alike
+        text.set_color("black")
+        text.set_bbox({"facecolor": "white", "alpha": 0.75, "edgecolor": "none", "pad": 1.0})
     return fig
 
 

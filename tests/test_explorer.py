@@ -8,7 +8,9 @@ from graphborrow.errors import ParameterError
 
 
 def texts(fig):
-    return [t.get_text() for sub in fig.subfigs for t in sub.texts]
+    """Every title-like text of the figure: its suptitle (the verdict) and its subfigures' texts."""
+    found = [t.get_text() for sub in fig.subfigs for t in sub.texts]
+    return found + ([fig._suptitle.get_text()] if fig._suptitle is not None else [])
 
 
 def test_explore_places_the_step_inside_free_runs():

@@ -16,7 +16,7 @@ _spec.loader.exec_module(strip_notebooks)
 
 def test_the_suite_is_there():
     names = [p.stem[:2] for p in NOTEBOOKS]
-    assert names == ["00", "01", "02", "03", "04", "05", "06", "07"]
+    assert names == ["00", "01", "02", "03", "04", "05", "06", "07", "08"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -130,6 +130,20 @@ class CUDAGraph:
             raise RuntimeError("Called CUDAGraph.pool() without a preceding capture_begin().")
         return self._pool
 
+    def written_ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of every tensor the captured ops write on replay, merged and
+        sorted: the bytes a replay overwrites (what an escaped borrow would lose)."""
+        spans = sorted((view.data_ptr(), view.numel() * view.element_size())
+                       for _, _, _, fresh in self._ops for _, view in fresh)
+        merged: list[list[int]] = []
+        for start, nbytes in spans:
+            end = start + nbytes
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return [(a, b - a) for a, b in merged]
+
     @property
     def num_ops(self) -> int:
         return len(self._ops)

@@ -3,7 +3,7 @@ seeded random points, and report each point that fails with the notebook, the pa
 the failed assert's message.
 
     python scripts/notebook_points.py [--only 00 01] [--samples 1] [--seed 0] [--jobs 2]
-                                      [--out output/points] [--timeout 300] [--no-h200]
+                                      [--out output/points] [--timeout 300] [--no-h200] [--memory-gb 16]
 
 Each point runs with papermill on the simulated device (``DEVICE=sim``; large points
 layout-only where the notebook declares ``LAYOUT_ONLY``), ``--jobs`` at a time. A point passes
@@ -65,7 +65,23 @@ def main(argv=None) -> int:
     parser.add_argument("--labels", nargs="*", default=None,
                         help="only these points (defaults low high h200 random-0 ...)")
     parser.add_argument("--no-h200", action="store_true", help="leave out the H200-shapes point")
+    parser.add_argument("--memory-gb", type=float, default=16,
+                        help="address-space limit of each notebook's kernel (0: none); a point that needs "
+                             "more fails with a MemoryError instead of swapping a shared machine")
     args = parser.parse_args(argv)
+    import resource  # the limit is inherited by papermill and its kernel, and lifted again at the end
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if args.memory_gb:
+        limit = int(args.memory_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    try:
+        return _run(args)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _run(args) -> int:
     folder = args.notebooks or notebooks_dir()
     paths = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
     if args.only:

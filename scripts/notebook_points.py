@@ -3,7 +3,7 @@ seeded random points, and report each point that fails with the notebook, the pa
 the failed assert's message.
 
     python scripts/notebook_points.py [--only 00 01] [--samples 1] [--seed 0] [--jobs 2]
-                                      [--out output/points] [--timeout 300] [--no-h200] [--memory-gb 16]
+                                      [--out output/points] [--timeout 300] [--no-h200] [--memory-gb 6]
 
 Each point runs with papermill on the simulated device (``DEVICE=sim``; large points
 layout-only where the notebook declares ``LAYOUT_ONLY``), ``--jobs`` at a time. A point passes
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     parser.add_argument("--labels", nargs="*", default=None,
                         help="only these points (defaults low high h200 random-0 ...)")
     parser.add_argument("--no-h200", action="store_true", help="leave out the H200-shapes point")
-    parser.add_argument("--memory-gb", type=float, default=16,
+    parser.add_argument("--memory-gb", type=float, default=6,
                         help="address-space limit of each notebook's kernel (0: none); a point that needs "
                              "more fails with a MemoryError instead of swapping a shared machine")
     args = parser.parse_args(argv)

@@ -31,6 +31,18 @@ from graphborrow.sweep.parameters import declared_parameters, read_notebook
 from graphborrow.sweep.space import notebook_points
 
 
+def _failure(ran, timeout: float) -> str:
+    """The failed point's message: the notebook's error, a timeout said as such, or the log's last error line."""
+    log = ran.log or ""
+    if "CellTimeoutError" in log or "Cell execution timed out" in log or "timed out" in (ran.error or ""):
+        return f"a cell ran longer than {timeout:.0f} s (--timeout)"
+    error = (ran.error or "").strip()
+    if error and set(error) != {"-"}:
+        return error
+    lines = [ln.strip() for ln in log.splitlines() if "Error" in ln]
+    return lines[-1] if lines else f"papermill exited {ran.returncode}"
+
+
 def run_point(path: Path, label: str, params: dict, out: Path, timeout: float) -> dict:
     """Run one point; return its record (status, error, seconds, parameters)."""
     declared = declared_parameters(read_notebook(path))
@@ -42,7 +54,7 @@ def run_point(path: Path, label: str, params: dict, out: Path, timeout: float) -
     folder.mkdir(parents=True, exist_ok=True)
     if ran.notebook:
         (folder / f"{label}.ipynb").write_bytes(ran.notebook)
-    problems = [ran.error or f"papermill exited {ran.returncode}"] if ran.returncode else []
+    problems = [_failure(ran, timeout)] if ran.returncode else []
     if not problems:
         with tempfile.TemporaryDirectory() as tmp:
             for rel, data in ran.results.items():

@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep gpu-wheels model-pools model-pools-sim strip clean deep mutation mutation-capacity
+.PHONY: setup run demo test test-core test-notebooks test-nbval test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep gpu-wheels model-pools model-pools-sim strip clean deep mutation mutation-capacity
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -35,16 +35,28 @@ browser:
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
 
 # CPU-only: GPU twins are deselected (not skipped); the simulated device runs the story.
+# The notebook points run first: the browser test opens the notebooks they executed.
 test: setup browser
-	$(PY) -m pytest -q -m "not gpu" tests
 	$(MAKE) --no-print-directory test-notebooks
+	$(PY) -m pytest -q -m "not gpu" tests
 
 test-core: setup
 	$(PY) -m pytest -q -m "not gpu and not browser" tests
 
-# nbval executes every notebook on the simulated device; the guard then checks each one
-# wrote results showing device work, so no notebook can pass by skipping.
+# Every numbered notebook at its defaults, the low and high corners of its declared ranges, the
+# H200 shapes and POINT_SAMPLES seeded random points, two at a time on the simulated device
+# (large points layout-only). A point passes when the notebook ran to the end, wrote results
+# with device work and shows an image for every cell tagged 'figure'. Executed notebooks and
+# report.json land in output/points/.
+POINT_SAMPLES ?= 1
+POINT_SEED ?= 0
 test-notebooks: setup
+	rm -rf output/points
+	$(PY) scripts/notebook_points.py --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points
+
+# nbval: every notebook once more, cell by cell, on the simulated device; the guard then checks
+# each one wrote results showing device work (not part of make test: the points cover it).
+test-nbval: setup
 	rm -rf notebooks/results
 	start=$$(date +%s); \
 	$(PY) -m pytest -q -p no:python --nbval-lax --nbval-current-env \

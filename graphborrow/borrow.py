@@ -52,6 +52,17 @@ def precarve_bytes(run: int, reserve: int = 32 * MB, minimum: int = 64 * MB) -> 
     return seed if seed >= minimum else 0
 
 
+@dataclasses.dataclass(frozen=True)
+class RetireReport:
+    """What :meth:`BorrowState.retire` found: ``pending_before`` bytes of the borrow pool were
+    still waiting for another stream when retirement began, ``pending_after`` after it
+    synchronised and drained them; ``built`` is False when there was no pool to retire."""
+
+    pending_before: int
+    pending_after: int
+    built: bool = True
+
+
 @dataclasses.dataclass(eq=False)
 class BorrowState:
     """Owner slot, free-run cache and borrow pool of one runtime.
@@ -350,11 +361,16 @@ class BorrowState:
             )
         self.check_pending = False
 
-    def retire(self) -> None:
-        """Drop the borrow pool: leak check, synchronise, drain deferred frees, release."""
+    def retire(self) -> "RetireReport":
+        """Drop the borrow pool: leak check, synchronise, drain deferred frees, release.
+
+        Returns:
+            A :class:`RetireReport`: the borrow pool's ``active_pending_free`` bytes before
+            the synchronise and after the drain (always 0 after: that is the point).
+        """
         with CRITICAL:
             self._require_idle("retire the borrow pool")
-            self._retire()
+            return self._retire()
 
     def _check_arena(self, event: str) -> None:
         """Raise once for frees the arena refused since the last check (torch's pluggable
@@ -371,21 +387,35 @@ class BorrowState:
             "If you call BumpArena.free or raw_delete yourself, pass what malloc returned, once."
         )
 
-    def _retire(self) -> None:
+    def pending_free_bytes(self) -> int:
+        """Bytes of the borrow pool still ``active_pending_free`` (freed in Python, waiting for
+        another stream's event); 0 without a pool."""
+        if self.mem_pool is None:
+            return 0
+        segments = self.backend.memory_snapshot(self.backend.pool_id(self.mem_pool))
+        return sum(b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "active_pending_free")
+
+    def _retire(self) -> "RetireReport":
         self._runs = None
         if self.mem_pool is None:
-            return
+            return RetireReport(0, 0, built=False)
         if self.check_pending:
             self._raise_on_live_borrows("borrow-pool retirement")
         # frees recorded on other streams wait for events; complete them, then one
         # allocation outside any pool lets the allocator process those events, so every
         # block is inactive before the pool and its segments go away
+        before = self.pending_free_bytes()
         self.backend.synchronize()
         self.backend.touch()
+        after = self.pending_free_bytes()
+        if after:
+            raise RuntimeError(f"{after} bytes of the borrow pool are still pending a cross-stream free "
+                               "after synchronising; the device did not complete its events")
         self._high_water = self.high_water
         self.mem_pool = None  # the pool's segments go back to the arena now
         self.stream = self.stream_key = None
         self._check_arena("borrow-pool retirement")
+        return RetireReport(before, after, built=True)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:

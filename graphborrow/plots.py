@@ -127,8 +127,8 @@ def memory_map(
                             label="free run too small to borrow"))
     if borrowed is not None:
         legend.append(Patch(fill=False, edgecolor=BORROWED_COLOR, hatch="///", label="borrowed"))
-    # beside the map, not over the longest segments
-    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, framealpha=0.9)
+    # outside the axes, right of the map: a legend inside would hide the widest segments
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, framealpha=0.9, borderaxespad=0)
     ax.set_title(title or f"{len(segs)} segments")
     return fig
 

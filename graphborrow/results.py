@@ -19,9 +19,14 @@ from typing import Any, Iterable, Mapping
 
 from .atomicfile import write_atomic
 
-__all__ = ["save", "load", "load_all", "flatten", "path_for", "device_allocations", "check_results", "SCHEMA"]
+__all__ = ["save", "load", "load_all", "flatten", "path_for", "device_allocations", "check_results", "check_figures",
+           "FIGURE_TAG", "SCHEMA"]
 
 SCHEMA = 1
+
+# Cells that draw a figure carry this tag; an executed notebook must hold an image for each.
+FIGURE_TAG = "figure"
+_IMAGE_KINDS = ("image/png", "image/jpeg", "image/svg+xml")
 
 
 def _torch_version() -> str | None:
@@ -168,4 +173,41 @@ def check_results(names: Iterable[str], results_dir: str | Path, since: float | 
         finished = record.get("finished_at")
         if since is not None and not (isinstance(finished, (int, float)) and finished >= since):
             problems.append(f"{name}: {path} is stale (written before this run started)")
+    return problems
+
+
+def check_figures(notebook: Mapping | str | Path, name: str = "notebook") -> list[str]:
+    """Problems with the figures of an executed notebook, one line each.
+
+    Every code cell tagged :data:`FIGURE_TAG` must have produced an image output, and no
+    output may be a figure shown as text ("<Figure size 900x240 with 1 Axes>", which is what
+    a reader sees when the inline backend is not on or the figure was not displayed).
+
+    Args:
+        notebook: the executed notebook (path, JSON text or parsed dict).
+        name: how messages call it.
+
+    Returns:
+        Empty when every tagged cell shows its figure.
+    """
+    if isinstance(notebook, Path) or (isinstance(notebook, str) and not notebook.lstrip().startswith("{")):
+        notebook = Path(notebook).read_text()
+    nb = json.loads(notebook) if isinstance(notebook, str) else notebook
+    problems = []
+    tagged = 0
+    for index, cell in enumerate(nb.get("cells", [])):
+        if cell.get("cell_type") != "code":
+            continue
+        outputs = cell.get("outputs", [])
+        for out in outputs:
+            text = out.get("data", {}).get("text/plain", "")
+            text = "".join(text) if isinstance(text, list) else text
+            if text.startswith("<Figure size") and not any(k in out.get("data", {}) for k in _IMAGE_KINDS):
+                problems.append(f"{name}: cell {index} shows a figure as text ({text.strip()[:60]}); "
+                                "run %matplotlib inline in the first code cell and end the cell with the figure")
+        if FIGURE_TAG in cell.get("metadata", {}).get("tags", []):
+            tagged += 1
+            if not any(k in out.get("data", {}) for out in outputs for k in _IMAGE_KINDS):
+                problems.append(f"{name}: cell {index} is tagged {FIGURE_TAG!r} but produced no image "
+                                "(did it run, and does it end with the figure?)")
     return problems

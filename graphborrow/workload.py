@@ -188,6 +188,49 @@ class GraphLadder:
         return self.backend.memory_snapshot(self.pool_id)
 
 
+def notebook_dtype(backend) -> torch.dtype:
+    """The synthetic model's dtype on ``backend``: bfloat16 as served on a GPU and on the
+    layout-only simulated device (no bytes, so the H200's layout exactly); float32 on a
+    simulated device with real bytes, whose CPU kernels are faster and exact in float32."""
+    return torch.float32 if backend.name == "sim" and getattr(backend, "backed", True) else torch.bfloat16
+
+
+def borrowable_ladder(ladder: "GraphLadder", fallback: ModelShape | None = None) -> tuple["GraphLadder", str]:
+    """``ladder`` if its pool has a run a borrow can use, else a ladder of the teaching shapes.
+
+    A borrow pool carves whole allocator segments (2 MiB at least) out of the runs, so a pool
+    of tiny shapes can leave idle runs none of which can hold a borrow. Then the default
+    teaching shapes (``fallback``: hidden 256, intermediate 512, vocabulary 4096, prefill 512
+    tokens, ladder 16...1, 4 draft tokens, float32) are captured on the same device into a pool of
+    their own, and the caller is told why.
+
+    Args:
+        ladder: a captured :class:`GraphLadder`.
+
+    Returns:
+        ``(ladder, note)``: ``note`` is empty when ``ladder`` itself is returned, otherwise
+        one sentence saying why the fallback was captured.
+    """
+    from .capacity import largest_borrowable
+
+    state = ladder.state
+    if any(largest_borrowable(n, state.precarve_sizes([(0, n)])) for _, n in state.free_runs()):
+        return ladder, ""
+    largest = state.largest_run()
+    fallback = fallback or ModelShape(hidden=256, intermediate=512, layers=2, vocab=4096, dtype=torch.float32)
+    note = (f"No idle run of this pool can hold a borrow (largest run {largest / 2**20:.2f} MiB; a borrow pool "
+            "carves whole segments of 2 MiB or more), so the borrowing below uses a ladder of the default "
+            f"shapes (hidden {fallback.hidden}, intermediate {fallback.intermediate}, vocabulary "
+            f"{fallback.vocab}, prefill 512 tokens, ladder 16...1, 4 draft tokens) captured into a pool of its own.")
+    other = GraphLadder(ladder.backend, fallback, prefill_tokens=512, decode_batches=(16, 8, 4, 2, 1),
+                        draft_tokens=4).capture()
+    runs = other.state.free_runs()
+    if not any(largest_borrowable(n, other.state.precarve_sizes([(0, n)])) for _, n in runs):
+        raise RuntimeError(f"the fallback ladder ({fallback}) left no borrowable run either "
+                           f"(runs {[n for _, n in runs]}); pass a larger fallback shape")
+    return other, note
+
+
 SYNTHETIC = "synthetic"
 
 

@@ -4,6 +4,11 @@ A notebook can pass nbval by skipping every device cell; it cannot also write a 
 file with ``device_work > 0``. Usage (after running the notebooks):
 
     python scripts/check_notebook_results.py [--notebooks DIR] [--results DIR] [--since EPOCH_SECONDS]
+                                             [--executed DIR]
+
+``--executed`` also checks the executed notebooks found under DIR (``<name>.ipynb``, at any
+depth, e.g. ``output/suite`` or ``output/points``): every cell tagged ``figure`` must hold an
+image and no figure may show as text (:func:`graphborrow.results.check_figures`).
 
 ``--notebooks`` defaults to the notebooks shipped with graphborrow (``notebooks/`` in a
 checkout), ``--results`` to ``<notebooks>/results``. The rule itself is
@@ -17,7 +22,7 @@ import sys
 from pathlib import Path
 
 from graphborrow.package_data import notebooks_dir
-from graphborrow.results import check_results
+from graphborrow.results import check_figures, check_results
 
 
 def main(argv=None) -> int:
@@ -27,11 +32,19 @@ def main(argv=None) -> int:
                         help="results directory (default: <notebooks>/results)")
     parser.add_argument("--since", type=float, default=None,
                         help="reject results written before this Unix time")
+    parser.add_argument("--executed", type=Path, default=None,
+                        help="folder holding executed notebooks whose figures to check")
     args = parser.parse_args(argv)
     notebooks = args.notebooks or notebooks_dir()
     results = args.results or notebooks / "results"
     names = sorted(p.stem for p in notebooks.glob("[0-9][0-9]_*.ipynb"))
     problems = check_results(names, results, args.since) if names else [f"no numbered notebooks found in {notebooks}"]
+    if args.executed is not None:
+        executed = sorted(p for p in args.executed.rglob("*.ipynb") if p.stem[:2].isdigit() or p.parent.name[:2].isdigit())
+        if not executed:
+            problems.append(f"no executed notebooks under {args.executed}")
+        for path in executed:
+            problems += check_figures(path, str(path.relative_to(args.executed)))
     for line in problems:
         print(f"FAIL {line}", file=sys.stderr)
     if problems:

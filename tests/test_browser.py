@@ -136,3 +136,65 @@ def test_explorer_redraws_when_a_slider_moves(lab):
         finally:
             page.screenshot(path=str(ARTIFACTS / "explorer_page_final.png"))
             browser.close()
+
+
+# ----------------------------------------------------------------------------- every notebook's figures
+
+NUMBERED = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+POINTS = ROOT / "output" / "points"   # make test-notebooks leaves the executed notebooks here
+
+
+def _executed_copy(path: Path, folder: Path) -> Path:
+    """The notebook executed at its defaults: from the points run when there is one, else run now."""
+    done = POINTS / path.stem / "defaults.ipynb"
+    if not done.exists():
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("notebook_points", ROOT / "scripts" / "notebook_points.py")
+        harness = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(harness)
+        record = harness.run_point(path, "defaults", {}, folder / "points", timeout=300)
+        assert record["ok"], f"{path.name} failed at its defaults: {record['problems']}"
+        done = folder / "points" / path.stem / "defaults.ipynb"
+    return done
+
+
+@pytest.mark.parametrize("path", NUMBERED, ids=lambda p: p.stem)
+def test_executed_notebook_shows_its_figures_in_jupyterlab(lab, path):
+    """Opens the executed notebook (outputs stored, no kernel run) and counts rendered images:
+    at least one per cell tagged 'figure'. Screenshot: test-artifacts/<notebook>.png."""
+    import json
+
+    from playwright.sync_api import sync_playwright
+
+    url, token, root = lab
+    executed = _executed_copy(path, root.parent)
+    shutil.copy(executed, root / path.name)
+    nb = json.loads(executed.read_text())
+    tagged = sum("figure" in c.get("metadata", {}).get("tags", []) for c in nb["cells"])
+    stored = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
+    assert stored >= tagged, f"{path.name}: {tagged} figure cells but only {stored} stored images"
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{url}/lab/tree/{path.name}?token={token}")
+            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+            images = page.locator(".jp-OutputArea-output img")
+            deadline = time.time() + 60
+            while images.count() < stored and time.time() < deadline:
+                page.wait_for_timeout(500)
+            shown = images.count()
+            for i in range(shown):  # an image that failed to decode has no natural width
+                assert images.nth(i).evaluate("img => img.complete && img.naturalWidth > 0"), (
+                    f"{path.name}: image {i} did not render")
+            page.screenshot(path=str(ARTIFACTS / f"{path.stem}.png"))
+            if shown:
+                images.first.scroll_into_view_if_needed()
+                page.wait_for_timeout(300)
+                page.screenshot(path=str(ARTIFACTS / f"{path.stem}_figure.png"))
+            assert shown >= max(stored, 1 if tagged else 0), (
+                f"{path.name}: JupyterLab shows {shown} images; the executed notebook stores {stored}")
+        finally:
+            browser.close()

@@ -18,7 +18,7 @@ def run_cli(*args):
 def test_demo_refuses_a_negative_batch():
     proc = run_cli("demo", "--batch", "-3")
     assert proc.returncode == 2
-    assert "BATCH_SIZE=-3 is out of range; allowed: 1 to 4096" in proc.stderr
+    assert "BATCH_SIZE=-3 is out of range; allowed: 1 to 256" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
@@ -67,7 +67,7 @@ def tiny(tmp_path):
 
 def test_out_of_range_value_runs_nothing(tmp_path, tiny, capsys):
     code, err = exit_code(["sweep", str(tiny), "-p", "batch_size", "1,0", "--out", str(tmp_path / "out")], capsys)
-    assert code == 2 and "BATCH_SIZE=0 is out of range; allowed: 1 to 4096" in err
+    assert code == 2 and "BATCH_SIZE=0 is out of range; allowed: 1 to 256" in err
     assert not (tmp_path / "out").exists() and executions(tiny) == []
 
 

@@ -44,3 +44,28 @@ def test_strip_removes_outputs_and_counts():
     assert strip_notebooks.strip(nb)
     assert nb.cells[0].outputs == [] and nb.cells[0].execution_count is None
     assert not strip_notebooks.strip(nb)
+
+
+# Notebooks rewritten to the teaching layout so far; the others join as they are rewritten.
+TEACHING = [p for p in NOTEBOOKS if p.stem[:2] in ("00", "01", "02", "03", "04")]
+
+
+@pytest.mark.parametrize("path", TEACHING, ids=lambda p: p.stem)
+def test_notebook_shows_figures_and_teaches(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])]
+    assert code[0].source.startswith("%matplotlib inline"), f"{path.name}: the first code cell must start with %matplotlib inline"
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    for needed in ("What you will learn", "What you need first", "## Summary", "## Exercises", "https://"):
+        assert needed in text, f"{path.name} lacks {needed!r}"
+    exercises = text.split("## Exercises", 1)[1].split("**Next**")[0]
+    items = re.findall(r"^\d+\. .*`[A-Z_]+ = ", exercises, re.M)
+    assert 2 <= len(items) <= 4, f"{path.name}: 2-4 exercises, each naming a parameter to change; found {len(items)}"
+    nxt = re.search(r"\*\*Next\*\*: \[[^\]]+\]\((\d\d_[a-z_]+\.ipynb)\)", text)
+    assert nxt and (path.parent / nxt.group(1)).exists(), f"{path.name}: link to the next notebook"
+    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    assert re.search(r"^LAYOUT_ONLY = False", params.source, re.M), f"{path.name}: LAYOUT_ONLY switch, off by default"
+    last = nb.cells[-1]
+    assert last.cell_type == "code" and "results.save(" in last.source
+    assert not last.source.rstrip().splitlines()[-1].startswith(("results.save", "print(")), (
+        f"{path.name}: the last cell ends with the results it shows, not a path")

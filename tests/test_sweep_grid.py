@@ -12,7 +12,7 @@ from graphborrow.sweep.parameters import read_notebook
 
 def test_validate_rejects_out_of_range_unknown_and_undeclared():
     assert validate({"batch_size": 8, "fit_policy": "best"}) == {"BATCH_SIZE": 8, "FIT_POLICY": "best"}
-    with pytest.raises(ParameterError, match=r"BATCH_SIZE=5000 is out of range; allowed: 1 to 4096"):
+    with pytest.raises(ParameterError, match=r"BATCH_SIZE=5000 is out of range; allowed: 1 to 256"):
         validate({"batch_size": 5000})
     with pytest.raises(ParameterError, match="choose one of"):
         validate({"fit_policy": "worst"})
@@ -39,7 +39,7 @@ def test_choice_tells_booleans_from_numbers():
 def test_argument_type_states_the_rule_once():
     batch = argument_type("BATCH_SIZE")
     assert batch("16") == 16
-    with pytest.raises(argparse.ArgumentTypeError, match=r"BATCH_SIZE=-3 is out of range; allowed: 1 to 4096"):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"BATCH_SIZE=-3 is out of range; allowed: 1 to 256"):
         batch("-3")
     with pytest.raises(argparse.ArgumentTypeError, match="'x' is not a whole number"):
         batch("x")

@@ -50,6 +50,7 @@ class CUDAGraph:
     def __init__(self, backend) -> None:
         self._backend = backend
         self._ops: list[tuple] = []
+        self._written: list[tuple[int, int]] = []
         self._pool: tuple[int, int] | None = None
         self._stream = None
         self._capturing = False
@@ -116,6 +117,7 @@ class CUDAGraph:
         if self._capturing:
             raise RuntimeError("cannot reset() a graph while it is capturing; leave the capture first")
         self._ops = []
+        self._written = []
         self._captured = False
         if self._holds_pool:
             self._holds_pool = False
@@ -129,6 +131,19 @@ class CUDAGraph:
         if self._pool is None:
             raise RuntimeError("Called CUDAGraph.pool() without a preceding capture_begin().")
         return self._pool
+
+    def written_ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of every tensor the captured ops created, merged and sorted:
+        the device bytes a replay writes (what an escaped borrow there would lose). Known on
+        a layout-only device too, where no ops are recorded."""
+        merged: list[list[int]] = []
+        for start, nbytes in sorted(self._written):
+            end = start + nbytes
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return [(a, b - a) for a, b in merged]
 
     @property
     def num_ops(self) -> int:

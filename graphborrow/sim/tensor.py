@@ -231,8 +231,14 @@ def _dispatch(func, args, kwargs):
             backend.ensure_blas_workspace()
         if backend.blaslt_workspace and _uses_cublaslt(func, args, kwargs):
             backend.ensure_blaslt_workspace()
-    if capture is not None and backend.backed:
-        capture._record(func, inner_args, inner_kwargs, fresh)
+    if capture is not None:
+        if fresh:  # the device bytes this op's new outputs occupy: what a replay writes
+            inners = {id(view) for _, view in fresh}
+            outs = result if isinstance(result, (tuple, list)) else (result,)
+            capture._written.extend((backend.data_ptr(o), o.numel() * o.element_size()) for o in outs
+                                    if isinstance(o, SimTensor) and id(o._inner) in inners)
+        if backend.backed:
+            capture._record(func, inner_args, inner_kwargs, fresh)
     return result
 
 

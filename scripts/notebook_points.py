@@ -1,0 +1,129 @@
+"""Run every numbered notebook at its defaults, the corners of its ranges, the H200 shapes and
+seeded random points, and report each point that fails with the notebook, the parameters and
+the failed assert's message.
+
+    python scripts/notebook_points.py [--only 00 01] [--samples 1] [--seed 0] [--jobs 2]
+                                      [--out output/points] [--timeout 300] [--no-h200] [--memory-gb 6]
+
+Each point runs with papermill on the simulated device (``DEVICE=sim``; large points
+layout-only where the notebook declares ``LAYOUT_ONLY``), ``--jobs`` at a time. A point passes
+when the notebook ran to the end, wrote its results file with device work
+(:func:`graphborrow.results.check_results`) and every cell tagged ``figure`` holds an image
+(:func:`graphborrow.results.check_figures`). Executed notebooks land in
+``<out>/<notebook>/<label>.ipynb``, the summary in ``<out>/report.json``. Exit status 1 when
+any point failed. The points themselves come from :mod:`graphborrow.sweep.space`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from graphborrow.package_data import notebooks_dir
+from graphborrow.results import check_figures, check_results
+from graphborrow.sweep.execute import NotebookJob, execute
+from graphborrow.sweep.parameters import declared_parameters, read_notebook
+from graphborrow.sweep.space import notebook_points
+
+
+def _failure(ran, timeout: float) -> str:
+    """The failed point's message: the notebook's error, a timeout said as such, or the log's last error line."""
+    log = ran.log or ""
+    if "CellTimeoutError" in log or "Cell execution timed out" in log or "timed out" in (ran.error or ""):
+        return f"a cell ran longer than {timeout:.0f} s (--timeout)"
+    error = (ran.error or "").strip()
+    if error and set(error) != {"-"}:
+        return error
+    lines = [ln.strip() for ln in log.splitlines() if "Error" in ln]
+    return lines[-1] if lines else f"papermill exited {ran.returncode}"
+
+
+def run_point(path: Path, label: str, params: dict, out: Path, timeout: float) -> dict:
+    """Run one point; return its record (status, error, seconds, parameters)."""
+    declared = declared_parameters(read_notebook(path))
+    job = NotebookJob(path.name, path.read_bytes(), {"DEVICE": "sim", **params}, f"{path.stem}[{label}]",
+                      timeout=timeout, set_data_dir="DATA_DIR" in declared and "DATA_DIR" not in params,
+                      threads=1)
+    ran = execute(job)
+    folder = out / path.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    if ran.notebook:
+        (folder / f"{label}.ipynb").write_bytes(ran.notebook)
+    problems = [_failure(ran, timeout)] if ran.returncode else []
+    if not problems:
+        with tempfile.TemporaryDirectory() as tmp:
+            for rel, data in ran.results.items():
+                Path(tmp, Path(rel).name).write_bytes(data)
+            problems += check_results([path.stem], tmp)
+        problems += check_figures(json.loads(ran.notebook), path.stem) if ran.notebook else ["no executed notebook"]
+    return {"notebook": path.stem, "label": label, "params": params, "ok": not problems,
+            "problems": problems, "seconds": round(ran.seconds, 1)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--notebooks", type=Path, default=None, help="folder of the numbered notebooks")
+    parser.add_argument("--only", nargs="*", default=None, help="notebook number prefixes, e.g. 00 03")
+    parser.add_argument("--samples", type=int, default=1, help="random points per notebook")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random points")
+    parser.add_argument("--jobs", type=int, default=2, help="points run at the same time")
+    parser.add_argument("--out", type=Path, default=Path("output/points"))
+    parser.add_argument("--timeout", type=float, default=300, help="seconds one cell may run")
+    parser.add_argument("--labels", nargs="*", default=None,
+                        help="only these points (defaults low high h200 random-0 ...)")
+    parser.add_argument("--no-h200", action="store_true", help="leave out the H200-shapes point")
+    parser.add_argument("--memory-gb", type=float, default=6,
+                        help="address-space limit of each notebook's kernel (0: none); a point that needs "
+                             "more fails with a MemoryError instead of swapping a shared machine")
+    args = parser.parse_args(argv)
+    import resource  # the limit is inherited by papermill and its kernel, and lifted again at the end
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if args.memory_gb:
+        limit = int(args.memory_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    try:
+        return _run(args)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _run(args) -> int:
+    folder = args.notebooks or notebooks_dir()
+    paths = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+    if args.only:
+        paths = [p for p in paths if any(p.name.startswith(prefix) for prefix in args.only)]
+    if not paths:
+        print(f"no numbered notebooks matched in {folder}", file=sys.stderr)
+        return 2
+    todo = [(p, pt) for p in paths for pt in notebook_points(p, args.samples, args.seed, not args.no_h200)
+            if args.labels is None or pt.label in args.labels]
+    print(f"{len(todo)} points of {len(paths)} notebooks, {args.jobs} at a time")
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    records = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_point, p, pt.label, pt.params, args.out, args.timeout) for p, pt in todo]
+        for (p, pt), fut in zip(todo, futures):
+            rec = fut.result()
+            records.append(rec)
+            status = "ok  " if rec["ok"] else "FAIL"
+            print(f"{status} {rec['notebook']} [{rec['label']}] {rec['seconds']:.0f} s  {pt.describe()}", flush=True)
+            for line in rec["problems"]:
+                print(f"       {line[:400]}", flush=True)
+    failed = [r for r in records if not r["ok"]]
+    report = {"seconds": round(time.time() - start, 1), "points": len(records), "failed": len(failed),
+              "seed": args.seed, "samples": args.samples, "records": records}
+    (args.out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"{len(records) - len(failed)} of {len(records)} points passed in {report['seconds']:.0f} s; "
+          f"report: {args.out / 'report.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

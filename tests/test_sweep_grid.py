@@ -153,3 +153,24 @@ def test_more_local_workers_than_gpus_is_refused(monkeypatch):
     with pytest.raises(ParameterError, match="need a GPU, and torch sees none"):
         with cluster.dask_client(None, 1, gpu=True):
             pass
+
+
+def test_model_names_are_the_workloads_a_notebook_can_build():
+    from graphborrow.sweep.parameters import MODEL_NAMES
+    from graphborrow.workload import model_names
+
+    assert MODEL_NAMES == model_names(), "MODEL's allowed values must be exactly the buildable workloads"
+
+
+def test_snapshot_is_a_path_or_none_and_branching_fits_the_tree():
+    from graphborrow.errors import ParameterError
+    from graphborrow.sweep.parameters import validate
+    from graphborrow.sweep.space import derive
+
+    assert validate({"SNAPSHOT": None}) == {"SNAPSHOT": None}
+    assert validate({"snapshot": "pool.pickle"}) == {"SNAPSHOT": "pool.pickle"}
+    with pytest.raises(ParameterError, match="SNAPSHOT=''"):
+        validate({"SNAPSHOT": ""})
+    point = derive({"BRANCHING": 16, "DRAFT_TOKENS": 4}, {"BRANCHING", "DRAFT_TOKENS"})
+    assert point["BRANCHING"] == 3, "four tree nodes hold at most three children under the root"
+    assert derive({"BRANCHING": 16, "DRAFT_TOKENS": 1}, {"BRANCHING", "DRAFT_TOKENS"})["BRANCHING"] == 1

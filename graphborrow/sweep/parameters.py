@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ..errors import ParameterError
 
 __all__ = [
-    "Range", "Choice", "IntList", "Text", "PARAMETERS", "PATH_PARAMETERS", "canonical", "validate",
+    "Range", "Choice", "IntList", "Text", "OptionalPath", "MODEL_NAMES", "PARAMETERS", "PATH_PARAMETERS", "canonical", "validate",
     "argument_type", "read_notebook", "declared_parameters",
 ]
 
@@ -89,6 +89,21 @@ class Text:
         return "text"
 
 
+class OptionalPath(Text):
+    """A path to an input file, or None for "build it here" (e.g. the reader's own snapshot)."""
+
+    def check(self, name: str, value: Any) -> None:
+        if value is not None:
+            super().check(name, value)
+
+    def describe(self) -> str:
+        return "path or None"
+
+
+# The workloads a notebook's MODEL builds: graphborrow.workload.model_names(), spelled out here so
+# that checking a parameter never imports torch (a test keeps the two equal).
+MODEL_NAMES = ("synthetic", "llama-3-8b", "qwen2.5-7b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b")
+
 # Every notebook parameter a sweep may set, in one place (notebooks spell them in upper case).
 # Ranges are what is physically meaningful for one GPU today, and every notebook must hold at
 # every point of them (tests/test_notebook_points.py runs the corners and random points). The
@@ -113,7 +128,9 @@ PARAMETERS: dict[str, Any] = {
     "BATCH_SIZES": IntList(1, 256),
     "DRAFT_TOKENS": Range(1, 64),
     "DRAFT_TOKENS_LIST": IntList(1, 64),
-    "TOPK": Range(1, 16),
+    "BRANCHING": Range(1, 16),            # children per expanded draft-tree node (EAGLE's "topk")
+    "MODEL": Choice(MODEL_NAMES),
+    "SNAPSHOT": OptionalPath(),
     "FIT_POLICY": Choice(("best", "first")),
     "RUN_POLICY": Choice(("runs", "whole_segments")),
     "MODE": Choice(("standard", "lean", "chunked")),

@@ -5,7 +5,7 @@ for the parameters its ``parameters`` cell declares, not only at its defaults. T
 turns those ranges into concrete points to run: the low and the high corner (every declared
 parameter at one end of its range), the H200 shapes, and a seeded random sample. Each point is
 *derived* into a valid combination before it runs (a batch no larger than the largest captured
-one, a branching factor no larger than the tree, real bytes only where the CPU can hold them),
+one, a branching factor the tree can hold, real bytes only where the CPU can hold them),
 and the derived point is checked against the ranges again, so deriving never leaves them.
 
     points = notebook_points("notebooks/01_free_runs.ipynb", samples=2, seed=0)
@@ -148,7 +148,7 @@ def derive(point: Mapping[str, Any], declared, defaults: Mapping[str, Any] | Non
 
     - a batch is at most the largest captured decode batch (a serving engine pads up to a
       captured graph; it cannot run a larger one);
-    - the tree's branching factor (TOPK) is at most its draft tokens, TOP_K at most VOCAB;
+    - the tree's branching factor (BRANCHING) is at most its draft tokens less the root, TOP_K at most VOCAB;
     - the point runs layout-only when its footprint is over :data:`BACKED_LIMIT_BYTES` and
       the notebook declares LAYOUT_ONLY.
 
@@ -162,8 +162,10 @@ def derive(point: Mapping[str, Any], declared, defaults: Mapping[str, Any] | Non
     if ladder and "BATCH_SIZE" in declared and value("BATCH_SIZE") is not None:
         if value("BATCH_SIZE") > max(ladder):
             p["BATCH_SIZE"] = max(ladder)
-    if "TOPK" in declared and value("DRAFT_TOKENS") is not None and value("TOPK") > value("DRAFT_TOKENS"):
-        p["TOPK"] = value("DRAFT_TOKENS")
+    if "BRANCHING" in declared and value("DRAFT_TOKENS") is not None and value("BRANCHING") is not None:
+        # a tree of D nodes (root included) has at most D - 1 children under one node
+        if value("BRANCHING") > max(1, value("DRAFT_TOKENS") - 1):
+            p["BRANCHING"] = max(1, value("DRAFT_TOKENS") - 1)
     if "TOP_K" in declared and value("TOP_K") is not None and value("VOCAB") is not None:
         if value("TOP_K") > value("VOCAB"):
             p["TOP_K"] = value("VOCAB")

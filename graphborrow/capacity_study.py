@@ -39,7 +39,7 @@ def plan_table(pool, batches: Iterable[int], draft_tokens: Iterable[int], vocab:
     for d in sorted(set(draft_tokens)):
         for bs in sorted(set(batches)):
             for mode in modes:
-                p = plan_verify(pool, bs, d, vocab, mode, top_k, top_p)
+                p = plan_verify(pool, bs, d, vocab, mode, top_k, top_p, impl="reference")
                 rows.append({"batch_size": bs, "draft_tokens": d, "mode": mode, "fits": p.fits,
                              "peak_bytes": p.peak_bytes, "requests_per_chunk": p.requests_per_chunk,
                              "reason": p.reason})
@@ -172,7 +172,7 @@ def fit_policy_contrast(state, vocab: int, batches: Iterable[int] = (1, 2, 4, 8,
                 for best in (True, False):
                     state.retire()
                     state.best_fit = best
-                    verdict[best] = plan_verify(state, bs, d, vocab, mode).fits
+                    verdict[best] = plan_verify(state, bs, d, vocab, mode, impl="reference").fits
                 if verdict[True] and not verdict[False]:
                     return bs, d
         return None

@@ -55,6 +55,8 @@ if want suite; then
     -p LADDER "[64, 32, 16, 8, 4, 2, 1]" -p DRAFT_TOKENS 8
   mkdir -p "$out/data/notebooks_h200"
   find "$out/suite" -name '*.json' -path '*results*' -exec cp {} "$out/data/notebooks_h200/" \; 2>/dev/null
+  mkdir -p "$out/logs/suite" && cp "$out"/suite/*.ipynb "$out"/suite/*.log "$out/logs/suite/" 2>/dev/null
+  tar -czf "$out/record_h200.tar.gz" -C "$out" data logs
 fi
 want capacity-renorm && run_step capacity-renorm 60 "$py" benchmarks/capacity_gpu.py \
   --out "$out/data/capacity_h200_renorm.json" --top-k 50 --top-p 0.9 --batches 1,4,32,128 --budget-s 40

@@ -37,7 +37,9 @@ browser:
 # CPU-only: GPU twins are deselected (not skipped); the simulated device runs the story.
 # The notebook points run first: the browser test opens the notebooks they executed.
 test: setup browser
-	$(MAKE) --no-print-directory test-notebooks
+	$(MAKE) --no-print-directory test-nbval
+	rm -rf output/points
+	$(PY) scripts/notebook_points.py --skip-defaults --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points
 	$(PY) -m pytest -q -m "not gpu" tests
 
 test-core: setup

@@ -280,7 +280,7 @@ class Explorer:
                                          description="prefill tokens", style=style),
             "batch_size": w.IntSlider(value=s.batch_size, min=1, max=max(LADDERS[s.ladder]),
                                       description="batch size", style=style, continuous_update=False),
-            "draft_tokens": w.SelectionSlider(options=list(DRAFT_CHOICES), value=s.draft_tokens,
+            "draft_tokens": w.SelectionSlider(options=sorted({*DRAFT_CHOICES, s.draft_tokens}), value=s.draft_tokens,
                                               description="draft tokens", style=style, continuous_update=False),
             "fit_policy": w.ToggleButtons(options=list(FIT_POLICIES), value=s.fit_policy,
                                           description="fit policy", style=style),

@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="points run at the same time")
     parser.add_argument("--out", type=Path, default=Path("output/points"))
     parser.add_argument("--timeout", type=float, default=300, help="seconds one cell may run")
+    parser.add_argument("--skip-defaults", action="store_true",
+                        help="leave out the defaults point (make test runs the defaults through nbval)")
     parser.add_argument("--labels", nargs="*", default=None,
                         help="only these points (defaults low high h200 random-0 ...)")
     parser.add_argument("--no-h200", action="store_true", help="leave out the H200-shapes point")
@@ -102,7 +104,8 @@ def _run(args) -> int:
         print(f"no numbered notebooks matched in {folder}", file=sys.stderr)
         return 2
     todo = [(p, pt) for p in paths for pt in notebook_points(p, args.samples, args.seed, not args.no_h200)
-            if args.labels is None or pt.label in args.labels]
+            if (args.labels is None or pt.label in args.labels)
+            and not (args.skip_defaults and pt.label == "defaults")]
     print(f"{len(todo)} points of {len(paths)} notebooks, {args.jobs} at a time")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()

@@ -58,3 +58,25 @@ def test_the_verifier_follows_the_theory_beyond_the_first_token():
 def test_chi_square_names_a_zero_probability_token():
     with pytest.raises(AssertionError, match="zero target probability"):
         chi_square(torch.tensor([0, 1, 1]), torch.tensor([0.5, 0.0, 0.5]))
+
+
+def test_sampling_in_batches_is_one_batch_joined():
+    """Copies verified in batches come back as the single batch would: same coins, same result."""
+    from graphborrow.draft_tree import build_draft_tree, repeat_tree
+    from graphborrow.eagle import eagle_verify
+    from graphborrow.eagle.acceptance import sample_copies
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 10, generator=gen)
+    tree = build_draft_tree(2, 2, 6, 1, 10, generator=gen)
+    joined = sample_copies(tree, logits, 0.8, 50, generator=torch.Generator().manual_seed(9), copies_per_batch=7)
+    whole = eagle_verify(logits.repeat(50, 1), None, repeat_tree(tree, 50), 0.8,
+                         generator=torch.Generator().manual_seed(9))
+    one_batch = sample_copies(tree, logits, 0.8, 50, generator=torch.Generator().manual_seed(9), copies_per_batch=64)
+    for field in ("predicts", "accept_index", "accept_length"):
+        assert torch.equal(getattr(one_batch, field), getattr(whole, field)), f"one batch must be eagle_verify's {field}"
+    assert joined.predicts.shape == whole.predicts.shape and joined.accept_index.shape == whole.accept_index.shape
+    # every accepted slot points into its own copy's slots of the joined predicts
+    for copy in range(50):
+        slots = joined.accept_index[copy][: joined.accept_length[copy]]
+        assert ((slots // 6) == copy).all(), f"copy {copy} reads another copy's slots: {slots.tolist()}"

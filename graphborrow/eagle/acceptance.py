@@ -19,7 +19,8 @@ import torch
 
 from ..draft_tree import DraftTree
 
-__all__ = ["children_of", "chi_square", "emitted_tokens", "expected_emitted_tokens", "path_probabilities", "tokens_after"]
+__all__ = ["children_of", "chi_square", "emitted_tokens", "expected_emitted_tokens", "path_probabilities",
+           "sample_copies", "tokens_after"]
 
 
 def path_probabilities(tree: DraftTree, probs: torch.Tensor, request: int = 0) -> torch.Tensor:
@@ -121,3 +122,38 @@ def children_of(tree: DraftTree, node: int = 0, request: int = 0) -> list[int]:
         out.append(child)
         child = int(tree.retrive_next_sibling[request, child])
     return out
+
+
+def sample_copies(tree: DraftTree, row_logits: torch.Tensor, temperature: float, samples: int,
+                  generator: torch.Generator | None = None, copies_per_batch: int = 8192):
+    """Verify ``samples`` copies of request 0 of ``tree`` with independent coins, on the CPU.
+
+    The copies run in batches of ``copies_per_batch`` (so a million samples of a deep tree need
+    memory for one batch, not for all of them) and come back as one
+    :class:`~graphborrow.eagle.VerifyResult`, with ``accept_index`` renumbered to the joined
+    ``predicts``: the same result one batch of ``samples`` copies would give.
+
+    Args:
+        tree: a :class:`DraftTree`; its request 0 is sampled.
+        row_logits: [D, V] target logits of that request.
+        temperature: the sampling temperature.
+        samples: how many copies, at least 1.
+        generator: the coins' random source.
+        copies_per_batch: copies verified at once.
+    """
+    from ..draft_tree import repeat_tree
+    from .modes import VerifyResult
+    from .verify import eagle_verify
+
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples={samples!r} must be a positive integer")
+    d = row_logits.shape[0]
+    parts = []
+    for start in range(0, samples, copies_per_batch):
+        n = min(copies_per_batch, samples - start)
+        res = eagle_verify(row_logits.repeat(n, 1), None, repeat_tree(tree, n), temperature, generator=generator)
+        index = res.accept_index.long()
+        parts.append((res.predicts, torch.where(index >= 0, index + start * d, index).to(res.accept_index.dtype),
+                      res.accept_length))
+    return VerifyResult(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                        torch.cat([p[2] for p in parts]))

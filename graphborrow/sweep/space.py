@@ -24,7 +24,7 @@ from ..errors import ParameterError
 from .parameters import PARAMETERS, Choice, IntList, Range, Text, declared_parameters, validate
 
 __all__ = ["Point", "H200", "REAL_VOCABS", "corner", "random_point", "derive", "footprint_bytes",
-           "notebook_points", "BACKED_LIMIT_BYTES"]
+           "notebook_points", "BACKED_LIMIT_BYTES", "DEVICE_BYTES"]
 
 # Not varied by the points: where the notebook runs and writes, and which device it uses.
 FIXED = ("DEVICE", "OUTPUT_DIR", "SWEEP_DIR", "DATA_DIR")
@@ -39,6 +39,11 @@ H200: dict[str, Any] = {
 # Vocabularies of real models (Llama-2 / Mistral, GPT-2, Llama-3, Qwen2): random points use one
 # of them half the time, so the sample always meets real shapes.
 REAL_VOCABS = (32000, 50257, 128256, 151936)
+
+# What one device holds: the simulated device's default capacity (80 GiB, an H100/A100-80GB;
+# the H200 holds 141 GB). A point whose workload cannot fit it is derived to the largest that
+# can, as a serving engine on one GPU would capture fewer or smaller graphs.
+DEVICE_BYTES = 80 << 30
 
 # Above this estimated footprint a point runs layout-only (when the notebook lets it): real
 # bytes of that size on a 2-core CPU take minutes per notebook and prove nothing more.
@@ -149,6 +154,7 @@ def derive(point: Mapping[str, Any], declared, defaults: Mapping[str, Any] | Non
     - a batch is at most the largest captured decode batch (a serving engine pads up to a
       captured graph; it cannot run a larger one);
     - the tree's branching factor (BRANCHING) is at most its draft tokens less the root, TOP_K at most VOCAB;
+    - a workload larger than one device (:data:`DEVICE_BYTES`) is shrunk, axis by axis, until it fits;
     - the point runs layout-only when its footprint is over :data:`BACKED_LIMIT_BYTES` and
       the notebook declares LAYOUT_ONLY.
 
@@ -169,10 +175,36 @@ def derive(point: Mapping[str, Any], declared, defaults: Mapping[str, Any] | Non
     if "TOP_K" in declared and value("TOP_K") is not None and value("VOCAB") is not None:
         if value("TOP_K") > value("VOCAB"):
             p["TOP_K"] = value("VOCAB")
+    _fit_one_device(p, declared, defaults)
     if "LAYOUT_ONLY" in declared and footprint_bytes(p, defaults) > BACKED_LIMIT_BYTES:
         p["LAYOUT_ONLY"] = True
     validate(p, declared)
     return p
+
+
+def _fit_one_device(p: dict, declared, defaults: Mapping[str, Any]) -> None:
+    """Halve the batch axis, then the draft tokens, then the sequence and model widths, until the
+    estimated footprint fits half of :data:`DEVICE_BYTES` (the estimate is rough: it leaves room
+    for what it does not count). Every value stays inside its range."""
+    value = lambda name: p.get(name, defaults.get(name))  # noqa: E731
+    steps = [n for n in ("LADDER", "BATCH_SIZES", "BATCH_SIZE", "DRAFT_TOKENS", "DRAFT_TOKENS_LIST",
+                         "PREFILL_TOKENS", "VOCAB", "INTERMEDIATE", "HIDDEN", "LAYERS") if n in declared]
+    for _ in range(64):
+        if footprint_bytes(p, defaults) <= DEVICE_BYTES // 2 or not steps:
+            return
+        name = steps[0]
+        current, rule = value(name), PARAMETERS[name]
+        if isinstance(rule, IntList):
+            smaller = [v for v in current if v < max(current)] if len(current) > 1 else current
+        else:
+            smaller = max(int(rule.lo), int(current) // 2)
+        if smaller == current:
+            steps.pop(0)  # at its floor: shrink the next axis
+            continue
+        p[name] = smaller
+        if name in ("LADDER", "BATCH_SIZES") and value("BATCH_SIZE") is not None and value("BATCH_SIZE") > max(smaller):
+            p["BATCH_SIZE"] = max(smaller)
+        steps.append(steps.pop(0))  # shrink the axes in turn
 
 
 def _defaults(notebook) -> dict[str, Any]:

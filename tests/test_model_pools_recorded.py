@@ -71,7 +71,9 @@ if RECORDINGS:
     def test_recorded_trace_replays_on_the_simulated_allocator(path):
         gpu = load_recording(path)
         events = [{k: v for k, v in e.items() if k != "site"} for e in expand_trace(gpu["trace"], gpu["sites"])]
-        report = replay_trace({"segments": gpu["segments"], "device_traces": [events]})
+        # the recording holds the shared pool's snapshot only, the trace the whole device
+        pools = {tuple(s["segment_pool_id"]) for s in gpu["segments"]}
+        report = replay_trace({"segments": gpu["segments"], "device_traces": [events]}, snapshot_pools=pools)
         assert report.agreement == 1.0 and report.checks > 1000, str(report)
 
     def test_without_the_gpu_addresses_equal_segments_swap_layouts():

@@ -379,9 +379,11 @@ class _Pool:
 class _Replayer:
     def __init__(self, snapshot: dict, entries: list[dict], final: list[dict], config: AllocatorConfig,
                  device_memory: int, fraction: float | None, refuted: set, layout: bool = False,
-                 conflicts: dict | None = None, private_conflicts: dict | None = None) -> None:
+                 conflicts: dict | None = None, private_conflicts: dict | None = None,
+                 snapshot_pools: set | None = None) -> None:
         self.entries = entries
         self.final = final
+        self.snapshot_pools = snapshot_pools  # None: the snapshot holds every pool's segments
         self.config = config
         self.device_memory = device_memory
         self.refuted = refuted
@@ -1258,11 +1260,20 @@ class _Replayer:
             if key in untouched:
                 continue  # rebuilt from the snapshot itself: comparing it would prove nothing
             mine, theirs = simulated.get(key), recorded.get(key)
+            if theirs is None and not self._in_snapshot(mine):
+                continue  # a pool the snapshot was not taken of
             want = None if theirs is None else _shape(theirs)
             got = None if mine is None else _shape(mine)
             segment = self._segment_at(key[0])
             self.check(want == got, f"final snapshot segment {_fmt_seg(key)}: expected {want}, simulated {got}",
                        self._is_uncertain(segment))
+
+
+    def _in_snapshot(self, segment: dict) -> bool:
+        """Whether the snapshot would show this simulated segment (it may be one pool's snapshot)."""
+        if self.snapshot_pools is None:
+            return True
+        return _pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL)) in self.snapshot_pools
 
 
 def _releasable(segment) -> bool:
@@ -1417,7 +1428,8 @@ def _infer_pools(layout: _Replayer, conflicts: dict, private_conflicts: dict, re
 
 
 def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: float | None = None,
-                 device_memory: int | None = None, torch_version: str | None = None) -> ReplayReport:
+                 device_memory: int | None = None, torch_version: str | None = None,
+                 snapshot_pools: Any = None) -> ReplayReport:
     """Replay ``snapshot``'s device trace on a fresh simulated allocator; see the module docstring.
 
     Args:
@@ -1428,6 +1440,10 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         torch_version: the torch that recorded it (its parsing rules for the settings string).
             The three default to a ``corpus`` record in the snapshot, as the differential
             corpus stores one; the recorded ``allocator_settings`` always decide the settings.
+        snapshot_pools: the pool ids (``(a, b)`` pairs) whose segments the snapshot holds, when
+            it was taken of some pools only (``MemPool.snapshot()``, a graph pool's segments):
+            at the end, simulated segments of other pools are not compared with it. Default:
+            the snapshot holds every segment of the device.
 
     Returns:
         :class:`ReplayReport`.
@@ -1451,6 +1467,12 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
     if device_memory is None:
         device_memory = DEVICE_MEMORY.get(meta.get("device"), _UNKNOWN_DEVICE_MEMORY)
     config = AllocatorConfig.from_settings(snapshot.get("allocator_settings") or {}, torch_version or "2.11")
+    if snapshot_pools is not None:
+        snapshot_pools = {_pool_tuple(p) for p in snapshot_pools}
+        outside = sorted({_pool_tuple(s.get("segment_pool_id", DEFAULT_POOL)) for s in final} - snapshot_pools)
+        if outside:
+            raise ValueError(f"the snapshot holds segments of pools {outside}, which snapshot_pools={sorted(snapshot_pools)} "
+                             f"leaves out; pass every pool the snapshot was taken of")
     layout = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, set(), layout=True)
     layout.run()
     conflicts = layout.conflicts
@@ -1465,7 +1487,7 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
     for _ in range(_MAX_REPLAYS):
         assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
-                             conflicts=conflicts, private_conflicts=private_conflicts)
+                             conflicts=conflicts, private_conflicts=private_conflicts, snapshot_pools=snapshot_pools)
         replayer.assignment = assignment
         try:
             replayer.run()
@@ -1475,7 +1497,7 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         break
     else:  # out of patience: report the last replay as it stands
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
-                             conflicts=conflicts, private_conflicts=private_conflicts)
+                             conflicts=conflicts, private_conflicts=private_conflicts, snapshot_pools=snapshot_pools)
         replayer.assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
         replayer.blaming = False
         replayer.run()

@@ -55,7 +55,6 @@ KNOWN_GAPS = {  # trace -> agreement it must keep until the gap is closed (data/
     "seed011_ring": 0.993,
     "seed018": 0.976,
     "seed025": 0.914,
-    "seed026": 0.953,
     "seed034": 0.829,
     "seed038": 0.966,
     "seed039": 0.976,

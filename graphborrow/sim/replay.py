@@ -666,6 +666,7 @@ class _Replayer:
         start = i
         new_segment = None
         maps = []
+        going_with: dict[int, tuple] = {}  # released segment -> (pool label, choice) before this malloc
         while i < len(entries) and entries[i].get("action") == "segment_map":
             maps.append(entries[i])
             i += 1
@@ -705,8 +706,11 @@ class _Replayer:
             for e in released:  # pools whose memory went back inside this malloc were released before it,
                 oversize = (e["action"] == "segment_free" and e["size"] >= self.sim.max_split
                             and e["stream"] == stream)  # unless it was an oversize release of the pool in use
+                segment = self._segment_at(e["addr"])
+                if segment is not None and segment.address in self.choice_keys:
+                    going_with[segment.address] = (self._label_of(segment), self.choice_keys[segment.address])
                 if not oversize:
-                    self._mark_released(self._segment_at(e["addr"]))
+                    self._mark_released(segment)
         if oom:
             self._oom_hint = self._oom_prior(released, completed, stream)
         label, pluggable = self._route(start, first, entry, oom, {e["addr"] for e in released})
@@ -734,7 +738,7 @@ class _Replayer:
         if oom:
             ok = isinstance(failure, RuntimeError) and "out of memory" in str(failure)
             if not calls_ok and not uncertain:
-                self._blame_calls(got, expected, where)
+                self._blame_calls(got, expected, where, going_with)
             if not ok and not uncertain:
                 self._refute_pending(f"{where}: the simulator did not fail the same way")
             self.check(ok, f"{where}: expected out of memory, simulated "
@@ -765,7 +769,7 @@ class _Replayer:
         if block.ptr != addr and not uncertain:
             self._blame(block.ptr, addr, where)
         if not calls_ok and not uncertain:
-            self._blame_calls(got, expected, where)
+            self._blame_calls(got, expected, where, going_with)
         self.check(calls_ok, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}", uncertain)
         self.check(block.ptr == addr, f"{where}: expected block at {addr:#x}, simulated {block.ptr:#x}", uncertain)
         self.blocks.setdefault(addr, []).append(block)
@@ -875,17 +879,25 @@ class _Replayer:
             key, label = max(keys, key=lambda k: k[0][1])
             self._refute(key, label, f"{where}: took a block of the segment at {mine.address:#x}")
 
-    def _blame_calls(self, got: list, expected: list, where: str) -> None:
+    def _blame_calls(self, got: list, expected: list, where: str, going_with: dict | None = None) -> None:
         """An allocation released (or kept) other memory than the real one did (garbage collection,
         the out-of-memory retry): the pool of that memory may be wrong (only the default pool is
-        collected, only freeable pools are emptied); else the choice this allocation rests on."""
+        collected, only freeable pools are emptied); else the choice this allocation rests on.
+
+        Memory released that the real allocator kept, in a private pool that also held memory the
+        real one did release: one of those segments is in that pool by a wrong choice, the later one.
+        """
         keys = []
-        for action, addr, _ in set(got) ^ set(expected):
+        for call in set(got) ^ set(expected):
+            action, addr, _ = call
             if action in _RELEASES:
                 segment = self._segment_at(addr)
                 base = segment.address if segment is not None else addr
                 if base in self.choice_keys:
                     keys.append(self.choice_keys[base])
+                    label = self.choice_keys[base][1]
+                    if call in got and going_with and label != DEFAULT_POOL:
+                        keys += [choice for other, choice in going_with.values() if other == label]
         if keys:
             key, label = max(keys, key=lambda k: k[0][1])
             self._refute(key, label, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")

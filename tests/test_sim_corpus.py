@@ -47,8 +47,8 @@ KNOWN_GAPS = {  # trace -> agreement it must keep until the gap is closed (data/
     "seed006_ring": 0.952,
     "seed007_late": 0.885,
     "seed007_ring": 0.887,
-    "seed008_late": 0.968,
-    "seed008_ring": 0.982,
+    "seed008_late": 0.970,
+    "seed008_ring": 0.992,
     "seed009_late": 0.921,
     "seed009_ring": 0.891,
     "seed011_late": 0.995,
@@ -56,9 +56,8 @@ KNOWN_GAPS = {  # trace -> agreement it must keep until the gap is closed (data/
     "seed018": 0.976,
     "seed025": 0.914,
     "seed034": 0.829,
-    "seed038": 0.966,
     "seed039": 0.976,
-    "seed041": 0.91,
+    "seed041": 0.997,
 }
 
 

@@ -1038,6 +1038,9 @@ class _Replayer:
         life = self.plan.lives.get(start)
         pool = life.pool if life is not None and life.pool is not None else self.assignment.get(start, DEFAULT_POOL)
         private = pool != DEFAULT_POOL and not self.layout
+        if entry["action"] == "oom" and not self.layout and \
+                sim.cached_block_for(entry["size"], entry.get("stream", 0), DEFAULT_POOL) is not None:
+            private = True  # the default pool had a block for it: the request that failed was routed elsewhere
         oversize = all(e["action"] == "segment_free" and e["size"] >= sim.max_split and e["stream"] == entry.get("stream")
                        for e in run)
         allowed = sim.allowed_memory_maximum
@@ -1053,7 +1056,7 @@ class _Replayer:
                     e["action"] == "segment_free" and e["size"] > 2 * 2**20 for e in run)
             victims = {(block.ptr, block.size) for block in sim.garbage_collection_victims()}
             return bool(victims) and victims == {(e["addr"], e["size"]) for e in run if e["action"] == "segment_free"}
-        return over_cap
+        return over_cap and not private  # routed to a private pool, only the two above release memory
 
     def _mark_released(self, segment) -> None:
         """The pool of ``segment`` gave its memory back, so it had been released (graphs reset, MemPool deleted)."""

@@ -1250,14 +1250,18 @@ class _Replayer:
         return merged
 
     def _pre_pool(self, life: _Life) -> tuple[int, int]:
-        """A segment from before the trace that the snapshot does not name: the default pool unless refuted."""
+        """A segment from before the trace that the snapshot does not name: the default pool, else
+        the pool inferred for it (from the allocations in it and the releases it took part in),
+        else a pool of its own, skipping refuted choices."""
         key = ("pre-trace segment", life.address)
         if self.layout:
             label = f"own@{_identity(life)}"
             pool = self._pool(label)
             self.identity[pool.id] = _identity(life)
             return pool.id
-        label = DEFAULT_POOL if (key, DEFAULT_POOL) not in self.refuted else f"pre-trace@{life.address:#x}"
+        own = f"pre-trace@{life.address:#x}"
+        label = next((choice for choice in (DEFAULT_POOL, self.assignment.get(_identity(life)))
+                      if choice is not None and (key, choice) not in self.refuted), own)
         pool = self._pool(label)
         self._decide(key, label)
         self.choice_keys[life.address] = (key, label)
@@ -1499,6 +1503,7 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
                 private_conflicts.setdefault(other, set()).add(gone)
     refuted: set = set()
     replayer = None
+    stuck = False
     for _ in range(_MAX_REPLAYS):
         assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
@@ -1507,10 +1512,15 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         try:
             replayer.run()
         except _Refuted as refutation:
+            if (refutation.key, refutation.label) in refuted:
+                stuck = True  # the same choice again: another replay would be the same one
+                break
             refuted.add((refutation.key, refutation.label))
             continue
         break
-    else:  # out of patience: report the last replay as it stands
+    else:
+        stuck = True
+    if stuck:  # out of patience: report the last replay as it stands
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
                              conflicts=conflicts, private_conflicts=private_conflicts, snapshot_pools=snapshot_pools)
         replayer.assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)

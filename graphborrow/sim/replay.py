@@ -404,6 +404,7 @@ class _Replayer:
         self.uncertain: set = set()  # sim segments whose layout before the trace is a guess
         self.skipped: set = set()  # traced addresses of allocations that could not be replayed (mid-run)
         self.diverged: set = set()  # sim segments that went their own way after an unverifiable decision
+        self.diverged_elsewhere: list[int] = []  # traced addresses such a decision left without a sim segment
         self.blaming = True  # False in the last replay, when the patience for refutations has run out
         self.release_cause: dict[Any, tuple | None] = {}  # pool label -> choice of the segment whose release released it
         self._pending_key = None  # (decision key, pool label) of the choice the current malloc rests on
@@ -864,6 +865,8 @@ class _Replayer:
             segment = self._segment_at(address)
             if segment is not None:
                 self.diverged.add(segment)
+            else:
+                self.diverged_elsewhere.append(address)
 
     def _blame(self, taken: int, expected: int, where: str) -> None:
         """The simulator took a block the real allocator did not: a pool choice may be wrong.
@@ -1284,8 +1287,9 @@ class _Replayer:
             want = None if theirs is None else _shape(theirs)
             got = None if mine is None else _shape(mine)
             segment = self._segment_at(key[0])
+            uncertain = self._is_uncertain(segment) or any(key[0] <= a < key[0] + key[1] for a in self.diverged_elsewhere)
             self.check(want == got, f"final snapshot segment {_fmt_seg(key)}: expected {want}, simulated {got}",
-                       self._is_uncertain(segment))
+                       uncertain)
 
 
     def _in_snapshot(self, segment: dict) -> bool:

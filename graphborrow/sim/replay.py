@@ -428,6 +428,7 @@ class _Replayer:
         self.pluggable: set = set()  # (layout mode) identities of pluggable pools' segments
         self.reservations: list = []  # (layout mode) expandable segments seen
         self.assignment: dict[Any, Any] = {}  # identity -> pool label, decided before the replay
+        self.released_alone: set = set()  # identities the layout pass saw one private pool's emptyCache release
         self.one_pool: list[set] = []  # (layout mode) identities released together by one private pool's emptyCache
         self.one_pool_any: list[set] = []  # (layout mode) identities that share a pool, default or not
         self.known_pools = {_identity(life): life.pool for life in [*self.plan.lives.values(), *self.plan.pre]
@@ -1255,7 +1256,8 @@ class _Replayer:
     def _pre_pool(self, life: _Life) -> tuple[int, int]:
         """A segment from before the trace that the snapshot does not name: the default pool, else
         the pool inferred for it (from the allocations in it and the releases it took part in),
-        else a pool of its own, skipping refuted choices."""
+        else a pool of its own, skipping refuted choices. A segment one private pool's emptyCache
+        gave back takes the inferred pool first."""
         key = ("pre-trace segment", life.address)
         if self.layout:
             label = f"own@{_identity(life)}"
@@ -1263,7 +1265,10 @@ class _Replayer:
             self.identity[pool.id] = _identity(life)
             return pool.id
         own = f"pre-trace@{life.address:#x}"
-        label = next((choice for choice in (DEFAULT_POOL, self.assignment.get(_identity(life)))
+        order = (DEFAULT_POOL, self.assignment.get(_identity(life)))
+        if _identity(life) in self.released_alone:
+            order = order[::-1]
+        label = next((choice for choice in order
                       if choice is not None and (key, choice) not in self.refuted), own)
         pool = self._pool(label)
         self._decide(key, label)
@@ -1417,6 +1422,9 @@ def _infer_pools(layout: _Replayer, conflicts: dict, private_conflicts: dict, re
                 break
         else:
             put(r, f"inferred@{r}")
+    for r in sorted(private_only - set(assignment), key=str):  # released together, nothing allocated in them
+        if r is not None and r not in known_root:
+            put(r, f"inferred@{r}")
     for _ in range(12):  # move each segment to its neighbours' majority while that changes anything
         moved = False
         for r in unknown:
@@ -1513,6 +1521,7 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
                              conflicts=conflicts, private_conflicts=private_conflicts, snapshot_pools=snapshot_pools)
         replayer.assignment = assignment
+        replayer.released_alone = {i for group in layout.one_pool for i in group if i is not None}
         try:
             replayer.run()
         except _Refuted as refutation:
@@ -1528,6 +1537,7 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
                              conflicts=conflicts, private_conflicts=private_conflicts, snapshot_pools=snapshot_pools)
         replayer.assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
+        replayer.released_alone = {i for group in layout.one_pool for i in group if i is not None}
         replayer.blaming = False
         replayer.run()
     checks = replayer.checks

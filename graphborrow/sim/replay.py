@@ -669,6 +669,7 @@ class _Replayer:
         new_segment = None
         maps = []
         going_with: dict[int, tuple] = {}  # released segment -> (pool label, choice) before this malloc
+        emptied: Any = set()  # private pools this malloc's releases say had been released (then their segments)
         while i < len(entries) and entries[i].get("action") == "segment_map":
             maps.append(entries[i])
             i += 1
@@ -712,7 +713,12 @@ class _Replayer:
                 if segment is not None and segment.address in self.choice_keys:
                     going_with[segment.address] = (self._label_of(segment), self.choice_keys[segment.address])
                 if not oversize:
+                    if segment is not None and segment.pool.owner is not None:
+                        emptied.add(self._label_of(segment))
                     self._mark_released(segment)
+        if emptied:  # the segments of the pools marked released, to name the pool of memory released with them
+            emptied = {s.address: self._label_of(s) for s in self.sim.segments()
+                       if s.pool.owner is not None and self._label_of(s) in emptied}
         if oom:
             self._oom_hint = self._oom_prior(released, completed, stream)
         label, pluggable = self._route(start, first, entry, oom, {e["addr"] for e in released})
@@ -740,7 +746,7 @@ class _Replayer:
         if oom:
             ok = isinstance(failure, RuntimeError) and "out of memory" in str(failure)
             if not calls_ok and not uncertain:
-                self._blame_calls(got, expected, where, going_with)
+                self._blame_calls(got, expected, where, going_with, emptied)
             if not ok and not uncertain:
                 self._refute_pending(f"{where}: the simulator did not fail the same way")
             self.check(ok, f"{where}: expected out of memory, simulated "
@@ -771,7 +777,7 @@ class _Replayer:
         if block.ptr != addr and not uncertain:
             self._blame(block.ptr, addr, where)
         if not calls_ok and not uncertain:
-            self._blame_calls(got, expected, where, going_with)
+            self._blame_calls(got, expected, where, going_with, emptied)
         self.check(calls_ok, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}", uncertain)
         self.check(block.ptr == addr, f"{where}: expected block at {addr:#x}, simulated {block.ptr:#x}", uncertain)
         self.blocks.setdefault(addr, []).append(block)
@@ -883,13 +889,16 @@ class _Replayer:
             key, label = max(keys, key=lambda k: k[0][1])
             self._refute(key, label, f"{where}: took a block of the segment at {mine.address:#x}")
 
-    def _blame_calls(self, got: list, expected: list, where: str, going_with: dict | None = None) -> None:
+    def _blame_calls(self, got: list, expected: list, where: str, going_with: dict | None = None,
+                     emptied: dict | None = None) -> None:
         """An allocation released (or kept) other memory than the real one did (garbage collection,
         the out-of-memory retry): the pool of that memory may be wrong (only the default pool is
         collected, only freeable pools are emptied); else the choice this allocation rests on.
 
         Memory released that the real allocator kept, in a private pool that also held memory the
         real one did release: one of those segments is in that pool by a wrong choice, the later one.
+        Such memory in a pool the snapshot names: the choice that put a released segment in that
+        pool (which made the pool look released) is the suspect.
         """
         keys = []
         for call in set(got) ^ set(expected):
@@ -902,6 +911,8 @@ class _Replayer:
                     label = self.choice_keys[base][1]
                     if call in got and going_with and label != DEFAULT_POOL:
                         keys += [choice for other, choice in going_with.values() if other == label]
+                elif call in got and emptied and self.release_cause.get(emptied.get(base)) is not None:
+                    keys.append(self.release_cause[emptied[base]])
         if keys:
             key, label = max(keys, key=lambda k: k[0][1])
             self._refute(key, label, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")

@@ -71,8 +71,9 @@ if RECORDINGS:
     def test_recorded_trace_replays_on_the_simulated_allocator(path):
         gpu = load_recording(path)
         events = [{k: v for k, v in e.items() if k != "site"} for e in expand_trace(gpu["trace"], gpu["sites"])]
-        pools = {tuple(s["segment_pool_id"]) for s in gpu["segments"]}  # the recording keeps the graph pool
-        report = replay_trace({"segments": gpu["segments"], "device_traces": [events]}, final_pools=pools)
+        # the recording holds the shared pool's snapshot only, the trace the whole device
+        pools = {tuple(s["segment_pool_id"]) for s in gpu["segments"]}
+        report = replay_trace({"segments": gpu["segments"], "device_traces": [events]}, snapshot_pools=pools)
         assert report.agreement == 1.0 and report.checks > 1000, str(report)
 
     def test_a_pool_snapshot_read_as_the_whole_device_misses_the_other_pools():

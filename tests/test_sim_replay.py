@@ -248,6 +248,39 @@ def test_a_trace_cut_in_half_never_replays_at_one():
     assert report.agreement < 1.0 and any(m.startswith("final snapshot segment") for m in report.mismatches)
 
 
+def test_a_pool_snapshot_is_compared_for_its_pools_only():
+    """A snapshot of one pool (what MemPool.snapshot() gives) with the whole device's trace: the
+    end is compared for that pool's segments, and a trace cut short still shows in them."""
+    alloc, clockwork = make()
+    capture = clockwork.new_stream()
+    graph_pool = alloc.new_pool_id("handle")
+    alloc.create_or_incref_pool(graph_pool)
+    eager = [alloc.malloc(size, 0) for size in (5 * MiB, 300 * KiB)]  # default pool, alive at the end
+    alloc.begin_allocate_to_pool(graph_pool, lambda s, t: s == capture.id)
+    kept = [alloc.malloc(size, capture.id) for size in (30 * MiB, 700 * KiB)]
+    alloc.free(alloc.malloc(12 * MiB, capture.id))
+    alloc.end_allocate_to_pool(graph_pool)
+    full = alloc.full_snapshot()
+    pool_only = dict(full, segments=[s for s in full["segments"] if s["segment_pool_id"] == graph_pool])
+    assert eager and kept and len(pool_only["segments"]) < len(full["segments"])
+
+    assert replay_trace(full).agreement == 1.0
+    unannounced = replay_trace(pool_only)  # the default pool's segments seem to be missing
+    assert unannounced.agreement < 1.0
+    assert all("(0, 0)" in m for m in unannounced.mismatches), unannounced
+    report = replay_trace(pool_only, snapshot_pools=[graph_pool])
+    assert report.agreement == 1.0 and report.checks > 10, report
+
+    entries = full["device_traces"][0]
+    before_free = next(i for i, e in enumerate(entries) if e["action"] == "free_requested")
+    cut = dict(pool_only, device_traces=[entries[:before_free]])  # the 12 MiB block is never freed
+    report = replay_trace(cut, snapshot_pools=[graph_pool])
+    assert report.agreement < 1.0 and any(m.startswith("final snapshot segment") for m in report.mismatches)
+
+    with pytest.raises(ValueError, match="snapshot_pools"):
+        replay_trace(pool_only, snapshot_pools=[(0, 0)])
+
+
 def test_an_empty_trace_makes_no_claim():
     report = replay_trace(snapshot_of([]))
     assert report.checks == 0 and report.agreement == 0.0
@@ -295,8 +328,8 @@ def test_traces_are_read_by_the_one_snapshot_reader():
         replay_trace(snapshot_of([entry("alloc", A, 4096)], overlapping))
 
 
-def test_final_pools_must_be_pool_ids():
+def test_snapshot_pools_must_be_pool_ids():
     snapshot = snapshot_of([entry("alloc", A, 4096)])
     for bad in ([], [(0,)], [("0", 1)]):
-        with pytest.raises(ValueError, match="final_pools must be pool ids"):
-            replay_trace(snapshot, final_pools=bad)
+        with pytest.raises(ValueError, match="snapshot_pools must be pool ids"):
+            replay_trace(snapshot, snapshot_pools=bad)

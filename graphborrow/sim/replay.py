@@ -375,10 +375,10 @@ class _Replayer:
     def __init__(self, snapshot: dict, entries: list[dict], final: list[dict], config: AllocatorConfig,
                  device_memory: int, fraction: float | None, refuted: set, layout: bool = False,
                  conflicts: dict | None = None, private_conflicts: dict | None = None,
-                 final_pools: set | None = None) -> None:
+                 snapshot_pools: set | None = None) -> None:
         self.entries = entries
         self.final = final
-        self.final_pools = final_pools  # None: the final snapshot shows every pool
+        self.snapshot_pools = snapshot_pools  # None: the snapshot holds every pool's segments
         self.config = config
         self.device_memory = device_memory
         self.refuted = refuted
@@ -399,6 +399,7 @@ class _Replayer:
         self.uncertain: set = set()  # sim segments whose layout before the trace is a guess
         self.skipped: set = set()  # traced addresses of allocations that could not be replayed (mid-run)
         self.diverged: set = set()  # sim segments that went their own way after an unverifiable decision
+        self.diverged_elsewhere: list[int] = []  # traced addresses such a decision left without a sim segment
         self.blaming = True  # False in the last replay, when the patience for refutations has run out
         self.release_cause: dict[Any, tuple | None] = {}  # pool label -> choice of the segment whose release released it
         self._pending_key = None  # (decision key, pool label) of the choice the current malloc rests on
@@ -422,6 +423,7 @@ class _Replayer:
         self.pluggable: set = set()  # (layout mode) identities of pluggable pools' segments
         self.reservations: list = []  # (layout mode) expandable segments seen
         self.assignment: dict[Any, Any] = {}  # identity -> pool label, decided before the replay
+        self.released_alone: set = set()  # identities the layout pass saw one private pool's emptyCache release
         self.one_pool: list[set] = []  # (layout mode) identities released together by one private pool's emptyCache
         self.one_pool_any: list[set] = []  # (layout mode) identities that share a pool, default or not
         self.known_pools = {_identity(life): life.pool for life in [*self.plan.lives.values(), *self.plan.pre]
@@ -661,6 +663,8 @@ class _Replayer:
         start = i
         new_segment = None
         maps = []
+        going_with: dict[int, tuple] = {}  # released segment -> (pool label, choice) before this malloc
+        emptied: Any = set()  # private pools this malloc's releases say had been released (then their segments)
         while i < len(entries) and entries[i].get("action") == "segment_map":
             maps.append(entries[i])
             i += 1
@@ -700,8 +704,16 @@ class _Replayer:
             for e in released:  # pools whose memory went back inside this malloc were released before it,
                 oversize = (e["action"] == "segment_free" and e["size"] >= self.sim.max_split
                             and e["stream"] == stream)  # unless it was an oversize release of the pool in use
+                segment = self._segment_at(e["addr"])
+                if segment is not None and segment.address in self.choice_keys:
+                    going_with[segment.address] = (self._label_of(segment), self.choice_keys[segment.address])
                 if not oversize:
-                    self._mark_released(self._segment_at(e["addr"]))
+                    if segment is not None and segment.pool.owner is not None:
+                        emptied.add(self._label_of(segment))
+                    self._mark_released(segment)
+        if emptied:  # the segments of the pools marked released, to name the pool of memory released with them
+            emptied = {s.address: self._label_of(s) for s in self.sim.segments()
+                       if s.pool.owner is not None and self._label_of(s) in emptied}
         if oom:
             self._oom_hint = self._oom_prior(released, completed, stream)
         label, pluggable = self._route(start, first, entry, oom, {e["addr"] for e in released})
@@ -729,7 +741,7 @@ class _Replayer:
         if oom:
             ok = isinstance(failure, RuntimeError) and "out of memory" in str(failure)
             if not calls_ok and not uncertain:
-                self._blame_calls(got, expected, where)
+                self._blame_calls(got, expected, where, going_with, emptied)
             if not ok and not uncertain:
                 self._refute_pending(f"{where}: the simulator did not fail the same way")
             self.check(ok, f"{where}: expected out of memory, simulated "
@@ -760,7 +772,7 @@ class _Replayer:
         if block.ptr != addr and not uncertain:
             self._blame(block.ptr, addr, where)
         if not calls_ok and not uncertain:
-            self._blame_calls(got, expected, where)
+            self._blame_calls(got, expected, where, going_with, emptied)
         self.check(calls_ok, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}", uncertain)
         self.check(block.ptr == addr, f"{where}: expected block at {addr:#x}, simulated {block.ptr:#x}", uncertain)
         self.blocks.setdefault(addr, []).append(block)
@@ -855,6 +867,8 @@ class _Replayer:
             segment = self._segment_at(address)
             if segment is not None:
                 self.diverged.add(segment)
+            else:
+                self.diverged_elsewhere.append(address)
 
     def _blame(self, taken: int, expected: int, where: str) -> None:
         """The simulator took a block the real allocator did not: a pool choice may be wrong.
@@ -870,17 +884,30 @@ class _Replayer:
             key, label = max(keys, key=lambda k: k[0][1])
             self._refute(key, label, f"{where}: took a block of the segment at {mine.address:#x}")
 
-    def _blame_calls(self, got: list, expected: list, where: str) -> None:
+    def _blame_calls(self, got: list, expected: list, where: str, going_with: dict | None = None,
+                     emptied: dict | None = None) -> None:
         """An allocation released (or kept) other memory than the real one did (garbage collection,
         the out-of-memory retry): the pool of that memory may be wrong (only the default pool is
-        collected, only freeable pools are emptied); else the choice this allocation rests on."""
+        collected, only freeable pools are emptied); else the choice this allocation rests on.
+
+        Memory released that the real allocator kept, in a private pool that also held memory the
+        real one did release: one of those segments is in that pool by a wrong choice, the later one.
+        Such memory in a pool the snapshot names: the choice that put a released segment in that
+        pool (which made the pool look released) is the suspect.
+        """
         keys = []
-        for action, addr, _ in set(got) ^ set(expected):
+        for call in set(got) ^ set(expected):
+            action, addr, _ = call
             if action in _RELEASES:
                 segment = self._segment_at(addr)
                 base = segment.address if segment is not None else addr
                 if base in self.choice_keys:
                     keys.append(self.choice_keys[base])
+                    label = self.choice_keys[base][1]
+                    if call in got and going_with and label != DEFAULT_POOL:
+                        keys += [choice for other, choice in going_with.values() if other == label]
+                elif call in got and emptied and self.release_cause.get(emptied.get(base)) is not None:
+                    keys.append(self.release_cause[emptied[base]])
         if keys:
             key, label = max(keys, key=lambda k: k[0][1])
             self._refute(key, label, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")
@@ -1021,6 +1048,9 @@ class _Replayer:
         life = self.plan.lives.get(start)
         pool = life.pool if life is not None and life.pool is not None else self.assignment.get(start, DEFAULT_POOL)
         private = pool != DEFAULT_POOL and not self.layout
+        if entry["action"] == "oom" and not self.layout and \
+                sim.cached_block_for(entry["size"], entry.get("stream", 0), DEFAULT_POOL) is not None:
+            private = True  # the default pool had a block for it: the request that failed was routed elsewhere
         oversize = all(e["action"] == "segment_free" and e["size"] >= sim.max_split and e["stream"] == entry.get("stream")
                        for e in run)
         allowed = sim.allowed_memory_maximum
@@ -1036,7 +1066,7 @@ class _Replayer:
                     e["action"] == "segment_free" and e["size"] > 2 * 2**20 for e in run)
             victims = {(block.ptr, block.size) for block in sim.garbage_collection_victims()}
             return bool(victims) and victims == {(e["addr"], e["size"]) for e in run if e["action"] == "segment_free"}
-        return over_cap
+        return over_cap and not private  # routed to a private pool, only the two above release memory
 
     def _mark_released(self, segment) -> None:
         """The pool of ``segment`` gave its memory back, so it had been released (graphs reset, MemPool deleted)."""
@@ -1230,14 +1260,22 @@ class _Replayer:
         return merged
 
     def _pre_pool(self, life: _Life) -> tuple[int, int]:
-        """A segment from before the trace that the snapshot does not name: the default pool unless refuted."""
+        """A segment from before the trace that the snapshot does not name: the default pool, else
+        the pool inferred for it (from the allocations in it and the releases it took part in),
+        else a pool of its own, skipping refuted choices. A segment one private pool's emptyCache
+        gave back takes the inferred pool first."""
         key = ("pre-trace segment", life.address)
         if self.layout:
             label = f"own@{_identity(life)}"
             pool = self._pool(label)
             self.identity[pool.id] = _identity(life)
             return pool.id
-        label = DEFAULT_POOL if (key, DEFAULT_POOL) not in self.refuted else f"pre-trace@{life.address:#x}"
+        own = f"pre-trace@{life.address:#x}"
+        order = (DEFAULT_POOL, self.assignment.get(_identity(life)))
+        if _identity(life) in self.released_alone:
+            order = order[::-1]
+        label = next((choice for choice in order
+                      if choice is not None and (key, choice) not in self.refuted), own)
         pool = self._pool(label)
         self._decide(key, label)
         self.choice_keys[life.address] = (key, label)
@@ -1247,8 +1285,7 @@ class _Replayer:
     # the end ------------------------------------------------------------------
 
     def _compare_final(self) -> None:
-        simulated = {(s["address"], s["total_size"]): s for s in self.sim.snapshot()
-                     if self.final_pools is None or tuple(s["segment_pool_id"]) in self.final_pools}
+        simulated = {(s["address"], s["total_size"]): s for s in self.sim.snapshot()}
         self.sim.drain_trace()
         recorded = {(s["address"], s["total_size"]): s for s in self.final}
         untouched = {(life.address, life.size) for life in self.plan.pre if not life.touched and not life.expandable}
@@ -1256,11 +1293,21 @@ class _Replayer:
             if key in untouched:
                 continue  # rebuilt from the snapshot itself: comparing it would prove nothing
             mine, theirs = simulated.get(key), recorded.get(key)
+            if theirs is None and not self._in_snapshot(mine):
+                continue  # a pool the snapshot was not taken of
             want = None if theirs is None else _shape(theirs)
             got = None if mine is None else _shape(mine)
             segment = self._segment_at(key[0])
+            uncertain = self._is_uncertain(segment) or any(key[0] <= a < key[0] + key[1] for a in self.diverged_elsewhere)
             self.check(want == got, f"final snapshot segment {_fmt_seg(key)}: expected {want}, simulated {got}",
-                       self._is_uncertain(segment))
+                       uncertain)
+
+
+    def _in_snapshot(self, segment: dict) -> bool:
+        """Whether the snapshot would show this simulated segment (it may be one pool's snapshot)."""
+        if self.snapshot_pools is None:
+            return True
+        return _pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL)) in self.snapshot_pools
 
 
 def _releasable(segment) -> bool:
@@ -1381,6 +1428,9 @@ def _infer_pools(layout: _Replayer, conflicts: dict, private_conflicts: dict, re
                 break
         else:
             put(r, f"inferred@{r}")
+    for r in sorted(private_only - set(assignment), key=str):  # released together, nothing allocated in them
+        if r is not None and r not in known_root:
+            put(r, f"inferred@{r}")
     for _ in range(12):  # move each segment to its neighbours' majority while that changes anything
         moved = False
         for r in unknown:
@@ -1416,7 +1466,7 @@ def _infer_pools(layout: _Replayer, conflicts: dict, private_conflicts: dict, re
 
 def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: float | None = None,
                  device_memory: int | None = None, torch_version: str | None = None,
-                 final_pools: Any = None) -> ReplayReport:
+                 snapshot_pools: Any = None) -> ReplayReport:
     """Replay ``snapshot``'s device trace on a fresh simulated allocator; see the module docstring.
 
     Args:
@@ -1427,19 +1477,20 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         torch_version: the torch that recorded it (its parsing rules for the settings string).
             The three default to a ``corpus`` record in the snapshot, as the differential
             corpus stores one; the recorded ``allocator_settings`` always decide the settings.
-        final_pools: the pool ids (``(a, b)`` pairs) the snapshot's segments were taken from,
-            when it shows only some pools (``memory_snapshot(pool_id)``, as the model-pool
-            recordings store): simulated segments of other pools are then not compared.
-            Default: the snapshot shows every pool.
+        snapshot_pools: the pool ids (``(a, b)`` pairs) whose segments the snapshot holds, when
+            it was taken of some pools only (``MemPool.snapshot()``, a graph pool's segments):
+            at the end, simulated segments of other pools are not compared with it. Default:
+            the snapshot holds every segment of the device.
 
     Returns:
         :class:`ReplayReport`.
     """
     snapshot = load_trace(snapshot)
-    if final_pools is not None:
-        final_pools = {tuple(p) for p in final_pools}
-        if not final_pools or any(len(p) != 2 or not all(isinstance(v, int) for v in p) for p in final_pools):
-            raise ValueError(f"final_pools must be pool ids, (int, int) pairs such as (0, 1); got {final_pools!r}")
+    if snapshot_pools is not None:
+        pools = [tuple(p) if isinstance(p, (tuple, list)) else p for p in snapshot_pools]
+        if not pools or any(not isinstance(p, tuple) or len(p) != 2 or not all(isinstance(v, int) for v in p)
+                            for p in pools):
+            raise ValueError(f"snapshot_pools must be pool ids, (int, int) pairs such as (0, 1); got {snapshot_pools!r}")
     traces = snapshot["device_traces"]
     if device is None:
         busy = [d for d, trace in enumerate(traces) if trace]
@@ -1458,8 +1509,13 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
     if device_memory is None:
         device_memory = DEVICE_MEMORY.get(meta.get("device"), _UNKNOWN_DEVICE_MEMORY)
     config = AllocatorConfig.from_settings(snapshot.get("allocator_settings") or {}, torch_version or "2.11")
-    layout = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, set(), layout=True,
-                       final_pools=final_pools)
+    if snapshot_pools is not None:
+        snapshot_pools = {_pool_tuple(p) for p in snapshot_pools}
+        outside = sorted({_pool_tuple(s.get("segment_pool_id", DEFAULT_POOL)) for s in final} - snapshot_pools)
+        if outside:
+            raise ValueError(f"the snapshot holds segments of pools {outside}, which snapshot_pools={sorted(snapshot_pools)} "
+                             f"leaves out; pass every pool the snapshot was taken of")
+    layout = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, set(), layout=True)
     layout.run()
     conflicts = layout.conflicts
     private_conflicts: dict[Any, set] = {}
@@ -1470,21 +1526,29 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
                 private_conflicts.setdefault(other, set()).add(gone)
     refuted: set = set()
     replayer = None
+    stuck = False
     for _ in range(_MAX_REPLAYS):
         assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
-                             conflicts=conflicts, private_conflicts=private_conflicts, final_pools=final_pools)
+                             conflicts=conflicts, private_conflicts=private_conflicts, snapshot_pools=snapshot_pools)
         replayer.assignment = assignment
+        replayer.released_alone = {i for group in layout.one_pool for i in group if i is not None}
         try:
             replayer.run()
         except _Refuted as refutation:
+            if (refutation.key, refutation.label) in refuted:
+                stuck = True  # the same choice again: another replay would be the same one
+                break
             refuted.add((refutation.key, refutation.label))
             continue
         break
-    else:  # out of patience: report the last replay as it stands
+    else:
+        stuck = True
+    if stuck:  # out of patience: report the last replay as it stands
         replayer = _Replayer(snapshot, entries, final, config, device_memory, memory_fraction, refuted,
-                             conflicts=conflicts, private_conflicts=private_conflicts, final_pools=final_pools)
+                             conflicts=conflicts, private_conflicts=private_conflicts, snapshot_pools=snapshot_pools)
         replayer.assignment = _infer_pools(layout, conflicts, private_conflicts, refuted)
+        replayer.released_alone = {i for group in layout.one_pool for i in group if i is not None}
         replayer.blaming = False
         replayer.run()
     checks = replayer.checks

@@ -229,7 +229,11 @@ def bar_policy_comparison(
         ax.bar_label(bars, fmt="%.4g", fontsize=7)
     ax.set_xticks(range(len(metrics)), metrics)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
+    if len(table) > 4:  # many policies: beside the bars, where it hides none of them
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        fig.tight_layout()
+    else:
+        ax.legend(fontsize=8)
     if title:
         ax.set_title(title)
     return fig

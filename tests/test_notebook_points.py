@@ -139,3 +139,19 @@ def test_harness_reports_the_failing_point_with_its_message(tmp_path, capsys):
     assert f"FAIL 00_tiny [high]" in out and "broken on purpose" in out
     executed = json.loads((tmp_path / "out" / "00_tiny" / "defaults.ipynb").read_text())
     assert check_figures(executed) == [], "the executed notebook keeps its figure as an image"
+
+
+def test_free_runs_notebook_reads_a_snapshot_from_the_h200(tmp_path):
+    """Notebook 01 with SNAPSHOT: the H200's recorded ladder pool, its runs and what fits it."""
+    snapshot = ROOT / "data" / "h200_ladder_segments.pickle"
+    record = harness.run_point(ROOT / "notebooks" / "01_free_runs.ipynb", "snapshot",
+                               {"SNAPSHOT": str(snapshot), "VOCAB": 128256, "DRAFT_TOKENS": 8,
+                                "LADDER": [64, 32, 16, 8, 4, 2, 1]}, tmp_path, timeout=300)
+    assert record["ok"], record["problems"]
+    executed = json.loads((tmp_path / "01_free_runs" / "snapshot.ipynb").read_text())
+    text = "".join("".join(o.get("text", "")) for c in executed["cells"] for o in c.get("outputs", []))
+    pool = json.loads((ROOT / "data" / "core_h200.json").read_text())["pool"]
+    assert f"{pool['runs']} runs, {pool['run_bytes'] / 2**20:.2f} MiB" in text, (
+        "the notebook's runs of the recorded pool must be the ones the H200 benchmark found")
+    # the capacity planner on the recorded pool: standard fits up to batch 32 at 8 draft tokens (as on the H200)
+    assert "largest batch that fits at 8 draft tokens: standard 32," in text

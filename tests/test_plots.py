@@ -138,3 +138,17 @@ def test_largest_borrowable_plot_draws_the_size_classes():
     (line,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "largest"]
     assert list(line.get_ydata()) == [0, 1, 1, 1, 10, 12, 18, 20, 20, 40]
     assert {p.get_gid() for p in fig.axes[0].patches} >= {"band:nothing", "band:small only"}
+
+
+def test_many_policies_put_the_legend_beside_the_bars():
+    """Eight workloads' bars: a legend inside the axes would hide some of them."""
+    many = {f"workload {i}": {"runs": 100.0 + i, "whole segments": 50.0 + i} for i in range(8)}
+    fig = plots.bar_policy_comparison(many)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend_box = ax.get_legend().get_window_extent()
+    axes_box = ax.get_window_extent()
+    assert legend_box.x0 >= axes_box.x1, "the legend must sit right of the axes, not over the bars"
+    few = plots.bar_policy_comparison({"runs": 1.0, "whole_segments": 2.0})
+    few.canvas.draw()
+    assert few.axes[0].get_legend().get_window_extent().x1 <= few.axes[0].get_window_extent().x1

@@ -307,6 +307,20 @@ README_BEGIN = "<!-- model-pools:begin (scripts/model_pools_table.py writes this
 README_END = "<!-- model-pools:end -->"
 
 
+def planned_largest_batch(recording_path, verify_fit: list) -> int:
+    """The largest batch whose standard verification step the capacity planner fits into the
+    recorded pool, over the batches and draft tokens of a study's ``verify_fit`` rows (0: none)."""
+    from .compare import load_recording
+    from .inspection import inspect_snapshot
+
+    rec = load_recording(recording_path)
+    batches = sorted({r["batch"] for r in verify_fit})
+    draft_tokens = verify_fit[0]["draft_tokens"]
+    report = inspect_snapshot(rec["segments"], batches=batches, draft_tokens=[draft_tokens],
+                              vocab=verify_fit[0]["vocab"], modes=("standard",))
+    return report.largest_fitting_batch(draft_tokens, "standard")
+
+
 def markdown_table(summary: dict, directory, compare: bool = True) -> str:
     """A Markdown table of a ``benchmarks/model_pools.py`` run, with the simulator's agreement.
 
@@ -320,6 +334,10 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
 
     header = ["workload", "reserved MiB", "idle MiB (runs)", "largest run MiB", "whole-segment rule MiB",
               "largest fitting verify batch", "borrow saves MiB (batch)"]
+    single_tensor = any(r["answered_by"].startswith("planner unavailable")
+                        for w in summary["workloads"] for r in w["study"]["verify_fit"])
+    if single_tensor:
+        header.insert(6, "largest fitting verify batch (planner, recorded pool)")
     if compare:
         header.append("simulator agreement: blocks / bytes / trace events")
     causes: dict[str, int] = {}
@@ -329,6 +347,9 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
         cells = [w["workload"], f"{row['reserved MiB']:.1f}", f"{row['idle MiB']:.1f} ({row['runs']})",
                  f"{row['largest run MiB']:.1f}", f"{row['whole-segment rule MiB']:.1f}",
                  str(row["largest fitting verify batch"]), row.get("saved MiB (batch)", "-")]
+        if single_tensor:
+            cells.insert(6, str(planned_largest_batch(Path(directory) / f"{w['workload']}.json.gz",
+                                                      w["study"]["verify_fit"])))
         if compare:
             rec = load_recording(Path(directory) / f"{w['workload']}.json.gz")
             c = compare_recordings(rec, simulate_recording(rec))
@@ -352,7 +373,10 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
     fits = [r for w in summary["workloads"] for r in w["study"]["verify_fit"]]
     if any(r["answered_by"].startswith("planner unavailable") for r in fits):
         lines.append("Fit column: largest batch whose fp32 target probabilities alone fit a run "
-                     "(`BorrowState.can_fit`); the capacity planner was not installed for this run.")
+                     "(`BorrowState.can_fit`); the capacity planner was not installed for this run. "
+                     "The planner's column replays each standard step against the recorded pool "
+                     "(`graphborrow.inspection.inspect_snapshot`, on the CPU), as it agreed with the "
+                     "H200 in every step of `data/capacity_h200.json`.")
     lines.append(f"{summary['device']}, torch {summary['torch']}, transformers {summary['transformers']}; "
                  f"`{summary['command']}`")
     return "\n".join(lines)

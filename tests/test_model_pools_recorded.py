@@ -90,3 +90,16 @@ if RECORDINGS:
         assert result.agreement_blocks < 1.0
         assert result.trace_events[0] == result.trace_events[1] == result.trace_events[2]
         assert set(result.causes()) == {ADDRESS_ORDER}, result.summary()
+
+
+def test_planner_on_the_recorded_synthetic_pool_agrees_with_the_h200_runs():
+    """The synthetic recording is the benchmark ladder: the planner, replaying standard steps
+    against it on the CPU, must give the largest batch the H200 ran at 8 draft tokens."""
+    import json
+
+    from graphborrow.pool_study import planned_largest_batch
+
+    summary = json.loads((DATA / "summary.json").read_text())
+    study = next(w["study"] for w in summary["workloads"] if w["workload"] == "synthetic")
+    ran = json.loads((DATA.parent / "capacity_h200.json").read_text())["largest_standard_batch_by_draft_tokens"]
+    assert planned_largest_batch(DATA / "synthetic.json.gz", study["verify_fit"]) == ran["8"] == 32

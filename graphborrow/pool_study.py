@@ -399,7 +399,9 @@ def recorded_rows(directory=None) -> Optional[list[dict]]:
     import json
     from pathlib import Path
 
-    directory = Path(directory) if directory is not None else Path(__file__).resolve().parents[1] / "data" / "models_h200"
+    from .package_data import data_dir
+
+    directory = Path(directory) if directory is not None else data_dir() / "models_h200"
     summary = directory / "summary.json"
     if not summary.exists():
         return None

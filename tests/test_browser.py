@@ -40,7 +40,7 @@ def lab(tmp_path):
         if os.environ.get("CI"):  # CI installs it (make browser): never pass there by skipping
             pytest.fail(message)
         pytest.skip(message)
-    pytest.importorskip("playwright.sync_api")
+    import playwright.sync_api  # noqa: F401  (a test dependency: missing, the test fails)
     if not EXPLORER.exists():
         pytest.fail(f"{EXPLORER.name} is missing from notebooks/")
     root = tmp_path / "lab"

@@ -75,10 +75,10 @@ def test_the_memory_map_outlines_every_run_of_the_pool():
 
 @pytest.mark.parametrize("content, message", [
     (b"not a pickle", "is not a readable snapshot pickle"),
-    (pickle.dumps(42), "holds no 'segments'"),
+    (pickle.dumps(42), "expected a list of segment dicts or a dict with 'segments'"),
     (pickle.dumps({"segments": []}), "holds no segments"),
-    (pickle.dumps({"segments": [{"address": 0}]}), "lacks 'blocks'"),
-    (pickle.dumps({"segments": "x"}), "not a list of segment dicts"),
+    (pickle.dumps({"segments": [{"address": 0}]}), "segment 0 has no 'total_size'"),
+    (pickle.dumps({"segments": "x"}), "'segments' is a str; expected a list of segment dicts"),
 ])
 def test_malformed_files_are_named(tmp_path, content, message):
     path = tmp_path / "s.pickle"
@@ -122,4 +122,4 @@ def test_cli_names_a_malformed_file(tmp_path, capsys):
     bad = tmp_path / "bad.pickle"
     bad.write_bytes(pickle.dumps([{"address": 1}]))
     assert main(["inspect", str(bad), "--out", str(tmp_path)]) == 2
-    assert "lacks 'blocks'" in capsys.readouterr().err
+    assert "segment 0 has no 'total_size'" in capsys.readouterr().err

@@ -53,10 +53,10 @@ def test_corners_are_the_range_ends():
 
 
 def test_derive_makes_a_valid_combination():
-    declared = SHAPES | {"BATCH_SIZE", "TOPK", "TOP_K"}
-    p = derive({"LADDER": [4, 2, 1], "BATCH_SIZE": 200, "DRAFT_TOKENS": 2, "TOPK": 16, "TOP_K": 5000,
+    declared = SHAPES | {"BATCH_SIZE", "BRANCHING", "TOP_K"}
+    p = derive({"LADDER": [4, 2, 1], "BATCH_SIZE": 200, "DRAFT_TOKENS": 3, "BRANCHING": 16, "TOP_K": 5000,
                 "VOCAB": 1000, "LAYOUT_ONLY": False}, declared)
-    assert p["BATCH_SIZE"] == 4 and p["TOPK"] == 2 and p["TOP_K"] == 1000
+    assert p["BATCH_SIZE"] == 4 and p["BRANCHING"] == 2 and p["TOP_K"] == 1000
     assert p["LAYOUT_ONLY"] is False, "a small point keeps real bytes"
     shapes = {k: v for k, v in H200.items() if k in SHAPES}
     big = derive({**shapes, "LAYOUT_ONLY": False}, SHAPES)
@@ -155,3 +155,16 @@ def test_free_runs_notebook_reads_a_snapshot_from_the_h200(tmp_path):
         "the notebook's runs of the recorded pool must be the ones the H200 benchmark found")
     # the capacity planner on the recorded pool: standard fits up to batch 32 at 8 draft tokens (as on the H200)
     assert "largest batch that fits at 8 draft tokens: standard 32," in text
+
+
+def test_a_point_larger_than_one_device_is_shrunk_to_fit_it():
+    from graphborrow.sweep.space import DEVICE_BYTES
+
+    names = SHAPES | {"BATCH_SIZE"}
+    top = corner(names, "high")
+    assert footprint_bytes(top, {}) > DEVICE_BYTES, "the high corner of the ranges is larger than one device"
+    p = derive(top, names)
+    assert footprint_bytes(p, {}) <= DEVICE_BYTES // 2, "the derived point fits one device with room to spare"
+    assert p["BATCH_SIZE"] <= max(p["LADDER"]) and p["LADDER"] == sorted(p["LADDER"], reverse=True)
+    small = derive(corner(names, "low"), names)
+    assert small == derive(small, names), "a point that fits is left as it is"

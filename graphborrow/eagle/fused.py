@@ -52,6 +52,7 @@ from .fused_probs import (INTERPRETED, TRITON_AVAILABLE, any_true, compile_optio
 from .fused_select import (SPLIT_MAX, SelectWorkspace, select_pivots, select_workspace, select_workspace_bytes,
                            split_layout, top_k_renorm, top_p_renorm)
 from .step import VerifyStep, draw
+from .validate import expect
 
 if TRITON_AVAILABLE:
     import triton
@@ -567,12 +568,8 @@ def _draw(given, shape, generator, like) -> torch.Tensor:
 
 
 def _expect(t, name, shape, dtype) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}; convert with .to({dtype})")
+    """As the reference checks its inputs, and contiguous: the kernels index raw memory."""
+    expect(t, name, shape, dtype)
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous; call .contiguous() first")
 

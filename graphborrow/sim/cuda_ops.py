@@ -131,18 +131,9 @@ def _scan_temporaries(x, out, dim: int) -> list:
     return held
 
 
-@register_cuda_model(_aten.cumsum.default)
+@register_cuda_model(_aten.cumsum.default, _aten.cumsum_.default)
 def _cumsum(func, args, kwargs):
-    params = _named(args, kwargs, ("self", "dim", "dtype"))
-    x = params["self"]
-    out = _dispatch(func, args, kwargs)
-    held = _scan_temporaries(x, out, params["dim"])
-    del held
-    return out
-
-
-@register_cuda_model(_aten.cumsum_.default)
-def _cumsum_(func, args, kwargs):
+    """``cumsum`` and its in-place form take the same arguments and allocate alike."""
     params = _named(args, kwargs, ("self", "dim", "dtype"))
     x = params["self"]
     out = _dispatch(func, args, kwargs)

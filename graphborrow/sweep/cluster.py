@@ -209,7 +209,13 @@ def run_jobs(client, jobs: Sequence[NotebookJob], on_done: Callable[[int, Execut
         # points): a point still waiting stays here, not queued on a worker that may die.
         nonlocal running
         submitted = []
-        while waiting and running < _free_slots(client, waiting[0][1].gpu):
+        slots = {}  # asked of the scheduler once per refill, not once per point
+        while waiting:
+            gpu = waiting[0][1].gpu
+            if gpu not in slots:
+                slots[gpu] = _free_slots(client, gpu)
+            if running >= slots[gpu]:
+                break
             i, job = waiting.pop(0)
             future = client.submit(run_point_on_worker, job, pin, key=f"{job.label}-{uuid.uuid4().hex[:8]}",
                                    pure=False, resources={"GPU": 1} if job.gpu else None)

@@ -1,5 +1,6 @@
 """Tiny notebooks for sweep tests: each run is logged, some points fail or stall on purpose."""
 
+import time
 from pathlib import Path
 
 import nbformat
@@ -48,3 +49,13 @@ def executions(path: Path) -> list[int]:
     """BATCH_SIZE of every execution of the notebook at ``path`` so far, in order."""
     runs = path.with_suffix(".runs")
     return [int(line) for line in runs.read_text().split()] if runs.exists() else []
+
+
+def wait_for(condition, timeout=120.0, what="condition"):
+    """Poll ``condition`` until it holds; fail the test naming ``what`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,18 +15,9 @@ import pytest
 
 from graphborrow.errors import ParameterError
 from graphborrow.sweep import Grid, read_csv, run_sweep
-from sweep_notebooks import executions, tiny_notebook
+from sweep_notebooks import executions, tiny_notebook, wait_for
 
 pytestmark = pytest.mark.slow
-
-def wait_for(condition, timeout=120.0, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 @contextmanager
 def local_cluster(tmp_path: Path, workers: int = 2, env: dict | None = None):

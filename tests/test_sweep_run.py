@@ -15,7 +15,7 @@ from graphborrow import results
 from graphborrow.errors import ParameterError
 from graphborrow.sweep import Grid, read_csv, run_sweep
 from graphborrow.sweep.execute import count_images
-from sweep_notebooks import executions, tiny_notebook
+from sweep_notebooks import executions, tiny_notebook, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -121,15 +121,6 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def wait_for(condition, timeout=120.0, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_ctrl_c_cancels_without_orphans_and_keeps_finished_points(tmp_path):

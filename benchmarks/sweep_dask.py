@@ -25,6 +25,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from graphborrow.sim import compiled
 from graphborrow.sweep import Grid, run_sweep
 
 GRID = Grid(
@@ -49,6 +50,39 @@ def one_sweep(workers: int, timeout: float | None) -> dict:
             "workers_used": len({p.worker for p in report.points})}
 
 
+def simulator_in_points() -> str:
+    """Which allocator model the points' kernels load: the compiled one when an intact build exists."""
+    if os.environ.get(compiled.PURE_ENV):
+        return f"pure Python ({compiled.PURE_ENV} is set)"
+    why_not = compiled.verify(compiled.build_path())
+    return "compiled" if why_not is None else f"pure Python ({why_not})"
+
+
+def record(runs: dict[int, list[dict]], command: str, complete: bool) -> dict:
+    """The JSON record of the sweeps measured so far; speedups are against the fewest workers measured."""
+    measured = {w: statistics.median(x["wall_s"] for x in rounds) for w, rounds in runs.items() if rounds}
+    base = measured[min(measured)]
+    table = [{"workers": w, "wall_s": wall, "points_per_minute": round(60 * len(GRID.points()) / wall, 2),
+              "speedup_vs_fewest": round(base / wall, 2), "rounds": runs[w]} for w, wall in sorted(measured.items())]
+    return {
+        "what": "16-point sweep of notebook 06 on the simulated device, embedded Dask cluster",
+        "command": command, "complete": complete,
+        "not_measured": [w for w, rounds in runs.items() if not rounds],
+        "host": socket.gethostname(), "cpu_count": os.cpu_count(),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()], "python": platform.python_version(),
+        "torch": metadata.version("torch"), "distributed": metadata.version("distributed"),
+        "papermill": metadata.version("papermill"), "device": "simulated (CPU)",
+        "simulator": simulator_in_points(),
+        "grid": {"fixed": GRID.fixed, "axes": GRID.axes}, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "results": table,
+    }
+
+
+def write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="1,2", help="comma list of worker counts")
@@ -58,6 +92,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     counts = [int(w) for w in args.workers.split(",")]
     runs: dict[int, list[dict]] = {w: [] for w in counts}
+    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     for r in range(args.rounds):
         for w in (counts if r % 2 == 0 else counts[::-1]):
             result = one_sweep(w, args.timeout)
@@ -65,29 +100,15 @@ def main(argv=None) -> int:
             print(f"round {r + 1}: {w:2} worker(s)  {result['wall_s']:7.1f} s  "
                   f"{result['points_per_minute']:6.2f} points/min  (median point {result['point_median_s']} s)",
                   flush=True)
-    base = statistics.median(x["wall_s"] for x in runs[counts[0]])
-    table = []
-    for w in counts:
-        wall = statistics.median(x["wall_s"] for x in runs[w])
-        table.append({"workers": w, "wall_s": wall, "points_per_minute": round(60 * len(GRID.points()) / wall, 2),
-                      "speedup_vs_first": round(base / wall, 2), "rounds": runs[w]})
+            if args.out:  # after every sweep, so a run stopped by a time limit keeps what it measured
+                write(args.out, record(runs, command, complete=False))
+    final = record(runs, command, complete=True)
     print(f"\n{'workers':>7} {'wall s':>8} {'points/min':>10} {'speedup':>8}")
-    for row in table:
+    for row in final["results"]:
         print(f"{row['workers']:>7} {row['wall_s']:>8.1f} {row['points_per_minute']:>10.2f} "
-              f"{row['speedup_vs_first']:>7.2f}x")
-    record = {
-        "what": "16-point sweep of notebook 06 on the simulated device, embedded Dask cluster",
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "host": socket.gethostname(), "cpu_count": os.cpu_count(),
-        "load_average_at_end": [round(x, 2) for x in os.getloadavg()], "python": platform.python_version(),
-        "torch": metadata.version("torch"), "distributed": metadata.version("distributed"),
-        "papermill": metadata.version("papermill"), "device": "simulated (CPU)",
-        "grid": {"fixed": GRID.fixed, "axes": GRID.axes}, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "results": table,
-    }
+              f"{row['speedup_vs_fewest']:>7.2f}x")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        write(args.out, final)
         print(f"wrote {args.out}")
     return 0
 

@@ -10,7 +10,7 @@
 # CPU cores beside the correctness steps (it never touches the GPU); the timing benchmarks
 # run after it, alone. Needs papermill, nbformat, ipykernel, ipywidgets, distributed and
 # filelock for the suite and sweep steps (make gpu-wheels brings them to a machine without
-# a package index).
+# a package index). LIMIT_<step>=SECONDS (dashes as underscores) changes one step's limit.
 set -uo pipefail
 out=${1:?usage: scripts/record_h200.sh OUT_DIR [STEP ...]}
 shift
@@ -19,8 +19,9 @@ steps=("$@")
 py=${PYTHON:-python}
 mkdir -p "$out/data" "$out/logs"
 
-run_step() {  # name, seconds, command...
+run_step() {  # name, seconds, command...  (LIMIT_<step>=S overrides a step's limit, e.g. LIMIT_suite=500)
   local name=$1 limit=$2; shift 2
+  local override="LIMIT_${name//-/_}"; limit=${!override:-$limit}
   local start=$(date +%s)
   echo "== $name (limit ${limit}s): $*" | tee -a "$out/logs/steps.txt"
   timeout --signal=INT --kill-after=20 "$limit" "$@" >"$out/logs/$name.log" 2>&1
@@ -33,8 +34,8 @@ want() { printf '%s\n' "${steps[@]}" | grep -qx "$1"; }
 
 sweep_pid=
 if want sweep; then
-  ( "$py" -m graphborrow build >"$out/logs/build.log" 2>&1
-    run_step sweep 240 "$py" benchmarks/sweep_dask.py --workers 1,4,16 --out "$out/data/sweep_dask_h200_host.json" ) &
+  ( { "$py" -c 'import Cython; print("Cython", Cython.__version__)'; "$py" -m graphborrow build; } >"$out/logs/build.log" 2>&1
+    run_step sweep 420 "$py" benchmarks/sweep_dask.py --workers 16,4,1 --out "$out/data/sweep_dask_h200_host.json" ) &
   sweep_pid=$!
 fi
 if want gpu-tests; then

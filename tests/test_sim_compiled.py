@@ -219,6 +219,20 @@ def test_a_failed_build_says_why_and_leaves_nothing_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no partial library, no 0-byte temporaries
 
 
+def test_a_cython_failure_is_not_blamed_on_the_compiler(tmp_path, monkeypatch):
+    """Cython 3.3.0 once crashed on this source; the message must send the reader to Cython, not to gcc."""
+    broken = tmp_path / "src"
+    broken.mkdir()
+    (broken / "allocator.py").write_text("def restore(:\n    pass\n")  # no Cython translates this
+    shutil.copy(compiled.SOURCES[1], broken / "allocator.pxd")
+    monkeypatch.setattr(compiled, "SOURCES", (broken / "allocator.py", broken / "allocator.pxd"))
+    monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match=r"Cython .* could not translate .* not a missing compiler") as failed:
+        compiled.build(force=True)
+    assert "gcc" not in str(failed.value)
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half-built is left to be loaded
+
+
 def test_an_unwritable_cache_is_named(tmp_path):
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the cache folder should be")  # as unwritable as a read-only folder

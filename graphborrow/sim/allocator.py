@@ -1365,7 +1365,8 @@ class CachingAllocator:
                 "restore() builds state into an empty allocator; this one already has segments or routing. "
                 "Create a fresh CachingAllocator first"
             )
-        allocators = {_pool_id(pid): raw for pid, raw in (allocators or {}).items()}
+        given = allocators if allocators is not None else {}  # not `(allocators or {}).items()`: Cython 3.3.0 crashes on it
+        allocators = {_pool_id(pid): raw for pid, raw in given.items()}
         parsed = [_restorable_segment(i, segment) for i, segment in enumerate(segments)]
         _check_no_overlap(parsed, allocators)
         for pool_id, raw in allocators.items():

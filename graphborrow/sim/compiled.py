@@ -127,6 +127,13 @@ def build(force: bool = False, quiet: bool = True) -> Path:
                     compiler_directives=CYTHON_DIRECTIVES,
                     quiet=quiet,
                 )
+            except Exception as exc:  # Cython itself failed (its own message is printed above)
+                raise RuntimeError(
+                    f"Cython {_cython_version()} could not translate the allocator model ({type(exc).__name__}: "
+                    f"{exc}); this is a Cython problem, not a missing compiler: install a release this source "
+                    "is tested with (pip install 'cython==3.3.1'). The pure-Python model runs meanwhile"
+                ) from exc
+            try:
                 command = Distribution({"ext_modules": extensions}).get_command_obj("build_ext")
                 command.build_lib = str(Path(tmp, "lib"))
                 command.build_temp = str(Path(tmp, "obj"))

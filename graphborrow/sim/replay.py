@@ -759,6 +759,8 @@ class _Replayer:
                 uncertain = True  # the trace places memory where the unrebuilt state before it differs
             if "cannot be used again" in str(failure) or "out of memory" in str(failure):
                 self._refute_pending(f"{where}: {failure}")
+            if uncertain:  # the memory the trace placed here never came to be: what it held is not comparable
+                self._diverge([entry["addr"]] + [a for _, a, _ in expected if a])
             self.check(False, f"{where}: simulator raised {type(failure).__name__}: {failure}", uncertain)
             self.check(False, f"{where}: no block", uncertain)
             self._pending_key = None
@@ -1142,6 +1144,8 @@ class _Replayer:
         got = sorted((e["action"], e["addr"], e["size"]) for e in emitted if e["action"] in _RELEASES)
         differ = {addr for _, addr, _ in set(got) ^ set(expected)}
         uncertain = uncertain or any(s.address <= a < s.address + s.size for s in diverged for a in differ)
+        if got != expected and uncertain:  # memory one side kept and the other gave back: not comparable from here on
+            self._diverge(sorted(differ))
         if got != expected and not uncertain:
             self._blame_release([g for g in got if g not in expected], segments, before, where)
         self.check(got == expected, f"{where}: expected to release {_fmt(expected)}, simulated {_fmt(got)}", uncertain)

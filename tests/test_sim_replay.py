@@ -333,3 +333,23 @@ def test_snapshot_pools_must_be_pool_ids():
     for bad in ([], [(0,)], [("0", 1)]):
         with pytest.raises(ValueError, match="snapshot_pools must be pool ids"):
             replay_trace(snapshot, snapshot_pools=bad)
+
+
+def test_a_release_that_failed_at_the_end_leaves_its_segment():
+    """torch writes segment_free before cudaFree; when cudaFree fails (a free inside a capture) the
+    segment stays. After the trace's last segment allocation, a release whose segment the snapshot
+    still shows is that; anywhere else it is a contradiction."""
+    entries = [
+        entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 4096),
+        entry("free_requested", A, 4096), entry("free_completed", A, 4096),
+        entry("segment_free", A, 2 * MiB),  # the cudaFree after this entry failed
+    ]
+    final = [segment(A, [(2 * MiB, "inactive")])]
+    report = replay_trace(snapshot_of(entries, final))
+    assert report.agreement == 1.0 and not report.mid_run and report.unverifiable == 0, report
+    assert replay_trace(snapshot_of(entries)).agreement == 1.0  # the release that worked
+
+    later = entries + [entry("segment_alloc", B, 2 * MiB), entry("alloc", B, 512)]
+    final_later = final + [segment(B, [(512, "active_allocated"), (2 * MiB - 512, "inactive")])]
+    report = replay_trace(snapshot_of(later, final_later))  # released, then the segment is back unallocated
+    assert report.agreement < 1.0, report

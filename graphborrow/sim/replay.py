@@ -31,8 +31,19 @@ reported (:attr:`ReplayReport.inferred`):
   at the first entry is rebuilt from the snapshot and the trace (segments released or
   unmapped without being allocated, blocks freed without being allocated, blocks alive
   in the snapshot that the trace never allocated) and restored into the allocator.
-  Where that state is a guess (the size of a block allocated before the trace), checks
-  that depend on it are not made but counted (:attr:`ReplayReport.unverifiable`).
+  Where that state is a guess (the size of a block allocated before the trace, the pool of
+  a segment the snapshot does not name), checks that depend on it are not made but
+  counted (:attr:`ReplayReport.unverifiable`). The rule, exactly: a check is unverifiable
+  when it involves a segment rebuilt with guessed blocks (until that segment is wholly
+  free again), memory from before the trace that could not be rebuilt, or a segment that
+  went another way than the trace at an unverifiable check (from then on: memory one side
+  placed, kept or gave back and the other did not); and a decision of the memory
+  fraction's cap (out of memory, the retry's releases, garbage collection) when the
+  simulator then holds other device memory than the trace says (walked back from the
+  snapshot) after such a divergence. Every other check is made, so a contradiction
+  elsewhere (a trace cut short, a snapshot of another moment, segments from before the
+  trace that overlap) is a mismatch and the trace does not replay at 1.0. A trace that
+  starts at an empty allocator has no unverifiable check.
 
 Statistics: for a trace that starts at an empty allocator and carries the real
 ``memory_stats()`` (the differential corpus does), every statistic is compared too
@@ -151,8 +162,30 @@ class _Plan:
         # id(pre life) -> [(address, size or None when only the request is known, state, entry that ends it, requested)]
         self.pre_blocks: dict[int, list] = {}
         self.problems: list[str] = []  # contradictions between the trace and its snapshot
+        self.contradictions: list[str] = []  # ... that no state before the trace can explain
         self._virtual_size = virtual_size
+        self.failed_releases = self._failed_releases()  # entry indices of releases that did not happen
         self._walk()
+
+    def _failed_releases(self) -> set[int]:
+        """``segment_free`` entries whose segment is still in the snapshot: the release failed.
+
+        The allocator writes the entry before it calls ``cudaFree``; when that call fails (a CUDA
+        error: a free inside a graph capture invalidates it) the allocator raises and the segment
+        stays. Recognised only after the trace's last allocation of device memory, with the same
+        address, size and stream in the snapshot: anywhere else a segment that comes back without
+        being allocated is a contradiction, and the replay reports it.
+        """
+        entries = self.entries
+        last_made = max((i for i, e in enumerate(entries) if e.get("action") in ("segment_alloc", "segment_map")),
+                        default=-1)
+        still = {(s["address"], s["total_size"], s.get("stream", 0)) for s in self.final if not s.get("is_expandable")}
+        failed = set()
+        for i in range(last_made + 1, len(entries)):
+            e = entries[i]
+            if e.get("action") == "segment_free" and (e.get("addr"), e.get("size"), e.get("stream", 0)) in still:
+                failed.add(i)
+        return failed
 
     # an interval index of the lives that exist at the entry being walked
     def _find(self, live: SortedDict, address: int, end: int) -> _Life | None:
@@ -194,6 +227,8 @@ class _Plan:
                     host.touched = True
                 self._add(live, life)
                 self.lives[i] = life
+            elif action == "segment_free" and i in self.failed_releases:
+                continue
             elif action == "segment_free":
                 life = None
                 for candidate in live.get(addr, ()):
@@ -275,10 +310,32 @@ class _Plan:
                 if candidate.size == size and not candidate.expandable:
                     match = candidate
             if match is None:
+                self._check_kept(address, size)
                 match = _Life(address, size, segment.get("stream", 0), -1, pre_trace=True)
                 self.pre.append(match)
                 self._add(live, match)
             match.pool = pool
+
+    def _check_kept(self, address: int, size: int) -> None:
+        """A snapshot segment the trace never allocated lived through the whole trace: no segment the
+        trace released may have shared its memory (one may lie strictly inside the other: a pluggable
+        pool's segment within another pool's block). Otherwise the trace and its snapshot disagree."""
+        end = address + size
+        for life in [*self.lives.values(), *self.pre]:
+            if life.end is None or life.expandable:
+                continue
+            other_end = life.address + life.size
+            if life.address >= end or other_end <= address:
+                continue
+            inside = (address <= life.address and other_end <= end) or (life.address <= address and end <= other_end)
+            if inside and (life.address, life.size) != (address, size):
+                continue
+            self.contradictions.append(
+                f"final snapshot segment {size} B at {address:#x} was never allocated by the trace, yet the "
+                f"trace released the segment {life.size} B at {life.address:#x} in its memory at event {life.end}: "
+                f"the trace and its snapshot disagree (a trace cut short, or a snapshot of another moment)"
+            )
+            return
 
     def _place_pre_blocks(self, pre_blocks: list, in_trace: dict, pending_in_trace: dict) -> None:
         """Blocks that existed before the trace, in the segments that did."""
@@ -298,8 +355,10 @@ class _Plan:
             life.touched = True
             self.pre_blocks[id(life)].append((addr, None, state, done_at, requested))
         for segment in self.final:
+            cursor = segment["address"]  # blocks may omit their addresses: they tile the segment in order
             for block in segment["blocks"]:
-                state, addr = block["state"], block["address"]
+                state, addr = block["state"], block.get("address", cursor)
+                cursor = addr + block["size"]
                 if state == "inactive":
                     continue
                 life = self._find(index, addr, addr + block["size"])
@@ -389,6 +448,9 @@ class _Replayer:
             self.sim.set_memory_fraction(fraction)
         self.sim.record_history(True, max_entries=1 << 30)
         self.plan = _Plan(entries, final, self._virtual_size)
+        # device memory reserved before each entry, as the trace and its snapshot say (None: the snapshot
+        # was taken of some pools only); the decisions a memory fraction makes depend on it
+        self.reserved_before = None if snapshot_pools is not None else _reserved_before(entries, final)
         self.traced_addresses = _TracedAddresses()
         self.pools: dict[Any, _Pool] = {DEFAULT_POOL: _Pool(DEFAULT_POOL, True, False)}
         self.segment_pool: dict[int, Any] = {}  # creating entry index (or id of a pre-trace life) -> pool label
@@ -611,6 +673,17 @@ class _Replayer:
             self.sim.end_allocate_to_pool(pool.id)
             self.sim.release_pool(pool.id)
 
+    def _reserve_unsure(self, start: int) -> bool:
+        """Whether a decision of the memory fraction's cap (out of memory, the retry's releases, garbage
+        collection) in the malloc whose entries begin at ``start`` rests on guessed state: in a mid-run trace, the simulator holds
+        other device memory than the trace had, and an earlier decision already went another way
+        (counted where it happened, as a mismatch or as unverifiable). A trace from an empty
+        allocator never: there every difference is a mismatch."""
+        if not self.plan.mid_run or self.reserved_before is None or self.sim.allowed_memory_maximum is None:
+            return False
+        went_astray = bool(self.diverged or self.diverged_elsewhere or self.mismatches)
+        return went_astray and self.sim.total_allocated_memory != self.reserved_before[start]
+
     def _phantom_stream(self):
         """A stream that stays busy until the replay says its work is done."""
         stream = self._idle_phantoms.pop() if self._idle_phantoms else self.clockwork.new_stream(self._next_phantom)
@@ -626,11 +699,18 @@ class _Replayer:
             self._rebuild_start()
         for problem in self.plan.problems:  # memory from before the trace that nothing places
             self.check(False, problem, uncertain=self.plan.mid_run)
+        for problem in self.plan.contradictions:
+            self.check(False, problem)
         entries = self.entries
         i = 0
         while i < len(entries):
             action = entries[i].get("action")
-            if action in ("alloc", "segment_alloc", "segment_map", "oom"):
+            if i in self.plan.failed_releases:
+                # the malloc it was part of failed with a CUDA error (its request is not in the trace); the
+                # allocator counted the release before cudaFree failed, and the segment stays (the end checks it)
+                self.sim.stats.num_device_free += 1
+                i += 1
+            elif action in ("alloc", "segment_alloc", "segment_map", "oom"):
                 i = self._allocation(i, [], [])
             elif action in _RELEASES:
                 i = self._releases(i, [])
@@ -640,7 +720,7 @@ class _Replayer:
                 j = i
                 while j < len(entries) and entries[j].get("action") == "free_completed":
                     j += 1
-                if j < len(entries) and entries[j].get("action") in _RELEASES:
+                if j < len(entries) and entries[j].get("action") in _RELEASES and j not in self.plan.failed_releases:
                     i = self._releases(j, entries[i:j])  # perhaps completed by the release's synchronisation
                 else:
                     self._free_completed(i)
@@ -726,6 +806,7 @@ class _Replayer:
         self._dictate(first, pluggable)
         where = f"event {i} {'oom' if oom else 'alloc'} {nbytes} B on stream {stream} in pool {self._name(label)}"
         block, failure = None, None
+        reserve_unsure = self._reserve_unsure(start - len(released))  # (the releases run inside the malloc)
         try:
             block = self._malloc(label, nbytes, stream)
         except Exception as error:  # OutOfMemoryError is a RuntimeError; a released pool raises too
@@ -737,6 +818,8 @@ class _Replayer:
         self._settle(emitted, completed, where)
         got = [(e["action"], e.get("addr", 0), e["size"]) for e in emitted if e["action"] in _DEVICE_CALLS]
         uncertain = any(self._is_uncertain(self._segment_at(a)) for _, a, _ in got + expected if a)
+        if (oom or released or failure is not None or got != expected) and reserve_unsure:
+            uncertain = True  # the cap decided it, and what was reserved before it is not what the trace had
         calls_ok = sorted(got) == sorted(expected)
         if oom:
             ok = isinstance(failure, RuntimeError) and "out of memory" in str(failure)
@@ -883,7 +966,7 @@ class _Replayer:
             return
         keys = [self.choice_keys[s.address] for s in (mine, theirs) if s is not None and s.address in self.choice_keys]
         if keys:
-            key, label = max(keys, key=lambda k: k[0][1])
+            key, label = max(keys, key=_made_at)
             self._refute(key, label, f"{where}: took a block of the segment at {mine.address:#x}")
 
     def _blame_calls(self, got: list, expected: list, where: str, going_with: dict | None = None,
@@ -911,7 +994,7 @@ class _Replayer:
                 elif call in got and emptied and self.release_cause.get(emptied.get(base)) is not None:
                     keys.append(self.release_cause[emptied[base]])
         if keys:
-            key, label = max(keys, key=lambda k: k[0][1])
+            key, label = max(keys, key=_made_at)
             self._refute(key, label, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")
         self._refute_pending(f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")
 
@@ -1019,7 +1102,7 @@ class _Replayer:
                     self._free_completed(i - len(completed) + k)
                 completed = []
         j = i
-        while j < len(entries) and entries[j].get("action") in _RELEASES:
+        while j < len(entries) and entries[j].get("action") in _RELEASES and j not in self.plan.failed_releases:
             j += 1
         run = entries[i:j]
         m = j
@@ -1126,7 +1209,7 @@ class _Replayer:
         elif pending_elsewhere and not uncertain:
             keys = [self.choice_keys[s.address] for s in segments if s is not None and s.address in self.choice_keys]
             if keys:  # the segments of one private pool went back, so the pool choices are wrong somewhere
-                key, label = max(keys, key=lambda k: k[0][1])
+                key, label = max(keys, key=_made_at)
                 self._refute(key, label, f"{where}: released without completing pending frees: one pool's memory")
         self.sim.empty_cache(only)
         emitted = self.sim.drain_trace()
@@ -1138,7 +1221,7 @@ class _Replayer:
                 if segment is not None and segment.address in self.choice_keys:
                     keys.append(self.choice_keys[segment.address])
             if keys:
-                key, label = max(keys, key=lambda k: k[0][1])
+                key, label = max(keys, key=_made_at)
                 self._refute(key, label, f"{where}: completed pending frees the trace kept pending")
         self._settle(emitted, [], where)
         got = sorted((e["action"], e["addr"], e["size"]) for e in emitted if e["action"] in _RELEASES)
@@ -1172,7 +1255,7 @@ class _Replayer:
                 if self.release_cause.get(label) is not None:  # the segment whose release said the pool was released
                     keys.append(self.release_cause[label])
             if keys:
-                key, chosen = max(keys, key=lambda k: k[0][1])
+                key, chosen = max(keys, key=_made_at)
                 self._refute(key, chosen, f"{where}: released {size} B at {addr:#x} that the trace kept")
 
     def _more_releasable(self, pool_id: tuple[int, int]) -> bool:
@@ -1198,6 +1281,8 @@ class _Replayer:
     def _rebuild_start(self) -> None:
         """Restore the allocator to the trace's first entry from what the plan found."""
         segments = []
+        for life in self._contradicting_pre_lives():
+            self.plan.pre.remove(life)
         for life in self.plan.pre:
             if life.expandable:
                 self.unverifiable += 1  # expandable memory from before the trace is not rebuilt
@@ -1230,6 +1315,25 @@ class _Replayer:
                 if segment is not None:
                     self.uncertain.add(segment)
         self.sim.drain_trace()
+
+    def _contradicting_pre_lives(self) -> list[_Life]:
+        """Segments from before the trace that overlap another one: the trace and its snapshot disagree
+        (a trace cut short, or a snapshot of another moment). Each overlap is a mismatch; the one the
+        trace does not release (it comes from the snapshot) is left out of the rebuilt state."""
+        lives = sorted((life for life in self.plan.pre if not life.expandable), key=lambda life: life.address)
+        dropped: list[_Life] = []
+        last = None
+        for life in lives:
+            if last is not None and life.address < last.address + last.size:
+                drop = life if life.end is None or last.end is not None else last
+                self.check(False, f"a segment {life.size} B at {life.address:#x} and a segment {last.size} B at "
+                                  f"{last.address:#x} both existed before the trace began: the trace and its "
+                                  f"snapshot disagree")
+                dropped.append(drop)
+                last = last if drop is life else life
+                continue
+            last = life
+        return dropped
 
     def _pre_layout(self, life: _Life) -> list[tuple]:
         """(size, state, requested, guessed) of the blocks of a segment from before the trace.
@@ -1312,6 +1416,24 @@ class _Replayer:
         if self.snapshot_pools is None:
             return True
         return _pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL)) in self.snapshot_pools
+
+
+def _reserved_before(entries: list[dict], final: list[dict]) -> list[int]:
+    """Device memory reserved before each entry (and after the last), walking back from the snapshot."""
+    reserved = [0] * (len(entries) + 1)
+    reserved[-1] = sum(segment["total_size"] for segment in final)
+    for i in range(len(entries) - 1, -1, -1):
+        action, size = entries[i].get("action"), entries[i].get("size", 0)
+        change = size if action in ("segment_alloc", "segment_map") else -size if action in _RELEASES else 0
+        reserved[i] = reserved[i + 1] - change
+    return reserved
+
+
+def _made_at(choice: tuple) -> int:
+    """When a (decision key, label) choice was made: its entry, or before the first one for the
+    pools of segments from before the trace (whose keys carry an address, not an entry)."""
+    key = choice[0]
+    return -1 if key[0] == "pre-trace segment" else key[1]
 
 
 def _releasable(segment) -> bool:

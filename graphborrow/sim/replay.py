@@ -877,6 +877,9 @@ class _Replayer:
                         self.conflicts.setdefault(mine, set()).add(theirs)
                         self.conflicts.setdefault(theirs, set()).add(mine)
                 self.reservations.append(block.segment)
+        if new_segment is not None and block.segment.address == new_segment["addr"]:
+            # a new segment: the choice of a segment released from this address before no longer applies
+            self.choice_keys.pop(block.segment.address, None)
         if self._pending_key is not None and (new_segment is not None or maps):
             self.choice_keys.setdefault(block.segment.address, self._pending_key)
         self._pending_key = None

@@ -41,10 +41,7 @@ KNOWN_GAPS = {  # trace -> agreement it must keep until the gap is closed (data/
     "seed000_ring": 0.89,
     "seed006_late": 0.987,
     "seed006_ring": 0.983,
-    "seed009_late": 0.998,
-    "seed018": 0.976,
     "seed025": 0.895,  # was 0.914: the search for its pools runs out of patience either way (see the json)
-    "seed034": 0.998,
 }
 
 

@@ -994,6 +994,8 @@ class _Replayer:
                     label = self.choice_keys[base][1]
                     if call in got and going_with and label != DEFAULT_POOL:
                         keys += [choice for other, choice in going_with.values() if other == label]
+                    if call in got and label != DEFAULT_POOL and self.release_cause.get(label) is not None:
+                        keys.append(self.release_cause[label])  # the segment whose release said the pool was released
                 elif call in got and emptied and self.release_cause.get(emptied.get(base)) is not None:
                     keys.append(self.release_cause[emptied[base]])
         if keys:

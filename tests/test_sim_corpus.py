@@ -30,18 +30,14 @@ MID_RUN = [p for p in TRACES if "_" in p.name.split(".")[0]]
 
 
 # Traces the simulator does not yet replay at 1.0, with the agreement each must keep (a ratchet:
-# falling below fails, and closing a gap fails too until the trace leaves this table). Full
-# traces: out-of-memory failures under a memory fraction whose pool the trace does not say and
-# which the replay infers wrongly (with garbage collection the age of every cached block depends
-# on the routing of every earlier allocation). Mid-run traces: guessed state before the trace
-# (expandable segments from before the trace are not rebuilt; a pool the snapshot does not name).
-# Causes, trace by trace: data/traces/corpus_agreement.json, run "after gap fixes".
+# falling below fails, and closing a gap fails too until the trace leaves this table): mid-run
+# traces recorded with expandable segments, whose reservations from before the trace are not
+# rebuilt (causes, trace by trace: data/traces/corpus_agreement.json, run "after gap fixes").
 KNOWN_GAPS = {  # trace -> agreement it must keep until the gap is closed (data/traces/corpus_agreement.json)
     "seed000_late": 0.868,
     "seed000_ring": 0.89,
     "seed006_late": 0.987,
     "seed006_ring": 0.983,
-    "seed025": 0.895,  # was 0.914: the search for its pools runs out of patience either way (see the json)
 }
 
 

@@ -998,10 +998,19 @@ class _Replayer:
                         keys.append(self.release_cause[label])  # the segment whose release said the pool was released
                 elif call in got and emptied and self.release_cause.get(emptied.get(base)) is not None:
                     keys.append(self.release_cause[emptied[base]])
+                elif call in got and self.release_cause.get(self._known_pool(addr)) is not None:
+                    keys.append(self.release_cause[self._known_pool(addr)])  # a named pool another choice released
         if keys:
             key, label = max(keys, key=_made_at)
             self._refute(key, label, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")
         self._refute_pending(f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")
+
+    def _known_pool(self, address: int) -> Any:
+        """The pool the snapshot names for the traced segment at ``address`` alive now, if any."""
+        for life in [*self.plan.lives.values(), *self.plan.pre]:
+            if life.address == address and life.pool is not None and not life.expandable:
+                return life.pool
+        return None
 
     def _refute(self, key: tuple, label: Any, reason: str) -> None:
         if self.blaming:
@@ -1146,6 +1155,9 @@ class _Replayer:
         allowed = sim.allowed_memory_maximum
         over_cap = allowed is not None and sim.total_allocated_memory + allocation_size(size, sim.large_segment_size) > allowed
         if completed:  # only empty_cache and the out-of-memory path (outside routing) complete pending frees
+            if sim.gc_enabled and sim.cached_block_for(entry["size"], entry.get("stream", 0), DEFAULT_POOL) is None \
+                    and sim.garbage_collection_victims():
+                return False  # that path collects garbage first: its releases would precede the completions
             return over_cap and not private
         if over_cap and (oversize or not private):
             return True

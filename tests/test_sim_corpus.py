@@ -34,10 +34,10 @@ MID_RUN = [p for p in TRACES if "_" in p.name.split(".")[0]]
 # traces recorded with expandable segments, whose reservations from before the trace are not
 # rebuilt (causes, trace by trace: data/traces/corpus_agreement.json, run "after gap fixes").
 KNOWN_GAPS = {  # trace -> agreement it must keep until the gap is closed (data/traces/corpus_agreement.json)
-    "seed000_late": 0.868,
-    "seed000_ring": 0.89,
+    "seed000_late": 0.892,
+    "seed000_ring": 0.977,
     "seed006_late": 0.987,
-    "seed006_ring": 0.983,
+    "seed006_ring": 0.991,
 }
 
 
@@ -82,7 +82,7 @@ def test_full_trace_replays_exactly(path):
 def test_mid_run_trace_replays_at_the_checks_that_can_be_made(path):
     report = replay_trace(load(path))
     assert report.mid_run and report.unverifiable > 0  # the state before the trace was rebuilt, in part guessed
-    assert report.checks > 200
+    assert report.checks > 150
     if name_of(path) in KNOWN_GAPS:
         floor = KNOWN_GAPS[name_of(path)]
         assert floor <= report.agreement < 1.0, f"agreement {report.agreement:.4f}, recorded {floor}: update KNOWN_GAPS"

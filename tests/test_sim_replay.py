@@ -353,3 +353,36 @@ def test_a_release_that_failed_at_the_end_leaves_its_segment():
     final_later = final + [segment(B, [(512, "active_allocated"), (2 * MiB - 512, "inactive")])]
     report = replay_trace(snapshot_of(later, final_later))  # released, then the segment is back unallocated
     assert report.agreement < 1.0, report
+
+
+def test_an_empty_cache_before_an_allocation_over_the_cap_is_not_its_retry():
+    """Under a memory fraction with garbage collection, releases that complete a pending free just
+    before an allocation that could not fit without them: the out-of-memory retry would have
+    collected garbage first (its releases before the completion), so with a victim for garbage
+    collection they were an empty_cache. Either reading leaves the same segments; only the order
+    of the entries tells, and the statistics (no retry) must come out right."""
+    from graphborrow.sim.config import AllocatorConfig
+
+    capacity, fraction = 64 * MiB, 0.5  # 32 MiB allowed, garbage collection above 16 MiB
+    config = AllocatorConfig.from_settings({"garbage_collection_threshold": 0.5})
+    clockwork = Clockwork()
+    alloc = CachingAllocator(PhysicalMemory(capacity=capacity, backed=False), clockwork, config)
+    alloc.set_memory_fraction(fraction)
+    alloc.record_history()
+    side = clockwork.new_stream()
+    big = alloc.malloc(30 * MiB, 0)  # a 30 MiB segment
+    small = alloc.malloc(4096, 0)  # a 2 MiB segment: 32 MiB reserved, all that is allowed
+    side.enqueue(5.0)
+    alloc.record_stream(small, side.id)
+    alloc.free(small)  # pending until the side stream is done
+    alloc.free(big)  # a whole free segment above the threshold: garbage collection's victim
+    assert alloc.garbage_collection_victims()
+    alloc.empty_cache()
+    alloc.malloc(4096, side.id)  # a new small segment, for which the empty_cache made room
+    snapshot = alloc.full_snapshot()
+    actions = [e["action"] for e in snapshot["device_traces"][0] if e["action"] != "snapshot"]
+    assert actions[-5:] == ["free_completed", "segment_free", "segment_free", "segment_alloc", "alloc"], actions
+    report = replay_trace(snapshot, memory_fraction=fraction, device_memory=capacity)
+    assert report.agreement == 1.0 and report.mismatches == [], report
+    # read as the retry, the releases contradict the default pool, and a private pool is made up instead
+    assert {report.inferred[f"segment at event {i}"] for i in (0, 2)} == {"(0, 0)"}, report.inferred

@@ -35,15 +35,23 @@ reported (:attr:`ReplayReport.inferred`):
   a segment the snapshot does not name), checks that depend on it are not made but
   counted (:attr:`ReplayReport.unverifiable`). The rule, exactly: a check is unverifiable
   when it involves a segment rebuilt with guessed blocks (until that segment is wholly
-  free again), memory from before the trace that could not be rebuilt, or a segment that
+  free again), memory from before the trace that could not be rebuilt (expandable
+  reservations from before the trace are not rebuilt: at the end, a mapped range with a
+  page the trace did not map is not compared), or a segment that
   went another way than the trace at an unverifiable check (from then on: memory one side
   placed, kept or gave back and the other did not); and a decision of the memory
   fraction's cap (out of memory, the retry's releases, garbage collection) when the
   simulator then holds other device memory than the trace says (walked back from the
   snapshot) after such a divergence. Every other check is made, so a contradiction
   elsewhere (a trace cut short, a snapshot of another moment, segments from before the
-  trace that overlap) is a mismatch and the trace does not replay at 1.0. A trace that
-  starts at an empty allocator has no unverifiable check.
+  trace that overlap, a segment the trace released that the snapshot still shows) is a
+  mismatch and the trace does not replay at 1.0. A trace that starts at an empty
+  allocator has no unverifiable check.
+- **Failed releases.** ``segment_free`` is written before ``cudaFree`` is called; when that
+  fails (a free inside a graph capture invalidates the capture) the allocator raises and
+  the segment stays. After the trace's last allocation of device memory, a release whose
+  segment (address, size, stream) the snapshot still shows is taken as that: the segment
+  stays, ``num_device_free`` counts it, and the end compares it.
 
 Statistics: for a trace that starts at an empty allocator and carries the real
 ``memory_stats()`` (the differential corpus does), every statistic is compared too
@@ -287,9 +295,27 @@ class _Plan:
                 else:
                     pre_blocks.append((addr, size, "active_pending_free", i))
         self.end_live = live
+        self.mapped_by_trace = self._pages_mapped_by_the_trace()
         self.in_trace_at_end = in_trace
         self._final_segments(live)
         self._place_pre_blocks(pre_blocks, in_trace, pending_in_trace)
+
+    def _pages_mapped_by_the_trace(self) -> set[int]:
+        """The 2 MiB pages (by address) that a segment_map of the trace mapped and nothing unmapped since."""
+        pages: set[int] = set()
+        for entry in self.entries:
+            action = entry.get("action")
+            if action in ("segment_map", "segment_unmap"):
+                span = range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER)
+                if action == "segment_map":
+                    pages.update(span)
+                else:
+                    pages.difference_update(span)
+        return pages
+
+    def mapped_before(self, address: int, size: int) -> bool:
+        """Whether some page of this expandable range was mapped before the trace began (the trace never mapped it)."""
+        return any(page not in self.mapped_by_trace for page in range(address, address + size, SMALL_BUFFER))
 
     def _final_segments(self, live: SortedDict) -> None:
         """Match the snapshot's segments with the lives alive at the end; the rest existed before the trace."""
@@ -1424,6 +1450,9 @@ class _Replayer:
             got = None if mine is None else _shape(mine)
             segment = self._segment_at(key[0])
             uncertain = self._is_uncertain(segment) or any(key[0] <= a < key[0] + key[1] for a in self.diverged_elsewhere)
+            if theirs is not None and theirs.get("is_expandable") and self.plan.mid_run:
+                # expandable memory from before the trace is not rebuilt: a range with pages mapped then is a guess
+                uncertain = uncertain or self.plan.mapped_before(key[0], key[1])
             self.check(want == got, f"final snapshot segment {_fmt_seg(key)}: expected {want}, simulated {got}",
                        uncertain)
 

@@ -30,14 +30,17 @@ reported (:attr:`ReplayReport.inferred`):
 - **Mid-run traces** (history enabled late, or a ring buffer that overflowed): the state
   at the first entry is rebuilt from the snapshot and the trace (segments released or
   unmapped without being allocated, blocks freed without being allocated, blocks alive
-  in the snapshot that the trace never allocated) and restored into the allocator.
+  in the snapshot that the trace never allocated) and restored into the allocator;
+  expandable memory as the ranges mapped at the first entry (the snapshot's, less what the
+  trace mapped, plus what it unmapped), one reservation per stream, kind and pool, each
+  starting at its lowest range.
   Where that state is a guess (the size of a block allocated before the trace, the pool of
   a segment the snapshot does not name), checks that depend on it are not made but
   counted (:attr:`ReplayReport.unverifiable`). The rule, exactly: a check is unverifiable
   when it involves a segment rebuilt with guessed blocks (until that segment is wholly
-  free again), memory from before the trace that could not be rebuilt (expandable
-  reservations from before the trace are not rebuilt: at the end, a mapped range with a
-  page the trace did not map is not compared), or a segment that
+  free again), memory from before the trace that could not be rebuilt (when the expandable
+  ranges mapped then fit no set of reservations, they are left out, and at the end a mapped
+  range with a page the trace did not map is not compared), or a segment that
   went another way than the trace at an unverifiable check (from then on: memory one side
   placed, kept or gave back and the other did not); and a decision of the memory
   fraction's cap (out of memory, the retry's releases, garbage collection) when the
@@ -299,6 +302,8 @@ class _Plan:
         self.in_trace_at_end = in_trace
         self._final_segments(live)
         self._place_pre_blocks(pre_blocks, in_trace, pending_in_trace)
+        self.freed_before = pre_blocks  # (address, requested, state, entry) of blocks the trace frees without allocating
+        self.pending_in_trace = pending_in_trace
 
     def _pages_mapped_by_the_trace(self) -> set[int]:
         """The 2 MiB pages (by address) that a segment_map of the trace mapped and nothing unmapped since."""
@@ -477,6 +482,7 @@ class _Replayer:
         # device memory reserved before each entry, as the trace and its snapshot say (None: the snapshot
         # was taken of some pools only); the decisions a memory fraction makes depend on it
         self.reserved_before = None if snapshot_pools is not None else _reserved_before(entries, final)
+        self.expandable_rebuilt = False  # expandable ranges mapped before a mid-run trace were restored
         self.traced_addresses = _TracedAddresses()
         self.pools: dict[Any, _Pool] = {DEFAULT_POOL: _Pool(DEFAULT_POOL, True, False)}
         self.segment_pool: dict[int, Any] = {}  # creating entry index (or id of a pre-trace life) -> pool label
@@ -866,6 +872,10 @@ class _Replayer:
         if failure is not None:
             if self.plan.mid_run and isinstance(failure, ValueError) and "overlaps" in str(failure):
                 uncertain = True  # the trace places memory where the unrebuilt state before it differs
+            cause = self.release_cause.get(label)
+            if "cannot be used again" in str(failure) and cause is not None and cause[0][0] == "pre-trace segment":
+                # the pool took memory from before the trace that was released: that memory was another pool's
+                self._refute(cause[0], cause[1], f"{where}: {failure}")
             if "cannot be used again" in str(failure) or "out of memory" in str(failure):
                 self._refute_pending(f"{where}: {failure}")
             if uncertain:  # the memory the trace placed here never came to be: what it held is not comparable
@@ -1326,9 +1336,16 @@ class _Replayer:
         segments = []
         for life in self._contradicting_pre_lives():
             self.plan.pre.remove(life)
+        try:
+            expandable = self._expandable_at_start()
+        except ValueError:  # ranges no set of reservations explains: left out, and what rests on them unverifiable
+            expandable = []
+        self.expandable_rebuilt = bool(expandable)
+        segments.extend(expandable)
         for life in self.plan.pre:
             if life.expandable:
-                self.unverifiable += 1  # expandable memory from before the trace is not rebuilt
+                if not expandable:
+                    self.unverifiable += 1  # expandable memory from before the trace is not rebuilt
                 continue
             pool = self._pool(life.pool).id if life.pool is not None and not self.layout else self._pre_pool(life)
             segments.append({
@@ -1359,6 +1376,137 @@ class _Replayer:
                     self.uncertain.add(segment)
         self.sim.drain_trace()
 
+    def _expandable_at_start(self) -> list[dict]:
+        """The expandable ranges mapped when the trace began, as snapshot segments for :meth:`restore`.
+
+        Pages mapped at the end (the snapshot), less those the trace mapped, plus those it
+        unmapped, walking back; their blocks are those alive in the snapshot that the trace
+        never allocated and those it frees without allocating (sizes exact: expandable
+        segments split at 512 bytes). Ranges of one stream and kind further apart than one
+        reservation are other reservations; a reservation's pool is the snapshot's, else
+        chosen like that of any segment from before the trace (and refuted like it).
+        """
+        large_page = self.config.large_segment_size
+        pages: dict[int, list] = {}  # page address -> [stream, is_small or None, pool or None]
+        for segment in self.final:
+            if segment.get("is_expandable"):
+                for page in range(segment["address"], segment["address"] + segment["total_size"], SMALL_BUFFER):
+                    pages[page] = [segment.get("stream", 0), segment.get("segment_type") == "small",
+                                   _pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL))]
+        for entry in reversed(self.entries):
+            action = entry.get("action")
+            if action == "segment_map":
+                for page in range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER):
+                    pages.pop(page, None)
+            elif action == "segment_unmap":
+                small = True if entry["size"] % large_page else None
+                for page in range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER):
+                    pages[page] = [entry.get("stream", 0), small, None]
+        if not pages:
+            return []
+        def group_pool(group: list) -> Any:
+            return next((r[4] for r in group if r[4] is not None), None)
+
+        known = [(addr, None, state, done_at, requested) for addr, requested, state, done_at in self.plan.freed_before]
+        for segment in self.final:
+            if not segment.get("is_expandable"):
+                continue
+            cursor = segment["address"]
+            for block in segment["blocks"]:
+                addr, state = block.get("address", cursor), block["state"]
+                cursor = addr + block["size"]
+                if state == "inactive":
+                    continue
+                if state == "active_allocated" and self.plan.in_trace_at_end.get(addr, 0) > 0:
+                    continue
+                if state == "active_pending_free" and self.plan.pending_in_trace.get(addr, 0) > 0:
+                    continue
+                known.append((addr, block["size"], state, None, block.get("requested_size", 0)))
+        ranges = []
+        for page in sorted(pages):
+            stream, small, pool = pages[page]
+            if ranges and ranges[-1][0] + ranges[-1][1] == page and ranges[-1][2] == stream \
+                    and (small is None or ranges[-1][3] is None or ranges[-1][3] == small):
+                last = ranges[-1]
+                last[1] += SMALL_BUFFER
+                last[3] = last[3] if last[3] is not None else small
+                last[4] = last[4] if last[4] is not None else pool
+            else:
+                ranges.append([page, SMALL_BUFFER, stream, small, pool])
+        # one reservation per stream, kind and pool: ranges further apart than its size are other reservations
+        groups: list[list] = []
+        for rng in ranges:
+            rng[3] = bool(rng[3])
+            for group in groups:
+                first = group[0]
+                if first[2] == rng[2] and first[3] == rng[3] and rng[0] - first[0] < self._virtual_size(
+                        SMALL_BUFFER if rng[3] else large_page, rng[0]) and (rng[4] is None or group_pool(group) in (None, rng[4])):
+                    group.append(rng)
+                    break
+            else:
+                groups.append([rng])
+        named = set()
+        for group in groups:  # checked before any pool is chosen, so that a refusal leaves no trace
+            pool, stream, small, base = group_pool(group), group[0][2], group[0][3], group[0][0]
+            page = SMALL_BUFFER if small else large_page
+            span = self._virtual_size(page, base)
+            if any((a - base) % page or n % page or a + n > base + span for a, n, *_ in group):
+                raise ValueError("ranges that one reservation cannot hold")
+            if pool is not None:
+                if (stream, small, pool) in named:
+                    raise ValueError("two reservations of one stream, kind and pool")
+                named.add((stream, small, pool))
+        out = []
+        used = {(stream, small, self._pool(pool).id) for stream, small, pool in named} if not self.layout else set()
+        for group in groups:
+            pool = group_pool(group)
+            stream, small = group[0][2], group[0][3]
+            base = group[0][0]
+            if pool is None or self.layout:
+                life = _Life(base, self._virtual_size(SMALL_BUFFER if small else large_page, base), stream, -1,
+                             expandable=True, pre_trace=True)
+                pool_id = self._pre_pool(life, taken={p for s_, k_, p in used if (s_, k_) == (stream, small)})
+                if pool is not None:  # (layout mode) what the snapshot says of it, as for any named segment
+                    self.known_pools[_identity(life)] = pool
+            else:
+                pool_id = self._pool(pool).id
+            used.add((stream, small, pool_id))
+            for address, size, _, _, _ in group:
+                inside = [k for k in known if address <= k[0] < address + size]
+                out.append({"address": address, "total_size": size, "stream": stream, "is_expandable": True,
+                            "segment_type": "small" if small else "large", "segment_pool_id": pool_id,
+                            "blocks": [{"size": b, "state": st, "requested_size": rq}
+                                       for b, st, rq, _ in self._layout(address, size, inside)]})
+        return out
+
+    def _layout(self, start: int, size: int, known) -> list[tuple]:
+        """(size, state, requested, guessed) tiling ``[start, start + size)``: the known blocks
+        (address, size or None when only the request is known, state, entry, requested), the rest free."""
+        end = start + size
+        layout, cursor = [], start
+        known = sorted(known, key=lambda b: b[0])
+        for n, (addr, bsize, state, _, requested) in enumerate(known):
+            if addr < cursor or addr >= end:
+                continue
+            limit = known[n + 1][0] if n + 1 < len(known) else end
+            guessed = bsize is None
+            bsize = min(round_size(max(requested, 1), self.sim.divisions) if guessed else bsize, limit - addr)
+            if bsize <= 0:
+                continue
+            if addr > cursor:
+                layout.append((addr - cursor, "inactive", 0, False))
+            layout.append((bsize, state, requested, guessed))
+            cursor = addr + bsize
+        if cursor < end:
+            layout.append((end - cursor, "inactive", 0, False))
+        merged = []
+        for item in layout:
+            if merged and item[1] == "inactive" and merged[-1][1] == "inactive":
+                merged[-1] = (merged[-1][0] + item[0], "inactive", 0, False)
+            else:
+                merged.append(item)
+        return merged
+
     def _contradicting_pre_lives(self) -> list[_Life]:
         """Segments from before the trace that overlap another one: the trace and its snapshot disagree
         (a trace cut short, or a snapshot of another moment). Each overlap is a mismatch; the one the
@@ -1385,32 +1533,9 @@ class _Replayer:
         having allocated it gets its request's rounded size, a guess (it may have been handed
         out whole). The rest of the segment is free.
         """
-        known = sorted(self.plan.pre_blocks.get(id(life), ()), key=lambda b: b[0])
-        end = life.address + life.size
-        layout, cursor = [], life.address
-        for n, (addr, size, state, _, requested) in enumerate(known):
-            if addr < cursor or addr >= end:
-                continue
-            limit = known[n + 1][0] if n + 1 < len(known) else end
-            guessed = size is None
-            size = min(round_size(max(requested, 1), self.sim.divisions) if guessed else size, limit - addr)
-            if size <= 0:
-                continue
-            if addr > cursor:
-                layout.append((addr - cursor, "inactive", 0, False))
-            layout.append((size, state, requested, guessed))
-            cursor = addr + size
-        if cursor < end:
-            layout.append((end - cursor, "inactive", 0, False))
-        merged = []
-        for item in layout:
-            if merged and item[1] == "inactive" and merged[-1][1] == "inactive":
-                merged[-1] = (merged[-1][0] + item[0], "inactive", 0, False)
-            else:
-                merged.append(item)
-        return merged
+        return self._layout(life.address, life.size, self.plan.pre_blocks.get(id(life), ()))
 
-    def _pre_pool(self, life: _Life) -> tuple[int, int]:
+    def _pre_pool(self, life: _Life, taken: set | None = None) -> tuple[int, int]:
         """A segment from before the trace that the snapshot does not name: the default pool, else
         the pool inferred for it (from the allocations in it and the releases it took part in),
         else a pool of its own, skipping refuted choices. A segment one private pool's emptyCache
@@ -1425,8 +1550,11 @@ class _Replayer:
         order = (DEFAULT_POOL, self.assignment.get(_identity(life)))
         if _identity(life) in self.released_alone:
             order = order[::-1]
+        taken = taken or set()
         label = next((choice for choice in order
-                      if choice is not None and (key, choice) not in self.refuted), own)
+                      if choice is not None and (key, choice) not in self.refuted
+                      and (choice not in self.pools or self.pools[choice].id not in taken)
+                      and choice not in taken), own)
         pool = self._pool(label)
         self._decide(key, label)
         self.choice_keys[life.address] = (key, label)
@@ -1450,7 +1578,7 @@ class _Replayer:
             got = None if mine is None else _shape(mine)
             segment = self._segment_at(key[0])
             uncertain = self._is_uncertain(segment) or any(key[0] <= a < key[0] + key[1] for a in self.diverged_elsewhere)
-            if theirs is not None and theirs.get("is_expandable") and self.plan.mid_run:
+            if theirs is not None and theirs.get("is_expandable") and self.plan.mid_run and not self.expandable_rebuilt:
                 # expandable memory from before the trace is not rebuilt: a range with pages mapped then is a guess
                 uncertain = uncertain or self.plan.mapped_before(key[0], key[1])
             self.check(want == got, f"final snapshot segment {_fmt_seg(key)}: expected {want}, simulated {got}",

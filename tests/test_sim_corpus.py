@@ -30,29 +30,15 @@ MID_RUN = [p for p in TRACES if "_" in p.name.split(".")[0]]
 
 
 # Traces the simulator does not yet replay at 1.0, with the agreement each must keep (a ratchet:
-# falling below fails, and closing a gap fails too until the trace leaves this table). Full
-# traces: out-of-memory failures under a memory fraction whose pool the trace does not say and
-# which the replay infers wrongly (with garbage collection the age of every cached block depends
-# on the routing of every earlier allocation), and seed039, whose program died of a CUDA error
-# inside a capture. Mid-run traces: guessed state before the trace (expandable segments are not
-# rebuilt at all).
+# falling below fails, and closing a gap fails too until the trace leaves this table): mid-run
+# traces recorded with expandable segments, whose reservations from before the trace are rebuilt
+# from their mapped ranges but with a guessed pool and a start at their lowest page mapped then
+# (causes, trace by trace: data/traces/corpus_agreement.json, run "after gap fixes").
 KNOWN_GAPS = {  # trace -> agreement it must keep until the gap is closed (data/traces/corpus_agreement.json)
-    "seed000_late": 0.771,
-    "seed000_ring": 0.828,
-    "seed002_late": 0.998,
-    "seed003_late": 0.978,
-    "seed003_ring": 0.976,
-    "seed006_late": 0.962,
-    "seed006_ring": 0.96,
-    "seed008_late": 0.973,
-    "seed008_ring": 0.996,
-    "seed009_late": 0.936,
-    "seed009_ring": 0.991,
-    "seed011_late": 0.999,
-    "seed018": 0.976,
-    "seed025": 0.895,  # was 0.914: the search for its pools runs out of patience either way (see the json)
-    "seed034": 0.998,
-    "seed039": 0.976,
+    "seed000_late": 0.98,
+    "seed000_ring": 0.969,
+    "seed006_late": 0.954,
+    "seed006_ring": 0.99,
 }
 
 
@@ -83,6 +69,7 @@ def test_full_trace_replays_exactly(path):
     assert report.checks > 800
     # a program that died of a CUDA error inside a capture left state its trace does not explain
     assert not report.mid_run or snapshot["corpus"]["error"]
+    assert report.mid_run or report.unverifiable == 0  # from an empty allocator every check is made
     if name_of(path) in KNOWN_GAPS:
         floor = KNOWN_GAPS[name_of(path)]
         assert floor <= report.agreement < 1.0, f"agreement {report.agreement:.4f}, recorded {floor}: update KNOWN_GAPS"
@@ -95,7 +82,7 @@ def test_full_trace_replays_exactly(path):
 @pytest.mark.parametrize("path", MID_RUN, ids=[name_of(p) for p in MID_RUN])
 def test_mid_run_trace_replays_at_the_checks_that_can_be_made(path):
     report = replay_trace(load(path))
-    assert report.mid_run and report.unverifiable > 0  # the state before the trace was rebuilt, in part guessed
+    assert report.mid_run  # the state before the trace was rebuilt (guesses, if any, are counted as unverifiable)
     assert report.checks > 200
     if name_of(path) in KNOWN_GAPS:
         floor = KNOWN_GAPS[name_of(path)]
@@ -210,3 +197,47 @@ def test_inferred_pools_match_the_programs():
                 right += n
     assert total > 2000
     assert right / total >= 0.85, f"{right} of {total} inferred pools match the programs"
+
+
+# Mid-run traces that reach 1.0 only because checks resting on guessed state are not made: seed011_late
+# (memory the trace places over a segment that diverged after a guess), seed003_late and seed008_ring
+# (out-of-memory decisions of a memory fraction taken while the simulator holds other memory than the
+# trace had). Cut short, or with a snapshot that contradicts them, they must still fail.
+RULED = ["seed011_late", "seed003_late", "seed008_ring"]
+
+
+@pytest.mark.parametrize("name", RULED)
+def test_a_mid_run_trace_cut_short_never_replays_at_one(name):
+    snapshot = load(CORPUS / f"{name}.pickle.gz")
+    assert replay_trace(snapshot).agreement == 1.0
+    entries = snapshot["device_traces"][0]
+    for keep in (len(entries) // 2, len(entries) - 40):
+        cut = dict(snapshot, device_traces=[entries[:keep]])  # the snapshot still shows the end
+        report = replay_trace(cut)
+        assert report.agreement < 1.0, (keep, str(report))
+        assert any(m.startswith("final snapshot segment") for m in report.mismatches)
+
+
+def _with_one_block_freed(snapshot: dict, index: int) -> dict:
+    """The snapshot with the first allocated block of segment ``index`` claimed to be free."""
+    segments = [dict(s, blocks=[dict(b) for b in s["blocks"]]) for s in snapshot["segments"]]
+    target = segments[index]
+    block = next(b for b in target["blocks"] if b["state"] == "active_allocated")
+    block["state"] = "inactive"
+    for key in ("allocated_size", "active_size", "requested_size"):
+        if key in target:
+            target[key] -= block[key if key == "requested_size" else "size"]
+    return dict(snapshot, segments=segments)
+
+
+def test_a_mid_run_trace_whose_snapshot_contradicts_it_never_replays_at_one():
+    """One block of one segment the trace allocated is claimed free at the end. Where that segment's
+    end state rests on guessed state (it went another way after a guess) the difference cannot be
+    seen, and is not: such segments are a minority, and every other contradiction is a mismatch."""
+    snapshot = load(CORPUS / "seed003_late.pickle.gz")
+    made = {e["addr"] for e in snapshot["device_traces"][0] if e["action"] == "segment_alloc"}
+    targets = [n for n, s in enumerate(snapshot["segments"]) if s["address"] in made
+               and any(b["state"] == "active_allocated" for b in s["blocks"])]
+    assert len(targets) > 20
+    seen = sum(replay_trace(_with_one_block_freed(snapshot, n)).agreement < 1.0 for n in targets)
+    assert seen >= 0.75 * len(targets), f"{seen} of {len(targets)} contradictions seen"

@@ -333,3 +333,95 @@ def test_snapshot_pools_must_be_pool_ids():
     for bad in ([], [(0,)], [("0", 1)]):
         with pytest.raises(ValueError, match="snapshot_pools must be pool ids"):
             replay_trace(snapshot, snapshot_pools=bad)
+
+
+def test_a_release_that_failed_at_the_end_leaves_its_segment():
+    """torch writes segment_free before cudaFree; when cudaFree fails (a free inside a capture) the
+    segment stays. After the trace's last segment allocation, a release whose segment the snapshot
+    still shows is that; anywhere else it is a contradiction."""
+    entries = [
+        entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 4096),
+        entry("free_requested", A, 4096), entry("free_completed", A, 4096),
+        entry("segment_free", A, 2 * MiB),  # the cudaFree after this entry failed
+    ]
+    final = [segment(A, [(2 * MiB, "inactive")])]
+    report = replay_trace(snapshot_of(entries, final))
+    assert report.agreement == 1.0 and not report.mid_run and report.unverifiable == 0, report
+    assert replay_trace(snapshot_of(entries)).agreement == 1.0  # the release that worked
+
+    later = entries + [entry("segment_alloc", B, 2 * MiB), entry("alloc", B, 512)]
+    final_later = final + [segment(B, [(512, "active_allocated"), (2 * MiB - 512, "inactive")])]
+    report = replay_trace(snapshot_of(later, final_later))  # released, then the segment is back unallocated
+    assert report.agreement < 1.0, report
+
+
+def test_an_empty_cache_before_an_allocation_over_the_cap_is_not_its_retry():
+    """Under a memory fraction with garbage collection, releases that complete a pending free just
+    before an allocation that could not fit without them: the out-of-memory retry would have
+    collected garbage first (its releases before the completion), so with a victim for garbage
+    collection they were an empty_cache. Either reading leaves the same segments; only the order
+    of the entries tells, and the statistics (no retry) must come out right."""
+    from graphborrow.sim.config import AllocatorConfig
+
+    capacity, fraction = 64 * MiB, 0.5  # 32 MiB allowed, garbage collection above 16 MiB
+    config = AllocatorConfig.from_settings({"garbage_collection_threshold": 0.5})
+    clockwork = Clockwork()
+    alloc = CachingAllocator(PhysicalMemory(capacity=capacity, backed=False), clockwork, config)
+    alloc.set_memory_fraction(fraction)
+    alloc.record_history()
+    side = clockwork.new_stream()
+    big = alloc.malloc(30 * MiB, 0)  # a 30 MiB segment
+    small = alloc.malloc(4096, 0)  # a 2 MiB segment: 32 MiB reserved, all that is allowed
+    side.enqueue(5.0)
+    alloc.record_stream(small, side.id)
+    alloc.free(small)  # pending until the side stream is done
+    alloc.free(big)  # a whole free segment above the threshold: garbage collection's victim
+    assert alloc.garbage_collection_victims()
+    alloc.empty_cache()
+    alloc.malloc(4096, side.id)  # a new small segment, for which the empty_cache made room
+    snapshot = alloc.full_snapshot()
+    actions = [e["action"] for e in snapshot["device_traces"][0] if e["action"] != "snapshot"]
+    assert actions[-5:] == ["free_completed", "segment_free", "segment_free", "segment_alloc", "alloc"], actions
+    report = replay_trace(snapshot, memory_fraction=fraction, device_memory=capacity)
+    assert report.agreement == 1.0 and report.mismatches == [], report
+    # read as the retry, the releases contradict the default pool, and a private pool is made up instead
+    assert {report.inferred[f"segment at event {i}"] for i in (0, 2)} == {"(0, 0)"}, report.inferred
+
+
+def _expandable_churn_trace(steps: int, seed: int, history_from: int = 0, max_entries: int = 10**6):
+    """The simulator's own trace with expandable segments: churn on two streams, empty_cache now and then."""
+    from graphborrow.sim.config import AllocatorConfig
+
+    clockwork = Clockwork()
+    config = AllocatorConfig.from_settings({"expandable_segments": True})
+    alloc = CachingAllocator(PhysicalMemory(backed=False), clockwork, config)
+    side = clockwork.new_stream()
+    rng = random.Random(seed)
+    live = []
+    for step in range(steps):
+        if step == history_from:
+            alloc.record_history(True, max_entries=max_entries)
+        if rng.random() < 0.55 or not live:
+            size = rng.choice([rng.randrange(1, 8 * KiB), rng.randrange(1, MiB), rng.randrange(MiB, 40 * MiB)])
+            live.append(alloc.malloc(size, rng.choice([0, 0, side.id])))
+        else:
+            alloc.free(live.pop(rng.randrange(len(live))))
+        if rng.random() < 0.03:
+            alloc.empty_cache()
+    return alloc.full_snapshot()
+
+
+@pytest.mark.parametrize("start, ring", [(300, 10**6), (0, 500)], ids=["late start", "ring overflow"])
+def test_expandable_reservations_from_before_the_trace_are_rebuilt(start, ring):
+    """The mapped ranges at the first entry (the snapshot's, less what the trace mapped, plus what it
+    unmapped) and their blocks are restored as reservations: every check is made and agrees, and
+    the same trace cut short does not."""
+    snapshot = _expandable_churn_trace(900, seed=5, history_from=start, max_entries=ring)
+    entries = snapshot["device_traces"][0]
+    assert entries[0]["action"] != "segment_map" and any(e["action"] == "segment_unmap" for e in entries)
+    report = replay_trace(snapshot)
+    assert report.mid_run and report.mismatches == [], report
+    assert report.agreement == 1.0 and report.checks > 300 and report.unverifiable == 0, report
+    for keep in (len(entries) // 2, len(entries) - 10):
+        cut = replay_trace(dict(snapshot, device_traces=[entries[:keep]]))
+        assert cut.agreement < 1.0, (keep, str(cut))

@@ -30,9 +30,31 @@ reported (:attr:`ReplayReport.inferred`):
 - **Mid-run traces** (history enabled late, or a ring buffer that overflowed): the state
   at the first entry is rebuilt from the snapshot and the trace (segments released or
   unmapped without being allocated, blocks freed without being allocated, blocks alive
-  in the snapshot that the trace never allocated) and restored into the allocator.
-  Where that state is a guess (the size of a block allocated before the trace), checks
-  that depend on it are not made but counted (:attr:`ReplayReport.unverifiable`).
+  in the snapshot that the trace never allocated) and restored into the allocator;
+  expandable memory as the ranges mapped at the first entry (the snapshot's, less what the
+  trace mapped, plus what it unmapped), one reservation per stream, kind and pool, each
+  starting at its lowest range.
+  Where that state is a guess (the size of a block allocated before the trace, the pool of
+  a segment the snapshot does not name), checks that depend on it are not made but
+  counted (:attr:`ReplayReport.unverifiable`). The rule, exactly: a check is unverifiable
+  when it involves a segment rebuilt with guessed blocks (until that segment is wholly
+  free again), memory from before the trace that could not be rebuilt (when the expandable
+  ranges mapped then fit no set of reservations, they are left out, and at the end a mapped
+  range with a page the trace did not map is not compared), or a segment that
+  went another way than the trace at an unverifiable check (from then on: memory one side
+  placed, kept or gave back and the other did not); and a decision of the memory
+  fraction's cap (out of memory, the retry's releases, garbage collection) when the
+  simulator then holds other device memory than the trace says (walked back from the
+  snapshot) after such a divergence. Every other check is made, so a contradiction
+  elsewhere (a trace cut short, a snapshot of another moment, segments from before the
+  trace that overlap, a segment the trace released that the snapshot still shows) is a
+  mismatch and the trace does not replay at 1.0. A trace that starts at an empty
+  allocator has no unverifiable check.
+- **Failed releases.** ``segment_free`` is written before ``cudaFree`` is called; when that
+  fails (a free inside a graph capture invalidates the capture) the allocator raises and
+  the segment stays. After the trace's last allocation of device memory, a release whose
+  segment (address, size, stream) the snapshot still shows is taken as that: the segment
+  stays, ``num_device_free`` counts it, and the end compares it.
 
 Statistics: for a trace that starts at an empty allocator and carries the real
 ``memory_stats()`` (the differential corpus does), every statistic is compared too
@@ -151,8 +173,30 @@ class _Plan:
         # id(pre life) -> [(address, size or None when only the request is known, state, entry that ends it, requested)]
         self.pre_blocks: dict[int, list] = {}
         self.problems: list[str] = []  # contradictions between the trace and its snapshot
+        self.contradictions: list[str] = []  # ... that no state before the trace can explain
         self._virtual_size = virtual_size
+        self.failed_releases = self._failed_releases()  # entry indices of releases that did not happen
         self._walk()
+
+    def _failed_releases(self) -> set[int]:
+        """``segment_free`` entries whose segment is still in the snapshot: the release failed.
+
+        The allocator writes the entry before it calls ``cudaFree``; when that call fails (a CUDA
+        error: a free inside a graph capture invalidates it) the allocator raises and the segment
+        stays. Recognised only after the trace's last allocation of device memory, with the same
+        address, size and stream in the snapshot: anywhere else a segment that comes back without
+        being allocated is a contradiction, and the replay reports it.
+        """
+        entries = self.entries
+        last_made = max((i for i, e in enumerate(entries) if e.get("action") in ("segment_alloc", "segment_map")),
+                        default=-1)
+        still = {(s["address"], s["total_size"], s.get("stream", 0)) for s in self.final if not s.get("is_expandable")}
+        failed = set()
+        for i in range(last_made + 1, len(entries)):
+            e = entries[i]
+            if e.get("action") == "segment_free" and (e.get("addr"), e.get("size"), e.get("stream", 0)) in still:
+                failed.add(i)
+        return failed
 
     # an interval index of the lives that exist at the entry being walked
     def _find(self, live: SortedDict, address: int, end: int) -> _Life | None:
@@ -194,6 +238,8 @@ class _Plan:
                     host.touched = True
                 self._add(live, life)
                 self.lives[i] = life
+            elif action == "segment_free" and i in self.failed_releases:
+                continue
             elif action == "segment_free":
                 life = None
                 for candidate in live.get(addr, ()):
@@ -252,9 +298,29 @@ class _Plan:
                 else:
                     pre_blocks.append((addr, size, "active_pending_free", i))
         self.end_live = live
+        self.mapped_by_trace = self._pages_mapped_by_the_trace()
         self.in_trace_at_end = in_trace
         self._final_segments(live)
         self._place_pre_blocks(pre_blocks, in_trace, pending_in_trace)
+        self.freed_before = pre_blocks  # (address, requested, state, entry) of blocks the trace frees without allocating
+        self.pending_in_trace = pending_in_trace
+
+    def _pages_mapped_by_the_trace(self) -> set[int]:
+        """The 2 MiB pages (by address) that a segment_map of the trace mapped and nothing unmapped since."""
+        pages: set[int] = set()
+        for entry in self.entries:
+            action = entry.get("action")
+            if action in ("segment_map", "segment_unmap"):
+                span = range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER)
+                if action == "segment_map":
+                    pages.update(span)
+                else:
+                    pages.difference_update(span)
+        return pages
+
+    def mapped_before(self, address: int, size: int) -> bool:
+        """Whether some page of this expandable range was mapped before the trace began (the trace never mapped it)."""
+        return any(page not in self.mapped_by_trace for page in range(address, address + size, SMALL_BUFFER))
 
     def _final_segments(self, live: SortedDict) -> None:
         """Match the snapshot's segments with the lives alive at the end; the rest existed before the trace."""
@@ -275,10 +341,32 @@ class _Plan:
                 if candidate.size == size and not candidate.expandable:
                     match = candidate
             if match is None:
+                self._check_kept(address, size)
                 match = _Life(address, size, segment.get("stream", 0), -1, pre_trace=True)
                 self.pre.append(match)
                 self._add(live, match)
             match.pool = pool
+
+    def _check_kept(self, address: int, size: int) -> None:
+        """A snapshot segment the trace never allocated lived through the whole trace: no segment the
+        trace released may have shared its memory (one may lie strictly inside the other: a pluggable
+        pool's segment within another pool's block). Otherwise the trace and its snapshot disagree."""
+        end = address + size
+        for life in [*self.lives.values(), *self.pre]:
+            if life.end is None or life.expandable:
+                continue
+            other_end = life.address + life.size
+            if life.address >= end or other_end <= address:
+                continue
+            inside = (address <= life.address and other_end <= end) or (life.address <= address and end <= other_end)
+            if inside and (life.address, life.size) != (address, size):
+                continue
+            self.contradictions.append(
+                f"final snapshot segment {size} B at {address:#x} was never allocated by the trace, yet the "
+                f"trace released the segment {life.size} B at {life.address:#x} in its memory at event {life.end}: "
+                f"the trace and its snapshot disagree (a trace cut short, or a snapshot of another moment)"
+            )
+            return
 
     def _place_pre_blocks(self, pre_blocks: list, in_trace: dict, pending_in_trace: dict) -> None:
         """Blocks that existed before the trace, in the segments that did."""
@@ -298,8 +386,10 @@ class _Plan:
             life.touched = True
             self.pre_blocks[id(life)].append((addr, None, state, done_at, requested))
         for segment in self.final:
+            cursor = segment["address"]  # blocks may omit their addresses: they tile the segment in order
             for block in segment["blocks"]:
-                state, addr = block["state"], block["address"]
+                state, addr = block["state"], block.get("address", cursor)
+                cursor = addr + block["size"]
                 if state == "inactive":
                     continue
                 life = self._find(index, addr, addr + block["size"])
@@ -389,6 +479,10 @@ class _Replayer:
             self.sim.set_memory_fraction(fraction)
         self.sim.record_history(True, max_entries=1 << 30)
         self.plan = _Plan(entries, final, self._virtual_size)
+        # device memory reserved before each entry, as the trace and its snapshot say (None: the snapshot
+        # was taken of some pools only); the decisions a memory fraction makes depend on it
+        self.reserved_before = None if snapshot_pools is not None else _reserved_before(entries, final)
+        self.expandable_rebuilt = False  # expandable ranges mapped before a mid-run trace were restored
         self.traced_addresses = _TracedAddresses()
         self.pools: dict[Any, _Pool] = {DEFAULT_POOL: _Pool(DEFAULT_POOL, True, False)}
         self.segment_pool: dict[int, Any] = {}  # creating entry index (or id of a pre-trace life) -> pool label
@@ -611,6 +705,17 @@ class _Replayer:
             self.sim.end_allocate_to_pool(pool.id)
             self.sim.release_pool(pool.id)
 
+    def _reserve_unsure(self, start: int) -> bool:
+        """Whether a decision of the memory fraction's cap (out of memory, the retry's releases, garbage
+        collection) in the malloc whose entries begin at ``start`` rests on guessed state: in a mid-run trace, the simulator holds
+        other device memory than the trace had, and an earlier decision already went another way
+        (counted where it happened, as a mismatch or as unverifiable). A trace from an empty
+        allocator never: there every difference is a mismatch."""
+        if not self.plan.mid_run or self.reserved_before is None or self.sim.allowed_memory_maximum is None:
+            return False
+        went_astray = bool(self.diverged or self.diverged_elsewhere or self.mismatches)
+        return went_astray and self.sim.total_allocated_memory != self.reserved_before[start]
+
     def _phantom_stream(self):
         """A stream that stays busy until the replay says its work is done."""
         stream = self._idle_phantoms.pop() if self._idle_phantoms else self.clockwork.new_stream(self._next_phantom)
@@ -626,11 +731,18 @@ class _Replayer:
             self._rebuild_start()
         for problem in self.plan.problems:  # memory from before the trace that nothing places
             self.check(False, problem, uncertain=self.plan.mid_run)
+        for problem in self.plan.contradictions:
+            self.check(False, problem)
         entries = self.entries
         i = 0
         while i < len(entries):
             action = entries[i].get("action")
-            if action in ("alloc", "segment_alloc", "segment_map", "oom"):
+            if i in self.plan.failed_releases:
+                # the malloc it was part of failed with a CUDA error (its request is not in the trace); the
+                # allocator counted the release before cudaFree failed, and the segment stays (the end checks it)
+                self.sim.stats.num_device_free += 1
+                i += 1
+            elif action in ("alloc", "segment_alloc", "segment_map", "oom"):
                 i = self._allocation(i, [], [])
             elif action in _RELEASES:
                 i = self._releases(i, [])
@@ -640,7 +752,7 @@ class _Replayer:
                 j = i
                 while j < len(entries) and entries[j].get("action") == "free_completed":
                     j += 1
-                if j < len(entries) and entries[j].get("action") in _RELEASES:
+                if j < len(entries) and entries[j].get("action") in _RELEASES and j not in self.plan.failed_releases:
                     i = self._releases(j, entries[i:j])  # perhaps completed by the release's synchronisation
                 else:
                     self._free_completed(i)
@@ -726,6 +838,7 @@ class _Replayer:
         self._dictate(first, pluggable)
         where = f"event {i} {'oom' if oom else 'alloc'} {nbytes} B on stream {stream} in pool {self._name(label)}"
         block, failure = None, None
+        reserve_unsure = self._reserve_unsure(start - len(released))  # (the releases run inside the malloc)
         try:
             block = self._malloc(label, nbytes, stream)
         except Exception as error:  # OutOfMemoryError is a RuntimeError; a released pool raises too
@@ -737,6 +850,8 @@ class _Replayer:
         self._settle(emitted, completed, where)
         got = [(e["action"], e.get("addr", 0), e["size"]) for e in emitted if e["action"] in _DEVICE_CALLS]
         uncertain = any(self._is_uncertain(self._segment_at(a)) for _, a, _ in got + expected if a)
+        if (oom or released or failure is not None or got != expected) and reserve_unsure:
+            uncertain = True  # the cap decided it, and what was reserved before it is not what the trace had
         calls_ok = sorted(got) == sorted(expected)
         if oom:
             ok = isinstance(failure, RuntimeError) and "out of memory" in str(failure)
@@ -757,8 +872,14 @@ class _Replayer:
         if failure is not None:
             if self.plan.mid_run and isinstance(failure, ValueError) and "overlaps" in str(failure):
                 uncertain = True  # the trace places memory where the unrebuilt state before it differs
+            cause = self.release_cause.get(label)
+            if "cannot be used again" in str(failure) and cause is not None and cause[0][0] == "pre-trace segment":
+                # the pool took memory from before the trace that was released: that memory was another pool's
+                self._refute(cause[0], cause[1], f"{where}: {failure}")
             if "cannot be used again" in str(failure) or "out of memory" in str(failure):
                 self._refute_pending(f"{where}: {failure}")
+            if uncertain:  # the memory the trace placed here never came to be: what it held is not comparable
+                self._diverge([entry["addr"]] + [a for _, a, _ in expected if a])
             self.check(False, f"{where}: simulator raised {type(failure).__name__}: {failure}", uncertain)
             self.check(False, f"{where}: no block", uncertain)
             self._pending_key = None
@@ -792,6 +913,9 @@ class _Replayer:
                         self.conflicts.setdefault(mine, set()).add(theirs)
                         self.conflicts.setdefault(theirs, set()).add(mine)
                 self.reservations.append(block.segment)
+        if new_segment is not None and block.segment.address == new_segment["addr"]:
+            # a new segment: the choice of a segment released from this address before no longer applies
+            self.choice_keys.pop(block.segment.address, None)
         if self._pending_key is not None and (new_segment is not None or maps):
             self.choice_keys.setdefault(block.segment.address, self._pending_key)
         self._pending_key = None
@@ -881,7 +1005,7 @@ class _Replayer:
             return
         keys = [self.choice_keys[s.address] for s in (mine, theirs) if s is not None and s.address in self.choice_keys]
         if keys:
-            key, label = max(keys, key=lambda k: k[0][1])
+            key, label = max(keys, key=_made_at)
             self._refute(key, label, f"{where}: took a block of the segment at {mine.address:#x}")
 
     def _blame_calls(self, got: list, expected: list, where: str, going_with: dict | None = None,
@@ -906,12 +1030,23 @@ class _Replayer:
                     label = self.choice_keys[base][1]
                     if call in got and going_with and label != DEFAULT_POOL:
                         keys += [choice for other, choice in going_with.values() if other == label]
+                    if call in got and label != DEFAULT_POOL and self.release_cause.get(label) is not None:
+                        keys.append(self.release_cause[label])  # the segment whose release said the pool was released
                 elif call in got and emptied and self.release_cause.get(emptied.get(base)) is not None:
                     keys.append(self.release_cause[emptied[base]])
+                elif call in got and self.release_cause.get(self._known_pool(addr)) is not None:
+                    keys.append(self.release_cause[self._known_pool(addr)])  # a named pool another choice released
         if keys:
-            key, label = max(keys, key=lambda k: k[0][1])
+            key, label = max(keys, key=_made_at)
             self._refute(key, label, f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")
         self._refute_pending(f"{where}: expected device calls {_fmt(expected)}, simulated {_fmt(got)}")
+
+    def _known_pool(self, address: int) -> Any:
+        """The pool the snapshot names for the traced segment at ``address`` alive now, if any."""
+        for life in [*self.plan.lives.values(), *self.plan.pre]:
+            if life.address == address and life.pool is not None and not life.expandable:
+                return life.pool
+        return None
 
     def _refute(self, key: tuple, label: Any, reason: str) -> None:
         if self.blaming:
@@ -1017,7 +1152,7 @@ class _Replayer:
                     self._free_completed(i - len(completed) + k)
                 completed = []
         j = i
-        while j < len(entries) and entries[j].get("action") in _RELEASES:
+        while j < len(entries) and entries[j].get("action") in _RELEASES and j not in self.plan.failed_releases:
             j += 1
         run = entries[i:j]
         m = j
@@ -1056,6 +1191,9 @@ class _Replayer:
         allowed = sim.allowed_memory_maximum
         over_cap = allowed is not None and sim.total_allocated_memory + allocation_size(size, sim.large_segment_size) > allowed
         if completed:  # only empty_cache and the out-of-memory path (outside routing) complete pending frees
+            if sim.gc_enabled and sim.cached_block_for(entry["size"], entry.get("stream", 0), DEFAULT_POOL) is None \
+                    and sim.garbage_collection_victims():
+                return False  # that path collects garbage first: its releases would precede the completions
             return over_cap and not private
         if over_cap and (oversize or not private):
             return True
@@ -1124,7 +1262,7 @@ class _Replayer:
         elif pending_elsewhere and not uncertain:
             keys = [self.choice_keys[s.address] for s in segments if s is not None and s.address in self.choice_keys]
             if keys:  # the segments of one private pool went back, so the pool choices are wrong somewhere
-                key, label = max(keys, key=lambda k: k[0][1])
+                key, label = max(keys, key=_made_at)
                 self._refute(key, label, f"{where}: released without completing pending frees: one pool's memory")
         self.sim.empty_cache(only)
         emitted = self.sim.drain_trace()
@@ -1136,12 +1274,14 @@ class _Replayer:
                 if segment is not None and segment.address in self.choice_keys:
                     keys.append(self.choice_keys[segment.address])
             if keys:
-                key, label = max(keys, key=lambda k: k[0][1])
+                key, label = max(keys, key=_made_at)
                 self._refute(key, label, f"{where}: completed pending frees the trace kept pending")
         self._settle(emitted, [], where)
         got = sorted((e["action"], e["addr"], e["size"]) for e in emitted if e["action"] in _RELEASES)
         differ = {addr for _, addr, _ in set(got) ^ set(expected)}
         uncertain = uncertain or any(s.address <= a < s.address + s.size for s in diverged for a in differ)
+        if got != expected and uncertain:  # memory one side kept and the other gave back: not comparable from here on
+            self._diverge(sorted(differ))
         if got != expected and not uncertain:
             self._blame_release([g for g in got if g not in expected], segments, before, where)
         self.check(got == expected, f"{where}: expected to release {_fmt(expected)}, simulated {_fmt(got)}", uncertain)
@@ -1168,7 +1308,7 @@ class _Replayer:
                 if self.release_cause.get(label) is not None:  # the segment whose release said the pool was released
                     keys.append(self.release_cause[label])
             if keys:
-                key, chosen = max(keys, key=lambda k: k[0][1])
+                key, chosen = max(keys, key=_made_at)
                 self._refute(key, chosen, f"{where}: released {size} B at {addr:#x} that the trace kept")
 
     def _more_releasable(self, pool_id: tuple[int, int]) -> bool:
@@ -1194,9 +1334,18 @@ class _Replayer:
     def _rebuild_start(self) -> None:
         """Restore the allocator to the trace's first entry from what the plan found."""
         segments = []
+        for life in self._contradicting_pre_lives():
+            self.plan.pre.remove(life)
+        try:
+            expandable = self._expandable_at_start()
+        except ValueError:  # ranges no set of reservations explains: left out, and what rests on them unverifiable
+            expandable = []
+        self.expandable_rebuilt = bool(expandable)
+        segments.extend(expandable)
         for life in self.plan.pre:
             if life.expandable:
-                self.unverifiable += 1  # expandable memory from before the trace is not rebuilt
+                if not expandable:
+                    self.unverifiable += 1  # expandable memory from before the trace is not rebuilt
                 continue
             pool = self._pool(life.pool).id if life.pool is not None and not self.layout else self._pre_pool(life)
             segments.append({
@@ -1227,28 +1376,127 @@ class _Replayer:
                     self.uncertain.add(segment)
         self.sim.drain_trace()
 
-    def _pre_layout(self, life: _Life) -> list[tuple]:
-        """(size, state, requested, guessed) of the blocks of a segment from before the trace.
+    def _expandable_at_start(self) -> list[dict]:
+        """The expandable ranges mapped when the trace began, as snapshot segments for :meth:`restore`.
 
-        Blocks alive in the snapshot are exact; a block the trace frees (or completes) without
-        having allocated it gets its request's rounded size, a guess (it may have been handed
-        out whole). The rest of the segment is free.
+        Pages mapped at the end (the snapshot), less those the trace mapped, plus those it
+        unmapped, walking back; their blocks are those alive in the snapshot that the trace
+        never allocated and those it frees without allocating (sizes exact: expandable
+        segments split at 512 bytes). Ranges of one stream and kind further apart than one
+        reservation are other reservations; a reservation's pool is the snapshot's, else
+        chosen like that of any segment from before the trace (and refuted like it).
         """
-        known = sorted(self.plan.pre_blocks.get(id(life), ()), key=lambda b: b[0])
-        end = life.address + life.size
-        layout, cursor = [], life.address
-        for n, (addr, size, state, _, requested) in enumerate(known):
+        large_page = self.config.large_segment_size
+        pages: dict[int, list] = {}  # page address -> [stream, is_small or None, pool or None]
+        for segment in self.final:
+            if segment.get("is_expandable"):
+                for page in range(segment["address"], segment["address"] + segment["total_size"], SMALL_BUFFER):
+                    pages[page] = [segment.get("stream", 0), segment.get("segment_type") == "small",
+                                   _pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL))]
+        for entry in reversed(self.entries):
+            action = entry.get("action")
+            if action == "segment_map":
+                for page in range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER):
+                    pages.pop(page, None)
+            elif action == "segment_unmap":
+                small = True if entry["size"] % large_page else None
+                for page in range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER):
+                    pages[page] = [entry.get("stream", 0), small, None]
+        if not pages:
+            return []
+        def group_pool(group: list) -> Any:
+            return next((r[4] for r in group if r[4] is not None), None)
+
+        known = [(addr, None, state, done_at, requested) for addr, requested, state, done_at in self.plan.freed_before]
+        for segment in self.final:
+            if not segment.get("is_expandable"):
+                continue
+            cursor = segment["address"]
+            for block in segment["blocks"]:
+                addr, state = block.get("address", cursor), block["state"]
+                cursor = addr + block["size"]
+                if state == "inactive":
+                    continue
+                if state == "active_allocated" and self.plan.in_trace_at_end.get(addr, 0) > 0:
+                    continue
+                if state == "active_pending_free" and self.plan.pending_in_trace.get(addr, 0) > 0:
+                    continue
+                known.append((addr, block["size"], state, None, block.get("requested_size", 0)))
+        ranges = []
+        for page in sorted(pages):
+            stream, small, pool = pages[page]
+            if ranges and ranges[-1][0] + ranges[-1][1] == page and ranges[-1][2] == stream \
+                    and (small is None or ranges[-1][3] is None or ranges[-1][3] == small):
+                last = ranges[-1]
+                last[1] += SMALL_BUFFER
+                last[3] = last[3] if last[3] is not None else small
+                last[4] = last[4] if last[4] is not None else pool
+            else:
+                ranges.append([page, SMALL_BUFFER, stream, small, pool])
+        # one reservation per stream, kind and pool: ranges further apart than its size are other reservations
+        groups: list[list] = []
+        for rng in ranges:
+            rng[3] = bool(rng[3])
+            for group in groups:
+                first = group[0]
+                if first[2] == rng[2] and first[3] == rng[3] and rng[0] - first[0] < self._virtual_size(
+                        SMALL_BUFFER if rng[3] else large_page, rng[0]) and (rng[4] is None or group_pool(group) in (None, rng[4])):
+                    group.append(rng)
+                    break
+            else:
+                groups.append([rng])
+        named = set()
+        for group in groups:  # checked before any pool is chosen, so that a refusal leaves no trace
+            pool, stream, small, base = group_pool(group), group[0][2], group[0][3], group[0][0]
+            page = SMALL_BUFFER if small else large_page
+            span = self._virtual_size(page, base)
+            if any((a - base) % page or n % page or a + n > base + span for a, n, *_ in group):
+                raise ValueError("ranges that one reservation cannot hold")
+            if pool is not None:
+                if (stream, small, pool) in named:
+                    raise ValueError("two reservations of one stream, kind and pool")
+                named.add((stream, small, pool))
+        out = []
+        used = {(stream, small, self._pool(pool).id) for stream, small, pool in named} if not self.layout else set()
+        for group in groups:
+            pool = group_pool(group)
+            stream, small = group[0][2], group[0][3]
+            base = group[0][0]
+            if pool is None or self.layout:
+                life = _Life(base, self._virtual_size(SMALL_BUFFER if small else large_page, base), stream, -1,
+                             expandable=True, pre_trace=True)
+                pool_id = self._pre_pool(life, taken={p for s_, k_, p in used if (s_, k_) == (stream, small)})
+                if pool is not None:  # (layout mode) what the snapshot says of it, as for any named segment
+                    self.known_pools[_identity(life)] = pool
+            else:
+                pool_id = self._pool(pool).id
+            used.add((stream, small, pool_id))
+            for address, size, _, _, _ in group:
+                inside = [k for k in known if address <= k[0] < address + size]
+                out.append({"address": address, "total_size": size, "stream": stream, "is_expandable": True,
+                            "segment_type": "small" if small else "large", "segment_pool_id": pool_id,
+                            "blocks": [{"size": b, "state": st, "requested_size": rq}
+                                       for b, st, rq, _ in self._layout(address, size, inside)]})
+        return out
+
+    def _layout(self, start: int, size: int, known) -> list[tuple]:
+        """(size, state, requested, guessed) tiling ``[start, start + size)``: the known blocks
+        (address, size or None when only the request is known, state, entry, requested), the rest free."""
+        end = start + size
+        layout, cursor = [], start
+        known = sorted(known, key=lambda b: b[0])
+        for n, (addr, bsize, state, _, requested) in enumerate(known):
             if addr < cursor or addr >= end:
                 continue
             limit = known[n + 1][0] if n + 1 < len(known) else end
-            guessed = size is None
-            size = min(round_size(max(requested, 1), self.sim.divisions) if guessed else size, limit - addr)
-            if size <= 0:
+            guessed = bsize is None
+            bsize = min(round_size(max(requested, 1), self.sim.divisions) if guessed else bsize, limit - addr)
+            if bsize <= 0:
                 continue
             if addr > cursor:
                 layout.append((addr - cursor, "inactive", 0, False))
-            layout.append((size, state, requested, guessed))
-            cursor = addr + size
+            layout.append((bsize, state, requested, guessed))
+            cursor = addr + bsize
         if cursor < end:
             layout.append((end - cursor, "inactive", 0, False))
         merged = []
@@ -1259,7 +1507,35 @@ class _Replayer:
                 merged.append(item)
         return merged
 
-    def _pre_pool(self, life: _Life) -> tuple[int, int]:
+    def _contradicting_pre_lives(self) -> list[_Life]:
+        """Segments from before the trace that overlap another one: the trace and its snapshot disagree
+        (a trace cut short, or a snapshot of another moment). Each overlap is a mismatch; the one the
+        trace does not release (it comes from the snapshot) is left out of the rebuilt state."""
+        lives = sorted((life for life in self.plan.pre if not life.expandable), key=lambda life: life.address)
+        dropped: list[_Life] = []
+        last = None
+        for life in lives:
+            if last is not None and life.address < last.address + last.size:
+                drop = life if life.end is None or last.end is not None else last
+                self.check(False, f"a segment {life.size} B at {life.address:#x} and a segment {last.size} B at "
+                                  f"{last.address:#x} both existed before the trace began: the trace and its "
+                                  f"snapshot disagree")
+                dropped.append(drop)
+                last = last if drop is life else life
+                continue
+            last = life
+        return dropped
+
+    def _pre_layout(self, life: _Life) -> list[tuple]:
+        """(size, state, requested, guessed) of the blocks of a segment from before the trace.
+
+        Blocks alive in the snapshot are exact; a block the trace frees (or completes) without
+        having allocated it gets its request's rounded size, a guess (it may have been handed
+        out whole). The rest of the segment is free.
+        """
+        return self._layout(life.address, life.size, self.plan.pre_blocks.get(id(life), ()))
+
+    def _pre_pool(self, life: _Life, taken: set | None = None) -> tuple[int, int]:
         """A segment from before the trace that the snapshot does not name: the default pool, else
         the pool inferred for it (from the allocations in it and the releases it took part in),
         else a pool of its own, skipping refuted choices. A segment one private pool's emptyCache
@@ -1274,8 +1550,11 @@ class _Replayer:
         order = (DEFAULT_POOL, self.assignment.get(_identity(life)))
         if _identity(life) in self.released_alone:
             order = order[::-1]
+        taken = taken or set()
         label = next((choice for choice in order
-                      if choice is not None and (key, choice) not in self.refuted), own)
+                      if choice is not None and (key, choice) not in self.refuted
+                      and (choice not in self.pools or self.pools[choice].id not in taken)
+                      and choice not in taken), own)
         pool = self._pool(label)
         self._decide(key, label)
         self.choice_keys[life.address] = (key, label)
@@ -1299,6 +1578,9 @@ class _Replayer:
             got = None if mine is None else _shape(mine)
             segment = self._segment_at(key[0])
             uncertain = self._is_uncertain(segment) or any(key[0] <= a < key[0] + key[1] for a in self.diverged_elsewhere)
+            if theirs is not None and theirs.get("is_expandable") and self.plan.mid_run and not self.expandable_rebuilt:
+                # expandable memory from before the trace is not rebuilt: a range with pages mapped then is a guess
+                uncertain = uncertain or self.plan.mapped_before(key[0], key[1])
             self.check(want == got, f"final snapshot segment {_fmt_seg(key)}: expected {want}, simulated {got}",
                        uncertain)
 
@@ -1308,6 +1590,24 @@ class _Replayer:
         if self.snapshot_pools is None:
             return True
         return _pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL)) in self.snapshot_pools
+
+
+def _reserved_before(entries: list[dict], final: list[dict]) -> list[int]:
+    """Device memory reserved before each entry (and after the last), walking back from the snapshot."""
+    reserved = [0] * (len(entries) + 1)
+    reserved[-1] = sum(segment["total_size"] for segment in final)
+    for i in range(len(entries) - 1, -1, -1):
+        action, size = entries[i].get("action"), entries[i].get("size", 0)
+        change = size if action in ("segment_alloc", "segment_map") else -size if action in _RELEASES else 0
+        reserved[i] = reserved[i + 1] - change
+    return reserved
+
+
+def _made_at(choice: tuple) -> int:
+    """When a (decision key, label) choice was made: its entry, or before the first one for the
+    pools of segments from before the trace (whose keys carry an address, not an entry)."""
+    key = choice[0]
+    return -1 if key[0] == "pre-trace segment" else key[1]
 
 
 def _releasable(segment) -> bool:

@@ -17,14 +17,24 @@ import subprocess
 import sys
 import tomllib
 from collections import Counter
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # The modules that hold rules, this record's share of [tool.mutmut] only_mutate (the capacity
 # planner's mutants are scored by scripts/mutation_score.py, make mutation-capacity).
-RULE_MODULES = ("graphborrow/arena.py", "graphborrow/runs.py", "graphborrow/snapshot.py", "graphborrow/borrow.py")
-RULE_MUTANTS = tuple(m[:-3].replace("/", ".") + ".*" for m in RULE_MODULES)
+RULE_MODULES = (
+    "graphborrow/arena.py", "graphborrow/runs.py", "graphborrow/snapshot.py", "graphborrow/borrow.py",
+    "graphborrow/sim/allocator.py",
+)
+# Of the simulated allocator only the statistics: Stat, StatArray, DeviceStats (x*Stat*, the class
+# names are capitalised, no other function's is), update_stat_array and restoring stats.
+STAT_MUTANTS = (
+    "graphborrow.sim.allocator.x*Stat*",
+    "graphborrow.sim.allocator.x_update_stat_array*",
+    "graphborrow.sim.allocator.x*_take_over_stats*",
+)
+RULE_MUTANTS = tuple(m[:-3].replace("/", ".") + ".*" for m in RULE_MODULES[:-1]) + STAT_MUTANTS
 
 # Survivors looked at and judged harmless: mutant name (fnmatch pattern) -> why.
 # A survivor not listed here (and not a wording-only change, see _only_wording) is one a
@@ -45,6 +55,10 @@ HARMLESS_PY: dict[str, str] = {
     "graphborrow.runs.x_summarize__mutmut_17": "passes the default policy explicitly or not: the same call",
     "graphborrow.arena.xǁBumpArenaǁraw_alloc__mutmut_*": "the unused stream argument's default",
     "graphborrow.arena.xǁBumpArenaǁraw_delete__mutmut_*": "the unused stream argument's default",
+    "graphborrow.runs.x__runs_of__mutmut_2[68]": (
+        "a hole that only touches a run (hole_end == a, or a + n == hole_start) then takes the cutting "
+        "branch, which keeps the same (a, n) whole: the same runs"
+    ),
     "graphborrow.arena.x__compiler__mutmut_*": (
         "the compiler's fallback names and sysconfig lookup: another compiler of the same kind "
         "is found or the same error raised; tested with a stubbed PATH"
@@ -111,12 +125,14 @@ def python_results() -> dict:
             harmless.append({**entry, "why_harmless": reason})
         else:
             survivors.append(entry)
-    by_module = Counter(name.split(".x")[0] for name in statuses)
+    by_module: dict[str, Counter] = {}
+    for name, status in statuses.items():
+        by_module.setdefault(name.split(".x")[0], Counter())[status] += 1
     killed = counts.get("killed", 0) + counts.get("caught by type check", 0) + counts.get("timeout", 0)
     scored = killed + counts.get("survived", 0) + counts.get("no tests", 0)
     return {
         "counts": dict(counts),
-        "mutants_by_module": dict(by_module),
+        "mutants_by_module": {module: dict(counts) for module, counts in sorted(by_module.items())},
         "score": round(killed / scored, 4) if scored else None,
         "score_counting_harmless_as_killed": round((killed + len(harmless)) / scored, 4) if scored else None,
         "survivors_to_kill": survivors,
@@ -148,26 +164,33 @@ def c_results(path: Path) -> dict | None:
     }
 
 
+def torch_version() -> str:
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--c-json", type=Path, default=REPO / "data" / "mutation_arena_c.json")
+    parser.add_argument("--ran", help="the command this record's mutants actually ran under, when it was not "
+                                      "the full `make mutation` (a sample: say which)")
     args = parser.parse_args()
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]
     record = {
         "tool": f"mutmut {version('mutmut')}",
-        "command": "make mutation  (mutmut run --max-children 2 " + " ".join(f"'{p}'" for p in RULE_MUTANTS)
+        "command": "make mutation  (GRAPHBORROW_SIM_PURE=1 mutmut run --max-children 2 " + " ".join(f"'{p}'" for p in RULE_MUTANTS)
                    + "; python scripts/mutate_arena_c.py; python scripts/mutation_report.py --out data/mutation.json)",
+        **({"ran": args.ran} if args.ran else {}),
+        "torch": torch_version(),
         "python_modules": [m for m in config["only_mutate"] if m in RULE_MODULES],
+        "python_mutants": list(RULE_MUTANTS),  # of sim/allocator.py only the statistics
         "tests": config["pytest_add_cli_args_test_selection"],
         "pytest_args": config["pytest_add_cli_args"],
         "python": python_results(),
         "c": c_results(args.c_json),
-        "to_add_later": {
-            "graphborrow/sim/allocator.py": "the statistics (StatCounters, _increase, memory_stats): add the file to only_mutate "
-                                            "and tests/test_sim_allocator.py to the selection; run with GRAPHBORROW_SIM_PURE=1 so "
-                                            "the mutated Python, not the compiled build, is what runs",
-        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")

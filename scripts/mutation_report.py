@@ -45,7 +45,10 @@ HARMLESS_PY: dict[str, str] = {
         "the file still appears by atomic rename and verified by digest; tests check the result, "
         "the build-cache tests run in subprocesses, where mutmut's test selection cannot see them"
     ),
-    "graphborrow.arena.x__remove_stale_temporaries__mutmut_*": "the age boundary (> or >=) of a one-hour sweep",
+    "graphborrow.arena.x__remove_stale_temporaries__mutmut_*": "the age boundary (> or >=, 3600 or 3601 s) of a one-hour sweep",
+    "graphborrow.arena.x_describe_free_error__mutmut_1": (
+        "the default of live_size, which only the size-mismatch message reads and every caller passes"
+    ),
     "graphborrow.arena.xǁBumpArenaǁset_extents__mutmut_2[78]": (
         "weakens the Python bound check on the end address; the C check refuses the same extent "
         "with the same message (tested by calling C directly)"

@@ -44,7 +44,7 @@ def test_disable_needs_a_reason_and_enable_restores(external):
         ([(0x1000, 0)], "positive address and size"),
         ([(0, 4096)], "positive address and size"),
         ([(0x1000 + 100, 4096)], "not 512-byte aligned"),
-        ([(0x10000, 8192), (0x11000, 8192)], "overlap"),
+        ([(0x10000, 8192), (0x11000, 8192)], r"static runs \[0x10000, 0x12000\) and \[0x11000, 0x13000\) overlap"),
     ],
 )
 def test_bad_static_runs_are_refused_and_lose_nothing(external, runs, fragment):
@@ -97,15 +97,42 @@ def test_can_fit_with_precarve_matches_the_pool_it_builds(external):
     assert state.can_fit(96 * MB)  # the cached seed is free again
 
 
+def test_can_fit_a_built_pool_asks_only_its_own_blocks_of_the_request_s_kind(external):
+    """Once built, the pool answers from its own cached blocks, small and large kept apart
+    (as the allocator keeps them), and from the arena's room; the allocator agrees."""
+    sim, buf = external
+    plain = torch.empty(64 * MB, dtype=torch.uint8, device="cuda")
+    del plain  # a 64 MiB cached block in the default pool: no borrow may count on it
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 20 * MB)])  # room for one 20 MiB segment, no precarve
+    with state.borrow("step"):
+        t = torch.empty(MB + 1, dtype=torch.uint8, device="cuda")  # the 20 MiB large segment
+        del t  # cached: one free 20 MiB large block, the arena full
+        assert state.can_fit(MB + 1) and state.can_fit(20 * MB)
+        assert not state.can_fit(20 * MB + 1)  # only the default pool has a block this large
+        assert not state.can_fit(512)  # small: needs a 2 MiB small segment, and no room is left
+        for nbytes in (20 * MB + 1, 512):
+            with pytest.raises(sim.OutOfMemoryError):
+                torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        u = torch.empty(20 * MB, dtype=torch.uint8, device="cuda")
+        del u
+
+
 def test_state_changes_are_refused_while_a_scope_holds_the_pool(external):
     sim, buf = external
     state = BorrowState(sim)
     state.set_static_runs([(buf.address, 64 * MB)])
     with state.borrow("step"):
-        for action in (lambda: state.retire(), lambda: state.disable("x"),
-                       lambda: state.set_static_runs([]), lambda: state.clear_static_runs()):
-            with pytest.raises(PoolBusyError, match="held by 'step'"):
+        for action, words in ((lambda: state.retire(), "retire the borrow pool"),
+                              (lambda: state.disable("x"), "disable borrowing"),
+                              (lambda: state.set_static_runs([]), "replace the static runs"),
+                              (lambda: state.clear_static_runs(), "clear the static runs")):
+            with pytest.raises(PoolBusyError) as refused:
                 action()
+            assert str(refused.value) == (
+                f"cannot {words} while the graph pool is held by 'step'; leave that scope first"
+            )
+            assert state.holder == "step" and state.enabled and state.static_runs == [(buf.address, 64 * MB)]
     assert state.holder is None and state.enabled
 
 

@@ -56,6 +56,31 @@ def test_bad_static_runs_are_refused_and_lose_nothing(external, runs, fragment):
     assert state.static_runs == [(buf.address, 64 * MB)]
 
 
+def test_static_runs_may_cover_cached_free_blocks_but_no_live_block_behind_them(sim):
+    """Only live blocks are checked: a free (inactive) block is what a run is made of, and
+    one before a live block in the same segment must not hide the live one."""
+    kib = 1024
+    a = torch.empty(512 * kib, dtype=torch.uint8, device="cuda")
+    b = torch.empty(512 * kib, dtype=torch.uint8, device="cuda")
+    a_ptr, b_ptr = sim.data_ptr(a), sim.data_ptr(b)
+    assert b_ptr == a_ptr + 512 * kib  # one small segment: [a][b][rest]
+    del a  # [free][b live][rest free]
+    state = BorrowState(sim)
+    with pytest.raises(ValueError) as refused:
+        state.set_static_runs([(b_ptr, 512 * kib)])
+    assert str(refused.value) == (
+        f"static run [{b_ptr:#x}, {b_ptr + 512 * kib:#x}) overlaps a live tensor's block "
+        f"[{b_ptr:#x}, {b_ptr + 512 * kib:#x}) of the caching allocator; static runs are for "
+        "storage the allocator does not manage (e.g. backend.external_alloc)"
+    )
+    assert state.static_runs is None
+    state.set_static_runs([(a_ptr, 512 * kib)])  # the cached free block where a was: ends where b starts
+    assert state.free_runs() == [(a_ptr, 512 * kib)]
+    state.set_static_runs([(b_ptr + 512 * kib, 512 * kib)])  # free, starts where b ends
+    assert state.free_runs() == [(b_ptr + 512 * kib, 512 * kib)]
+    del b
+
+
 def test_static_runs_are_sorted_largest_first_and_capped(external):
     sim, buf = external
     state = BorrowState(sim)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from graphborrow.borrow import BorrowState
-from graphborrow.errors import PoolBusyError
+from graphborrow.errors import ArenaIntegrityError, PoolBusyError
 from graphborrow.sizes import MB
 
 
@@ -191,8 +191,25 @@ def test_stats_report_the_pool_and_arena(external):
     assert inside["holder"] == "stats" and inside["pool_built"] and inside["builds"] == 1
     assert inside["cursor_bytes"] > 0 and inside["high_water"] == inside["cursor_bytes"]
     state.disable("stats test")
-    assert state.stats()["enabled"] is False and state.stats()["disabled_reason"] == "stats test"
-    assert state.stats()["runs"] == 0 and state.stats()["high_water"] == inside["cursor_bytes"]
+    after = state.stats()
+    assert {k: v for k, v in after.items() if k not in ("cursor_bytes", "freed_bytes")} == {
+        "enabled": False, "disabled_reason": "stats test", "holder": None, "runs": 0,
+        "run_bytes": 0, "largest_run": 0, "pool_built": False, "builds": 1,
+        "arena_errors": 0, "high_water": inside["cursor_bytes"],
+    }
+
+
+def test_stats_count_the_frees_the_arena_refused_and_retirement_reports_them(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow("step"):
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    state.arena.raw_delete(buf.address + 200 * MB, 4096)  # never handed out: refused and counted
+    assert state.stats()["arena_errors"] == 1
+    with pytest.raises(ArenaIntegrityError, match=r"at borrow-pool retirement: the borrow pool's arena refused 1 free\(s\)"):
+        state.retire()
 
 
 def test_clearing_static_runs_goes_back_to_the_pool_and_is_refused_while_held(external):

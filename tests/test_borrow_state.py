@@ -210,6 +210,11 @@ def test_stats_count_the_frees_the_arena_refused_and_retirement_reports_them(ext
     assert state.stats()["arena_errors"] == 1
     with pytest.raises(ArenaIntegrityError, match=r"at borrow-pool retirement: the borrow pool's arena refused 1 free\(s\)"):
         state.retire()
+    assert state.mem_pool is None  # retired all the same; the refusal is reported once, not again
+    with state.borrow("next"):
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    assert state.retire().built and state.stats()["arena_errors"] == 1  # the same arena, counted once
 
 
 def test_clearing_static_runs_goes_back_to_the_pool_and_is_refused_while_held(external):

@@ -100,15 +100,22 @@ HARMLESS_C: dict[str, str] = {
 
 def _only_wording(diff: list[str]) -> bool:
     """A mutant that changes nothing but the text of a message (mutmut's XX..XX wrapping or
-    a change of case): the tests check the words that matter, not every letter."""
+    a change of case): the tests check the words that matter, not every letter.
+
+    Only prose counts: the changed text must hold a space, and the line must not compare or
+    look up by it (``"inactive"`` in ``state == "inactive"`` is a value, not wording)."""
     removed = [ln[1:] for ln in diff if ln.startswith("-")]
     added = [ln[1:] for ln in diff if ln.startswith("+")]
     if len(removed) != 1 or len(added) != 1:
         return False
     before, after = removed[0], added[0]
-    return "XX" in after and after.replace("XX", "") == before or (
-        after != before and after.lower() == before.lower() and '"' in before
-    )
+    wrapped = "XX" in after and after.replace("XX", "") == before
+    recased = after != before and after.lower() == before.lower() and '"' in before
+    if not (wrapped or recased):
+        return False
+    at = after.index("XX") if wrapped else next(i for i, (x, y) in enumerate(zip(after, before)) if x != y)
+    literal = before[before.rfind('"', 0, at) + 1:before.find('"', at)]  # the string the change is in
+    return " " in literal and not any(op in before for op in ("==", "!=", ".get(", "[\"", " in ("))
 
 
 def mutmut(*args: str) -> str:

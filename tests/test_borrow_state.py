@@ -143,6 +143,19 @@ def test_can_fit_a_built_pool_asks_only_its_own_blocks_of_the_request_s_kind(ext
         del u
 
 
+def test_can_fit_a_small_request_from_a_cached_small_block_when_the_arena_is_full(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 2 * MB)])  # room for one 2 MiB small segment
+    with state.borrow("step"):
+        t = torch.empty(512, dtype=torch.uint8, device="cuda")  # the small segment fills the arena
+        assert state.can_fit(MB) and not state.can_fit(MB + 1)  # large: no room for a 20 MiB segment
+        u = torch.empty(MB, dtype=torch.uint8, device="cuda")  # the allocator agrees
+        with pytest.raises(sim.OutOfMemoryError):
+            torch.empty(MB + 1, dtype=torch.uint8, device="cuda")
+        del t, u
+
+
 def test_state_changes_are_refused_while_a_scope_holds_the_pool(external):
     sim, buf = external
     state = BorrowState(sim)

@@ -63,6 +63,13 @@ HARMLESS_PY: dict[str, str] = {
         "branch, which keeps the same (a, n) whole: the same runs"
     ),
     "graphborrow.borrow.xǁBorrowStateǁstats__mutmut_3": "free_runs() of a disabled state is [] already",
+    "graphborrow.sim.allocator.x_update_stat_array__mutmut_5": (
+        "amount >= 1 instead of >= 0: an amount of 0 then goes through decrease(0) instead of "
+        "increase(0), and both leave current, peak, allocated and freed as they were"
+    ),
+    "graphborrow.sim.allocator.xǁStatǁincrease__mutmut_5": (
+        "current >= peak instead of >: when they are equal, peak = current assigns the value it has"
+    ),
     "graphborrow.arena.x__compiler__mutmut_*": (
         "the compiler's fallback names and sysconfig lookup: another compiler of the same kind "
         "is found or the same error raised; tested with a stubbed PATH"

@@ -70,6 +70,17 @@ HARMLESS_PY: dict[str, str] = {
     "graphborrow.sim.allocator.xǁStatǁincrease__mutmut_5": (
         "current >= peak instead of >: when they are equal, peak = current assigns the value it has"
     ),
+    "graphborrow.borrow.xǁBorrowStateǁ_raise_on_live_borrows__mutmut_5": (
+        "check_pending = None instead of False: it is only ever tested for truth"
+    ),
+    "graphborrow.arena.xǁBumpArenaǁ_free__mutmut_19": (
+        "nbytes > 2**63 instead of >=: 2**63 itself then reaches the int64 argument, which ctypes "
+        "wraps to -2**63, a negative size refused and counted like the -1 it would have been"
+    ),
+    "graphborrow.arena.xǁBumpArenaǁ_free__mutmut_25": (
+        "-2 instead of -1 for an oversized free: the C side refuses every negative size alike "
+        "(GB_FREE_NEGATIVE) and the message quotes the caller's size"
+    ),
     "graphborrow.arena.x__compiler__mutmut_*": (
         "the compiler's fallback names and sysconfig lookup: another compiler of the same kind "
         "is found or the same error raised; tested with a stubbed PATH"

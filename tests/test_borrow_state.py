@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import Ladder
 
 from graphborrow.borrow import BorrowState
 from graphborrow.errors import ArenaIntegrityError, PoolBusyError
@@ -240,3 +241,22 @@ def test_clearing_static_runs_goes_back_to_the_pool_and_is_refused_while_held(ex
     assert state.static_runs == [(buf.address, 64 * MB)] and state.mem_pool is not None
     state.clear_static_runs()
     assert state.static_runs is None and state.mem_pool is None and not state.enabled
+
+
+def test_runs_come_only_from_the_state_s_pool_whatever_the_snapshot_holds(sim, monkeypatch):
+    """A pool's snapshot is filtered again by ``segment_pool_id``: a backend that answers
+    with every pool's segments still yields only this pool's runs, and segments that carry
+    no pool id (a hand-made snapshot) are taken as the pool's."""
+    state = BorrowState(sim, pool_id=sim.graph_pool_handle())
+    Ladder(sim, state, sizes_mib=(24, 12))
+    own = state.free_runs()
+    plain = torch.empty(8 * MB, dtype=torch.uint8, device="cuda")
+    del plain  # a free 20 MiB segment of the default pool: never a run
+    assert own and any(tuple(s["segment_pool_id"]) != tuple(state.pool_id) for s in sim.memory_snapshot())
+    every = sim.allocator.snapshot(None)
+    monkeypatch.setattr(sim, "memory_snapshot", lambda pool_id=None: every)
+    assert BorrowState(sim, pool_id=state.pool_id).free_runs() == own
+    unlabelled = [{k: v for k, v in s.items() if k != "segment_pool_id"}
+                  for s in sim.allocator.snapshot(tuple(state.pool_id))]
+    monkeypatch.setattr(sim, "memory_snapshot", lambda pool_id=None: unlabelled)
+    assert BorrowState(sim, pool_id=state.pool_id).free_runs() == own

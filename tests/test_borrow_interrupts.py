@@ -345,22 +345,36 @@ def test_a_scope_dropped_before_its_exit_ran_is_left_when_collected(sim):
         graphs[0].replay()
 
 
-def test_a_dead_holder_whose_finalizer_was_cut_short_is_reclaimed_by_the_next_claimant(sim):
-    state = BorrowState(sim, pool_id=sim.graph_pool_handle())
-    graphs, keep = capture_ladder(sim, state)
+def abandon_with_its_finalizer_cut_short(state):
+    """Enter a borrow scope by hand and drop it without its __del__ running, as if interrupted."""
     scope = state.borrow("abandoned")
     scope.__enter__()
-    type(scope).__del__, saved = (lambda self: None), type(scope).__del__  # as if interrupted
+    type(scope).__del__, saved = (lambda self: None), type(scope).__del__
     try:
         del scope
         gc.collect()
     finally:
         type(state.borrow("x")).__del__ = saved
     assert state.holder == "abandoned"  # nobody left it yet
+
+
+def test_a_dead_holder_whose_finalizer_was_cut_short_is_reclaimed_by_the_next_claimant(sim):
+    state = BorrowState(sim, pool_id=sim.graph_pool_handle())
+    graphs, keep = capture_ladder(sim, state)
+    abandon_with_its_finalizer_cut_short(state)
     with state.borrow("next"):  # the holder is gone: reclaimed, routing stopped first
         assert state.holder == "next"
         assert len(sim.allocator.captures_underway) == 1
     assert state.holder is None and sim.allocator.captures_underway == []
+
+
+def test_a_dead_holder_is_reclaimed_by_a_state_change_too(sim):
+    state = BorrowState(sim, pool_id=sim.graph_pool_handle())
+    graphs, keep = capture_ladder(sim, state)
+    abandon_with_its_finalizer_cut_short(state)
+    report = state.retire()  # the holder is gone: reclaimed, not refused as busy
+    assert report.built and state.holder is None and state.mem_pool is None
+    assert sim.allocator.captures_underway == []
 
 
 def test_a_live_holder_is_never_reclaimed(sim):

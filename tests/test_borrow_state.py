@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import Ladder
 
-from graphborrow.borrow import BorrowState
+from graphborrow.borrow import BorrowState, precarve_bytes
 from graphborrow.errors import ArenaIntegrityError, PoolBusyError
 from graphborrow.sizes import MB
 
@@ -260,3 +260,10 @@ def test_runs_come_only_from_the_state_s_pool_whatever_the_snapshot_holds(sim, m
                   for s in sim.allocator.snapshot(tuple(state.pool_id))]
     monkeypatch.setattr(sim, "memory_snapshot", lambda pool_id=None: unlabelled)
     assert BorrowState(sim, pool_id=state.pool_id).free_runs() == own
+
+
+def test_the_precarved_seed_is_the_run_less_the_reserve_in_2_mib_steps_from_the_minimum_up():
+    assert precarve_bytes(96 * MB) == 64 * MB  # exactly the 64 MiB minimum: precarved
+    assert precarve_bytes(96 * MB - 1) == 0  # 62 MiB once rounded down: none
+    assert precarve_bytes(129 * MB) == 96 * MB
+    assert precarve_bytes(40 * MB, reserve=8 * MB, minimum=32 * MB) == 32 * MB

@@ -267,3 +267,20 @@ def test_the_precarved_seed_is_the_run_less_the_reserve_in_2_mib_steps_from_the_
     assert precarve_bytes(96 * MB - 1) == 0  # 62 MiB once rounded down: none
     assert precarve_bytes(129 * MB) == 96 * MB
     assert precarve_bytes(40 * MB, reserve=8 * MB, minimum=32 * MB) == 32 * MB
+
+
+def test_a_refused_free_is_reported_at_the_start_of_the_next_borrow_which_then_did_not_happen(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow():  # the default name
+        assert state.holder == "borrow"
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    state.arena.raw_delete(buf.address + 200 * MB, 4096)  # never handed out: refused and counted
+    with pytest.raises(ArenaIntegrityError, match=r"^at the start of 'verify': the borrow pool's arena refused 1 free"):
+        with state.borrow("verify"):
+            pass
+    assert state.holder is None and sim.allocator.captures_underway == []
+    with state.borrow("verify"):  # reported once: the next one goes ahead
+        assert state.holder == "verify"

@@ -81,6 +81,14 @@ HARMLESS_PY: dict[str, str] = {
         "-2 instead of -1 for an oversized free: the C side refuses every negative size alike "
         "(GB_FREE_NEGATIVE) and the message quotes the caller's size"
     ),
+    "graphborrow.borrow.xǁBorrowStateǁ_take_slot__mutmut_11": (
+        "the weak reference is always made: the one caller always passes its scope, so the None branch never runs"
+    ),
+    "graphborrow.borrow.xǁBorrowStateǁ_leave__mutmut_[35]": (
+        "routing.__exit__ with two arguments instead of three: the routing the scope gets on torch >= 2.8 "
+        "(graphborrow.backend._PoolRouting, the simulator's) takes *exc; only the fallback for a torch "
+        "without the allocator's routing hooks, use_mem_pool's generator, would need all three"
+    ),
     "graphborrow.arena.x__compiler__mutmut_*": (
         "the compiler's fallback names and sysconfig lookup: another compiler of the same kind "
         "is found or the same error raised; tested with a stubbed PATH"

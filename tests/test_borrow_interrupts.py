@@ -112,6 +112,27 @@ def settle():
             count = 1
 
 
+class OneInterruptPerStep:
+    """The SIGALRM handler of the storms: KeyboardInterrupt at most once per step, and only
+    while the step is armed, so it is raised inside the step's ``try``.
+
+    The handler disarms itself as it raises. A signal that lands once the step is over (the
+    timer firing as it is stopped, or one a critical section carried past the scope's entry
+    and its helper thread posted later) is counted in ``late`` instead of raised, where it
+    would escape the loop. Counting it is right: the interrupt did land in that step.
+    """
+
+    def __init__(self):
+        self.armed = False
+        self.late = 0
+
+    def __call__(self, signum, frame):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        self.late += 1
+
+
 def disarm():
     """Stop the timer; a signal it sent just before is raised here (counted as an interrupt)."""
     try:
@@ -183,17 +204,7 @@ def test_random_timer_interrupts_leave_the_state_usable(device, seed):
     state = BorrowState(backend, pool_id=backend.graph_pool_handle())
     graphs, keep = capture_ladder(backend, state)
 
-    # One KeyboardInterrupt per step at the most, raised inside the step's try: the handler
-    # disarms itself as it raises, and a signal landing once the step is over (one the gate
-    # carried, posted by its helper thread) is counted instead of escaping the loop.
-    armed, late = [False], [0]
-
-    def alarm(signum, frame):
-        if armed[0]:
-            armed[0] = False
-            raise KeyboardInterrupt
-        late[0] += 1
-
+    alarm = OneInterruptPerStep()
     previous = signal.signal(signal.SIGALRM, alarm)
     try:
         step(backend, state, graphs, rng)  # warm: pool built, workspaces made
@@ -208,21 +219,21 @@ def test_random_timer_interrupts_leave_the_state_usable(device, seed):
         iterations = 120 * deep_factor()
         for _ in range(iterations):
             duration = sorted(durations[-9:])[len(durations[-9:]) // 2]  # this machine's pace, now
-            late_before = late[0]
+            late_before = alarm.late
             try:
-                armed[0] = True
+                alarm.armed = True
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 1.5 * duration))
                 start = time.perf_counter()
                 step(backend, state, graphs, rng)
                 durations.append(time.perf_counter() - start)
                 time.sleep(0)  # a last chance for the timer inside this iteration
-                armed[0] = False
+                alarm.armed = False
             except KeyboardInterrupt:
                 interrupted += 1
             finally:
                 interrupted += disarm()
             interrupted += settle()
-            interrupted += late[0] > late_before  # carried past the step's end: an interrupt all the same
+            interrupted += alarm.late > late_before  # carried past the step's end: an interrupt all the same
             check_usable(backend, state, graphs, baseline, alarm)
         state.retire()
         assert interrupted >= iterations // 5, f"only {interrupted} of {iterations} steps were interrupted"
@@ -290,9 +301,7 @@ def test_interrupts_at_random_instructions_leave_the_state_usable(device):
     state = BorrowState(backend, pool_id=backend.graph_pool_handle())
     graphs, keep = capture_ladder(backend, state)
 
-    def alarm(signum, frame):
-        raise KeyboardInterrupt
-
+    alarm = OneInterruptPerStep()
     previous = signal.signal(signal.SIGALRM, alarm)
     injector = Injector()
     try:
@@ -303,11 +312,15 @@ def test_interrupts_at_random_instructions_leave_the_state_usable(device):
         deferred0 = interrupts.gate_stats()["deferred"]
         interrupted = 0
         for _ in range(40 * deep_factor()):
+            late_before = alarm.late
             try:
+                alarm.armed = True
                 injector.run(lambda: step(backend, state, graphs, rng), rng.randrange(1, length))
+                alarm.armed = False
             except KeyboardInterrupt:
                 interrupted += 1
             interrupted += settle()
+            interrupted += alarm.late > late_before  # carried past the step's end: an interrupt all the same
             check_usable(backend, state, graphs, baseline, alarm)
         assert interrupted >= 20
         assert interrupts.gate_stats()["deferred"] - deferred0 >= 3, "too few landed in critical sections"
@@ -332,22 +345,36 @@ def test_a_scope_dropped_before_its_exit_ran_is_left_when_collected(sim):
         graphs[0].replay()
 
 
-def test_a_dead_holder_whose_finalizer_was_cut_short_is_reclaimed_by_the_next_claimant(sim):
-    state = BorrowState(sim, pool_id=sim.graph_pool_handle())
-    graphs, keep = capture_ladder(sim, state)
+def abandon_with_its_finalizer_cut_short(state):
+    """Enter a borrow scope by hand and drop it without its __del__ running, as if interrupted."""
     scope = state.borrow("abandoned")
     scope.__enter__()
-    type(scope).__del__, saved = (lambda self: None), type(scope).__del__  # as if interrupted
+    type(scope).__del__, saved = (lambda self: None), type(scope).__del__
     try:
         del scope
         gc.collect()
     finally:
         type(state.borrow("x")).__del__ = saved
     assert state.holder == "abandoned"  # nobody left it yet
+
+
+def test_a_dead_holder_whose_finalizer_was_cut_short_is_reclaimed_by_the_next_claimant(sim):
+    state = BorrowState(sim, pool_id=sim.graph_pool_handle())
+    graphs, keep = capture_ladder(sim, state)
+    abandon_with_its_finalizer_cut_short(state)
     with state.borrow("next"):  # the holder is gone: reclaimed, routing stopped first
         assert state.holder == "next"
         assert len(sim.allocator.captures_underway) == 1
     assert state.holder is None and sim.allocator.captures_underway == []
+
+
+def test_a_dead_holder_is_reclaimed_by_a_state_change_too(sim):
+    state = BorrowState(sim, pool_id=sim.graph_pool_handle())
+    graphs, keep = capture_ladder(sim, state)
+    abandon_with_its_finalizer_cut_short(state)
+    report = state.retire()  # the holder is gone: reclaimed, not refused as busy
+    assert report.built and state.holder is None and state.mem_pool is None
+    assert sim.allocator.captures_underway == []
 
 
 def test_a_live_holder_is_never_reclaimed(sim):
@@ -433,9 +460,7 @@ def test_timer_interrupts_leave_the_state_usable_on_either_device(ladder, droppe
         if rng.random() < 0.25:  # replays of the ladder's big graphs are slow on the simulator
             ladder.replay(rng.randrange(len(ladder.graphs)))
 
-    def alarm(signum, frame):
-        raise KeyboardInterrupt
-
+    alarm = OneInterruptPerStep()
     previous = signal.signal(signal.SIGALRM, alarm)
     try:
         one_step()
@@ -449,15 +474,19 @@ def test_timer_interrupts_leave_the_state_usable_on_either_device(ladder, droppe
             durations.append(time.perf_counter() - start)
         interrupted = 0
         for i in range(40 * deep_factor()):
+            late_before = alarm.late
             try:
+                alarm.armed = True
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 1.5 * sorted(durations)[len(durations) // 2]))
                 one_step()
                 time.sleep(0)
+                alarm.armed = False
             except KeyboardInterrupt:
                 interrupted += 1
             finally:
                 interrupted += disarm()
             interrupted += settle()
+            interrupted += alarm.late > late_before  # carried past the step's end: an interrupt all the same
             assert state.holder is None
             probe = torch.empty(4096, dtype=torch.uint8, device=backend.device)
             address = backend.data_ptr(probe)

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from conftest import Ladder
 
-from graphborrow.borrow import BorrowState
-from graphborrow.errors import PoolBusyError
+from graphborrow.borrow import BorrowState, precarve_bytes
+from graphborrow.errors import ArenaIntegrityError, PoolBusyError
 from graphborrow.sizes import MB
 
 
@@ -44,7 +45,7 @@ def test_disable_needs_a_reason_and_enable_restores(external):
         ([(0x1000, 0)], "positive address and size"),
         ([(0, 4096)], "positive address and size"),
         ([(0x1000 + 100, 4096)], "not 512-byte aligned"),
-        ([(0x10000, 8192), (0x11000, 8192)], "overlap"),
+        ([(0x10000, 8192), (0x11000, 8192)], r"static runs \[0x10000, 0x12000\) and \[0x11000, 0x13000\) overlap"),
     ],
 )
 def test_bad_static_runs_are_refused_and_lose_nothing(external, runs, fragment):
@@ -54,6 +55,31 @@ def test_bad_static_runs_are_refused_and_lose_nothing(external, runs, fragment):
     with pytest.raises(ValueError, match=fragment):
         state.set_static_runs(runs)
     assert state.static_runs == [(buf.address, 64 * MB)]
+
+
+def test_static_runs_may_cover_cached_free_blocks_but_no_live_block_behind_them(sim):
+    """Only live blocks are checked: a free (inactive) block is what a run is made of, and
+    one before a live block in the same segment must not hide the live one."""
+    kib = 1024
+    a = torch.empty(512 * kib, dtype=torch.uint8, device="cuda")
+    b = torch.empty(512 * kib, dtype=torch.uint8, device="cuda")
+    a_ptr, b_ptr = sim.data_ptr(a), sim.data_ptr(b)
+    assert b_ptr == a_ptr + 512 * kib  # one small segment: [a][b][rest]
+    del a  # [free][b live][rest free]
+    state = BorrowState(sim)
+    with pytest.raises(ValueError) as refused:
+        state.set_static_runs([(b_ptr, 512 * kib)])
+    assert str(refused.value) == (
+        f"static run [{b_ptr:#x}, {b_ptr + 512 * kib:#x}) overlaps a live tensor's block "
+        f"[{b_ptr:#x}, {b_ptr + 512 * kib:#x}) of the caching allocator; static runs are for "
+        "storage the allocator does not manage (e.g. backend.external_alloc)"
+    )
+    assert state.static_runs is None
+    state.set_static_runs([(a_ptr, 512 * kib)])  # the cached free block where a was: ends where b starts
+    assert state.free_runs() == [(a_ptr, 512 * kib)]
+    state.set_static_runs([(b_ptr + 512 * kib, 512 * kib)])  # free, starts where b ends
+    assert state.free_runs() == [(b_ptr + 512 * kib, 512 * kib)]
+    del b
 
 
 def test_static_runs_are_sorted_largest_first_and_capped(external):
@@ -97,15 +123,55 @@ def test_can_fit_with_precarve_matches_the_pool_it_builds(external):
     assert state.can_fit(96 * MB)  # the cached seed is free again
 
 
+def test_can_fit_a_built_pool_asks_only_its_own_blocks_of_the_request_s_kind(external):
+    """Once built, the pool answers from its own cached blocks, small and large kept apart
+    (as the allocator keeps them), and from the arena's room; the allocator agrees."""
+    sim, buf = external
+    plain = torch.empty(64 * MB, dtype=torch.uint8, device="cuda")
+    del plain  # a 64 MiB cached block in the default pool: no borrow may count on it
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 20 * MB)])  # room for one 20 MiB segment, no precarve
+    with state.borrow("step"):
+        t = torch.empty(MB + 1, dtype=torch.uint8, device="cuda")  # the 20 MiB large segment
+        del t  # cached: one free 20 MiB large block, the arena full
+        assert state.can_fit(MB + 1) and state.can_fit(20 * MB)
+        assert not state.can_fit(20 * MB + 1)  # only the default pool has a block this large
+        assert not state.can_fit(512)  # small: needs a 2 MiB small segment, and no room is left
+        for nbytes in (20 * MB + 1, 512):
+            with pytest.raises(sim.OutOfMemoryError):
+                torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        u = torch.empty(20 * MB, dtype=torch.uint8, device="cuda")
+        del u
+
+
+def test_can_fit_a_small_request_from_a_cached_small_block_when_the_arena_is_full(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 2 * MB)])  # room for one 2 MiB small segment
+    with state.borrow("step"):
+        t = torch.empty(512, dtype=torch.uint8, device="cuda")  # the small segment fills the arena
+        assert state.can_fit(MB) and not state.can_fit(MB + 1)  # large: no room for a 20 MiB segment
+        u = torch.empty(MB, dtype=torch.uint8, device="cuda")  # the allocator agrees
+        with pytest.raises(sim.OutOfMemoryError):
+            torch.empty(MB + 1, dtype=torch.uint8, device="cuda")
+        del t, u
+
+
 def test_state_changes_are_refused_while_a_scope_holds_the_pool(external):
     sim, buf = external
     state = BorrowState(sim)
     state.set_static_runs([(buf.address, 64 * MB)])
     with state.borrow("step"):
-        for action in (lambda: state.retire(), lambda: state.disable("x"),
-                       lambda: state.set_static_runs([]), lambda: state.clear_static_runs()):
-            with pytest.raises(PoolBusyError, match="held by 'step'"):
+        for action, words in ((lambda: state.retire(), "retire the borrow pool"),
+                              (lambda: state.disable("x"), "disable borrowing"),
+                              (lambda: state.set_static_runs([]), "replace the static runs"),
+                              (lambda: state.clear_static_runs(), "clear the static runs")):
+            with pytest.raises(PoolBusyError) as refused:
                 action()
+            assert str(refused.value) == (
+                f"cannot {words} while the graph pool is held by 'step'; leave that scope first"
+            )
+            assert state.holder == "step" and state.enabled and state.static_runs == [(buf.address, 64 * MB)]
     assert state.holder is None and state.enabled
 
 
@@ -139,8 +205,30 @@ def test_stats_report_the_pool_and_arena(external):
     assert inside["holder"] == "stats" and inside["pool_built"] and inside["builds"] == 1
     assert inside["cursor_bytes"] > 0 and inside["high_water"] == inside["cursor_bytes"]
     state.disable("stats test")
-    assert state.stats()["enabled"] is False and state.stats()["disabled_reason"] == "stats test"
-    assert state.stats()["runs"] == 0 and state.stats()["high_water"] == inside["cursor_bytes"]
+    after = state.stats()
+    assert {k: v for k, v in after.items() if k not in ("cursor_bytes", "freed_bytes")} == {
+        "enabled": False, "disabled_reason": "stats test", "holder": None, "runs": 0,
+        "run_bytes": 0, "largest_run": 0, "pool_built": False, "builds": 1,
+        "arena_errors": 0, "high_water": inside["cursor_bytes"],
+    }
+
+
+def test_stats_count_the_frees_the_arena_refused_and_retirement_reports_them(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow("step"):
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    state.arena.raw_delete(buf.address + 200 * MB, 4096)  # never handed out: refused and counted
+    assert state.stats()["arena_errors"] == 1
+    with pytest.raises(ArenaIntegrityError, match=r"at borrow-pool retirement: the borrow pool's arena refused 1 free\(s\)"):
+        state.retire()
+    assert state.mem_pool is None  # retired all the same; the refusal is reported once, not again
+    with state.borrow("next"):
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    assert state.retire().built and state.stats()["arena_errors"] == 1  # the same arena, counted once
 
 
 def test_clearing_static_runs_goes_back_to_the_pool_and_is_refused_while_held(external):
@@ -153,3 +241,46 @@ def test_clearing_static_runs_goes_back_to_the_pool_and_is_refused_while_held(ex
     assert state.static_runs == [(buf.address, 64 * MB)] and state.mem_pool is not None
     state.clear_static_runs()
     assert state.static_runs is None and state.mem_pool is None and not state.enabled
+
+
+def test_runs_come_only_from_the_state_s_pool_whatever_the_snapshot_holds(sim, monkeypatch):
+    """A pool's snapshot is filtered again by ``segment_pool_id``: a backend that answers
+    with every pool's segments still yields only this pool's runs, and segments that carry
+    no pool id (a hand-made snapshot) are taken as the pool's."""
+    state = BorrowState(sim, pool_id=sim.graph_pool_handle())
+    Ladder(sim, state, sizes_mib=(24, 12))
+    own = state.free_runs()
+    plain = torch.empty(8 * MB, dtype=torch.uint8, device="cuda")
+    del plain  # a free 20 MiB segment of the default pool: never a run
+    assert own and any(tuple(s["segment_pool_id"]) != tuple(state.pool_id) for s in sim.memory_snapshot())
+    every = sim.allocator.snapshot(None)
+    monkeypatch.setattr(sim, "memory_snapshot", lambda pool_id=None: every)
+    assert BorrowState(sim, pool_id=state.pool_id).free_runs() == own
+    unlabelled = [{k: v for k, v in s.items() if k != "segment_pool_id"}
+                  for s in sim.allocator.snapshot(tuple(state.pool_id))]
+    monkeypatch.setattr(sim, "memory_snapshot", lambda pool_id=None: unlabelled)
+    assert BorrowState(sim, pool_id=state.pool_id).free_runs() == own
+
+
+def test_the_precarved_seed_is_the_run_less_the_reserve_in_2_mib_steps_from_the_minimum_up():
+    assert precarve_bytes(96 * MB) == 64 * MB  # exactly the 64 MiB minimum: precarved
+    assert precarve_bytes(96 * MB - 1) == 0  # 62 MiB once rounded down: none
+    assert precarve_bytes(129 * MB) == 96 * MB
+    assert precarve_bytes(40 * MB, reserve=8 * MB, minimum=32 * MB) == 32 * MB
+
+
+def test_a_refused_free_is_reported_at_the_start_of_the_next_borrow_which_then_did_not_happen(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow():  # the default name
+        assert state.holder == "borrow"
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    state.arena.raw_delete(buf.address + 200 * MB, 4096)  # never handed out: refused and counted
+    with pytest.raises(ArenaIntegrityError, match=r"^at the start of 'verify': the borrow pool's arena refused 1 free"):
+        with state.borrow("verify"):
+            pass
+    assert state.holder is None and sim.allocator.captures_underway == []
+    with state.borrow("verify"):  # reported once: the next one goes ahead
+        assert state.holder == "verify"

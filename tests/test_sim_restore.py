@@ -239,3 +239,22 @@ def test_stats_that_do_not_match_the_segments_are_refused():
         fresh().restore(source.snapshot(), stats=stats)
     with pytest.raises(RuntimeError, match="empty allocator"):
         source.restore(source.snapshot())
+
+
+def test_stats_missing_some_keys_take_over_the_rest_and_keep_the_recount_for_those():
+    """A memory_stats() dict from a torch that lacks some keys (requested_bytes came later):
+    the keys present are taken over, the missing ones keep what restoring counted."""
+    source = fresh()
+    keep = source.malloc(5000, 0)
+    source.free(source.malloc(3 * MiB, 0))
+    stats = {k: v for k, v in source.memory_stats().items() if not k.startswith("requested_bytes.")}
+    copy_alloc = fresh()
+    copy_alloc.restore(source.snapshot(), stats=stats)
+    restored = copy_alloc.memory_stats()
+    recount = fresh()
+    recount.restore(source.snapshot())
+    for key, value in recount.memory_stats().items():
+        assert restored[key] == stats.get(key, value), key
+    assert restored["allocated_bytes.all.peak"] == 5120 + 3 * MiB  # taken over, not the restored peak
+    assert restored["requested_bytes.all.current"] == restored["requested_bytes.all.peak"] == 5000
+    del keep

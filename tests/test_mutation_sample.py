@@ -1,0 +1,45 @@
+"""The deterministic sample a time-boxed mutation run names (scripts/mutation_sample.py)."""
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "mutation_sample.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("mutation_sample", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def statuses(function, count, status="not checked"):
+    return {f"{function}__mutmut_{n}": status for n in range(1, count + 1)}
+
+
+def test_every_kth_mutant_of_each_function_from_the_first(script):
+    names = {**statuses("graphborrow.borrow.x_f", 7), **statuses("graphborrow.borrow.x_g", 2),
+             **statuses("graphborrow.arena.x_h", 5)}
+    chosen = script.sample(names, {"graphborrow.borrow.*": 3})
+    assert chosen == [
+        "graphborrow.borrow.x_f__mutmut_1", "graphborrow.borrow.x_f__mutmut_4", "graphborrow.borrow.x_f__mutmut_7",
+        "graphborrow.borrow.x_g__mutmut_1",
+    ]
+
+
+def test_mutants_with_a_result_are_left_out_unless_rerun(script):
+    names = {**statuses("graphborrow.runs.x_f", 3, "killed"), "graphborrow.runs.x_f__mutmut_5": "not checked"}
+    assert script.sample(names, {"graphborrow.runs.*": 2}) == ["graphborrow.runs.x_f__mutmut_5"]
+    assert script.sample(names, {"graphborrow.runs.*": 2}, rerun=True) == [
+        "graphborrow.runs.x_f__mutmut_1", "graphborrow.runs.x_f__mutmut_3", "graphborrow.runs.x_f__mutmut_5",
+    ]
+
+
+@pytest.mark.parametrize("text", ["graphborrow.arena.*", "graphborrow.arena.*=0", "graphborrow.arena.*=two"])
+def test_a_stride_must_be_a_whole_number_of_at_least_one(script, text):
+    with pytest.raises(argparse.ArgumentTypeError, match="PATTERN=K with K a whole number >= 1"):
+        script._stride(text)

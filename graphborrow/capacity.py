@@ -79,7 +79,8 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
 
     Args:
         state: a :class:`~graphborrow.borrow.BorrowState` (or a
-            :class:`~graphborrow.planner.PoolImage`); it is only read.
+            :class:`~graphborrow.planner.PoolImage`); it is only read (a built pool after
+            the allocator call the next borrow makes first, see ``PoolImage.of``).
         batch_size: requests (0 fits trivially).
         draft_tokens: tree nodes per request (D).
         vocab: vocabulary size V (float32 logits, as samplers read them).

@@ -252,7 +252,11 @@ class PoolImage:
 
     @classmethod
     def of(cls, state) -> "PoolImage":
-        """The pool ``state``'s next borrow would use: the built one, or the one it would build."""
+        """The pool ``state``'s next borrow would use: the built one, or the one it would build.
+
+        A built pool is read after the one allocator call the borrow makes first (a 4-byte
+        allocation outside any pool, ``backend.touch()``), which completes the frees whose
+        events are done; while the state is held (inside a borrow) nothing is allocated."""
         if not state.enabled:
             why = state.disabled_reason or ("no static runs" if state.static_runs is not None else "no graph pool")
             return cls(disabled=why)

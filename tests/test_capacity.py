@@ -259,6 +259,27 @@ def test_the_devices_allocator_settings_carry_into_the_plan():
     assert results == [True, False]
 
 
+def test_the_plan_peak_is_the_steps_peak_on_the_device_with_every_renorm(layout):
+    """Top-k and top-p add their own temporaries: the plan's peak follows the device's peak while
+    the step runs (the device's also holds the step's outputs: the same blocks every time)."""
+    state = static_state(layout, 64 * MB)
+    bs, d, vocab = 64, 8, 1000
+    long = torch.empty(bs, d, dtype=torch.long, device="cuda")
+    tree = DraftTree(long, long, long, long, 3)
+    logits = torch.empty(bs * d, vocab, device="cuda")
+    planned, outputs = {}, set()
+    for top_k, top_p in ((False, False), (True, False), (False, True), (True, True)):
+        p = plan_verify(state, bs, d, vocab, top_k=top_k, top_p=top_p)
+        layout.allocator.reset_peak_memory_stats()
+        before = layout.memory_stats()["allocated_bytes.all.current"]
+        eagle_verify(logits, None, tree, 0.7, top_ks=50 if top_k else None, top_ps=0.9 if top_p else None,
+                     borrow=state, validate=False)
+        outputs.add(layout.memory_stats()["allocated_bytes.all.peak"] - before - p.peak_bytes)
+        planned[top_k, top_p] = p.peak_bytes
+    assert len(outputs) == 1 and 0 < outputs.pop() < 64 * 1024
+    assert planned[False, False] < min(planned[True, False], planned[False, True]) < planned[True, True]
+
+
 def test_the_plan_echoes_its_step_and_its_replay(layout):
     state = static_state(layout, 64 * MB)
     p = plan_verify(state, 2, 4, 32000, "lean", top_k=True)
@@ -268,6 +289,7 @@ def test_the_plan_echoes_its_step_and_its_replay(layout):
     assert p.carved_bytes >= 2 * MB and p.allocations > 0 and p.peak_bytes > 2 * 4 * 32000
     empty = plan_verify(state, 0, 4, 32000, "lean", top_p=True)
     assert empty == type(empty)(True, 0, 0, "", "lean", 0, 4, 32000, False, True, largest_run=64 * MB)
+    assert plan_verify(state, 0, 4, 32000, impl="fused").impl == "fused"  # an empty step names its path too
 
 
 def test_the_pool_image_of_a_state_fresh_and_built(layout):
@@ -488,6 +510,30 @@ def test_a_pool_that_ran_out_is_planned_as_the_rebuild_the_next_borrow_makes():
         assert plan(state, forty).fits and not runs_out(state, device, (40 * MB, None))
     finally:
         device.close()
+
+
+def test_a_retired_pool_is_planned_as_the_fresh_build_the_next_borrow_makes(layout):
+    """After retire() the next borrow builds a new pool over the runs (the old arena stays, empty)."""
+    state = static_state(layout, 24 * MB)
+    with state.borrow("nothing"):
+        pass
+    state.retire()
+    assert state.mem_pool is None and state.arena is not None and state.arena.freed_bytes == 0
+    image = PoolImage.of(state)
+    assert (image.extents, image.segments) == (tuple(state.free_runs()), ())
+    twenty = seq(("alloc", 1, 20 * MB))
+    assert plan(state, twenty).fits and not runs_out(state, layout, (20 * MB, None))
+
+
+def test_planning_inside_a_borrow_leaves_the_pool_as_it_is(layout):
+    """A plan only reads the pool the step is borrowing from (no allocation routes into it)."""
+    state = static_state(layout, 24 * MB)
+    with state.borrow("step"):
+        held = torch.empty(5 * MB, dtype=torch.uint8, device="cuda")
+        before = layout.memory_snapshot()
+        assert plan_verify(state, 4, 4, 1000).fits
+        assert layout.memory_snapshot() == before
+        del held
 
 
 def test_why_a_state_lends_nothing():

@@ -431,9 +431,12 @@ def replay(sequence: AllocationSequence, image: PoolImage,
                 index += 1
             else:
                 block = live.pop(ident, None)
-                if block is not None:
-                    held -= block.size
-                    allocator.free(block)
+                if block is None:
+                    raise ValueError(
+                        f"the sequence frees id {ident}, which it has not allocated (or has freed already); "
+                        "a composed sequence must free only what its own parts allocate")
+                held -= block.size
+                allocator.free(block)
         return Replay(True, peak, arena.cursor_bytes, index, None)
 
 

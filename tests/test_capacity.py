@@ -212,7 +212,7 @@ def test_a_failed_request_is_described_with_what_the_pool_had_left():
     image = PoolImage.from_runs([(BASE, 30 * MB)])
     r = replay(seq(("alloc", 1, 1000), ("alloc", 2, 15 * MB), ("free", 2), ("alloc", 3, 25 * MB)), image,
                describe=lambda n: "the big one" if n == 25 * MB else "")
-    assert (r.fits, r.allocations, r.carved_bytes) == (False, 2, 18 * MB)
+    assert (r.fits, r.allocations, r.carved_bytes, r.peak_bytes) == (False, 2, 18 * MB, 1024 + 16 * MB)
     f = r.failed
     assert (f.index, f.held_bytes, f.largest_cached, f.largest_room, f.largest_run, f.label) == (
         2, 1024, 16 * MB, 12 * MB, 30 * MB, "the big one")
@@ -234,8 +234,9 @@ def test_the_fit_policy_of_the_image_decides():
 
 def test_a_precarve_that_does_not_fit_fails_the_build():
     r = replay(seq(("alloc", 1, 1000)), PoolImage.from_runs([(BASE, 40 * MB)], seeds=[30 * MB, 20 * MB]))
-    assert (r.fits, r.allocations, r.carved_bytes) == (False, 0, 30 * MB)
-    assert r.failed.index == -1 and r.reason.startswith("building the borrow pool (its precarve)")
+    assert (r.fits, r.allocations, r.carved_bytes, r.peak_bytes) == (False, 0, 30 * MB, 0)
+    assert (r.failed.index, r.failed.held_bytes, r.failed.size.nbytes) == (-1, 0, 30 * MB)  # the step held nothing yet
+    assert r.reason.startswith("building the borrow pool (its precarve), a 30.0 MiB tensor, does not fit")
 
 
 def test_a_disabled_state_replays_nothing():
@@ -695,3 +696,33 @@ def test_auto_plans_the_fused_kernels_on_cuda():
     assert auto.fits is fused_available()  # 3 MiB: the fused step's workspace fits, the reference's matrices do not
     if fused_available():
         assert run_fused_allocations(state, backend, 32, 8, 128256, False)
+
+
+def test_a_free_of_what_the_sequence_never_allocated_is_refused():
+    with pytest.raises(ValueError, match="frees id 7, which it has not allocated"):
+        replay(seq(("alloc", 1, 1000), ("free", 1), ("free", 7)), PoolImage.from_runs([(BASE, 4 * MB)]))
+    with pytest.raises(ValueError, match="frees id 1, which it has not allocated .or has freed already"):
+        replay(seq(("alloc", 1, 1000), ("free", 1), ("free", 1)), PoolImage.from_runs([(BASE, 4 * MB)]))
+
+
+def test_the_recording_device_is_layout_only_never_runs_out_and_stays_its_own(monkeypatch):
+    """A fresh recording device: a step of a size no GPU has records (no bytes behind it), a matmul
+    records its output only (no cuBLAS workspace of the recording device's own), and device="cuda"
+    keeps meaning the caller's device after the recording."""
+    from graphborrow import planner
+
+    monkeypatch.setattr(planner, "_DEVICE", None)
+    device = SimBackend(capacity=2**34, backed=False, blas_workspace=0)  # active: "cuda" is this device
+    try:
+        huge = record(lambda x: x * 2, inputs=[((2**35,), torch.float32)])  # 128 GiB in, 128 GiB out
+        assert [e[2] for e in huge.events] == [2**37]
+        matmul = record(lambda a, b: a @ b, inputs=[((64, 64), torch.float32)] * 2)
+        assert [e[2] for e in matmul.events] == [64 * 64 * 4]
+        before = device.memory_stats()["allocation.all.current"]
+        t = torch.empty(4, device="cuda")
+        assert device.memory_stats()["allocation.all.current"] == before + 1
+        del t
+    finally:
+        if planner._DEVICE is not None:
+            planner._DEVICE.close()
+        device.close()

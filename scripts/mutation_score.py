@@ -66,6 +66,8 @@ HARMLESS: dict[str, str] = {
     "graphborrow.capacity.x_plan_verify__mutmut_31": _GPU_ONLY,
     "graphborrow.capacity.x__planned_impl__mutmut_*": _GPU_ONLY,
     # planner
+    "graphborrow.planner.x__layout_device__mutmut_[45]": (
+        "backed=None / activate=None for False: both are falsy, the same layout-only, inactive device"),
     "graphborrow.planner.x__mib__mutmut_4": "'>' instead of '>=' MB/10: a byte count is an int and never equals 104857.6",
     "graphborrow.planner.x__never__mutmut_5": "float('INF') is float('inf')",
     "graphborrow.planner.xǁPoolImageǁof__mutmut_55": (
@@ -150,9 +152,10 @@ def main(argv=None) -> int:
     Path(argv[0]).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     print(f"{dict(counts)}: score {result['score']}, {result['score_counting_harmless_as_killed']} counting "
           f"the {len(harmless)} judged harmless -> {argv[0]}")
-    left = to_kill + [{"mutant": n} for n in result["no_tests"] + result["not_checked"]]
+    left = (to_kill + [{"mutant": n, "diff": ["(no test reaches it)"]} for n in result["no_tests"]]
+            + [{"mutant": n, "diff": ["(not run: run mutmut again)"]} for n in result["not_checked"]])
     for entry in left:
-        print(f"  to kill: {entry['mutant']}  {' | '.join(entry.get('diff', ['(no test reaches it)']))}")
+        print(f"  to kill: {entry['mutant']}  {' | '.join(entry['diff'])}")
     return 1 if left else 0
 
 

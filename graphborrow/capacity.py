@@ -79,7 +79,8 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
 
     Args:
         state: a :class:`~graphborrow.borrow.BorrowState` (or a
-            :class:`~graphborrow.planner.PoolImage`); it is only read.
+            :class:`~graphborrow.planner.PoolImage`); it is only read (a built pool after
+            the allocator call the next borrow makes first, see ``PoolImage.of``).
         batch_size: requests (0 fits trivially).
         draft_tokens: tree nodes per request (D).
         vocab: vocabulary size V (float32 logits, as samplers read them).
@@ -154,7 +155,9 @@ def largest_borrowable(run_bytes: int, seeds: Sequence[int] = ()) -> int:
     Returns:
         Bytes (0: the run can never hold a borrow).
     """
-    image = PoolImage.from_runs([(1 << 40, run_bytes)], seeds=seeds) if run_bytes > 0 else PoolImage()
+    if isinstance(run_bytes, bool) or not isinstance(run_bytes, int) or run_bytes < 0:
+        raise ValueError(f"run_bytes must be an int >= 0, got {run_bytes!r}")
+    image = PoolImage.from_runs([(1 << 40, run_bytes)], seeds=seeds) if run_bytes else PoolImage()
     best = 0
     for low, high in ((1, 1 * MB), (1 * MB + 1, 10 * MB - 1), (10 * MB, max(run_bytes, 10 * MB))):
         if _fits_one(image, low):

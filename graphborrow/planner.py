@@ -252,16 +252,25 @@ class PoolImage:
 
     @classmethod
     def of(cls, state) -> "PoolImage":
-        """The pool ``state``'s next borrow would use: the built one, or the one it would build."""
+        """The pool ``state``'s next borrow would use: the built one, or the one it would build.
+
+        A built pool is read after the one allocator call the borrow makes first (a 4-byte
+        allocation outside any pool, ``backend.touch()``), which completes the frees whose
+        events are done; while the state is held (inside a borrow) nothing is allocated."""
         if not state.enabled:
             why = state.disabled_reason or ("no static runs" if state.static_runs is not None else "no graph pool")
             return cls(disabled=why)
         config = _allocator_config(state.backend)
+        if state.mem_pool is not None and state.holder is None:
+            # what the next borrow does first: frees waiting on completed events finish, and so do
+            # those deferred while a borrow routed (torch drops the stream uses recorded then)
+            state.backend.touch()
         arena = state.arena
         runs = tuple(state.free_runs())
         if state.mem_pool is None or arena is None or arena.freed_bytes:  # the next borrow builds afresh
-            return cls(extents=runs, best_fit=state.best_fit, align=arena.align if arena else 512,
-                       seeds=tuple(state.precarve_sizes(runs)), runs=runs, config=config)
+            # (a fresh build's arena has the default alignment, the image's default)
+            return cls(extents=runs, best_fit=state.best_fit, seeds=tuple(state.precarve_sizes(runs)), runs=runs,
+                       config=config)
         rooms = tuple((base + cursor, n - cursor)
                       for (base, n), cursor in zip(arena.extents, arena.extent_cursors()) if n > cursor)
         segments = tuple(state.backend.memory_snapshot(state.backend.pool_id(state.mem_pool)))
@@ -390,7 +399,6 @@ def replay(sequence: AllocationSequence, image: PoolImage,
             pool_id = allocator.new_pool_id("handle")
             allocator.create_or_incref_pool(pool_id, arena)
         allocator.begin_allocate_to_pool(pool_id, lambda _stream, _thread: True)
-        start = arena.cursor_bytes
 
         def failure(index: int, nbytes: int, held: int) -> FailedAllocation:
             kind = "small" if round_size(nbytes) <= SMALL_SIZE else "large"
@@ -403,7 +411,7 @@ def replay(sequence: AllocationSequence, image: PoolImage,
         try:
             seeds = [allocator.malloc(s, stream) for s in image.seeds]
         except torch.OutOfMemoryError:
-            return Replay(False, 0, arena.cursor_bytes - start, 0, failure(-1, max(image.seeds), 0))
+            return Replay(False, 0, arena.cursor_bytes, 0, failure(-1, max(image.seeds), 0))
         for block in seeds:
             allocator.free(block)
         del seeds
@@ -416,26 +424,28 @@ def replay(sequence: AllocationSequence, image: PoolImage,
                 try:
                     block = allocator.malloc(nbytes, on)
                 except torch.OutOfMemoryError:
-                    return Replay(False, peak, arena.cursor_bytes - start, index, failure(index, nbytes, held))
+                    return Replay(False, peak, arena.cursor_bytes, index, failure(index, nbytes, held))
                 live[ident] = block
                 held += block.size
                 peak = max(peak, held)
                 index += 1
             else:
                 block = live.pop(ident, None)
-                if block is not None:
-                    held -= block.size
-                    allocator.free(block)
-        return Replay(True, peak, arena.cursor_bytes - start, index, None)
+                if block is None:
+                    raise ValueError(
+                        f"the sequence frees id {ident}, which it has not allocated (or has freed already); "
+                        "a composed sequence must free only what its own parts allocate")
+                held -= block.size
+                allocator.free(block)
+        return Replay(True, peak, arena.cursor_bytes, index, None)
 
 
 def _restore(allocator, image: PoolImage, arena: BumpArena) -> tuple[int, int]:
     """Rebuild a built borrow pool's cached segments in ``allocator``; new segments come from ``arena``."""
     pool_id = tuple(image.segments[0]["segment_pool_id"])
-    pending = None
-    if any(b["state"] == "active_pending_free" for s in image.segments for b in s["blocks"]):
-        pending = _never(allocator)  # frees still waiting on another stream: not counted on
-    allocator.restore(list(image.segments), allocators={pool_id: arena}, pending=pending)
+    # frees still waiting on another stream's work stay pending for the whole step: a borrow
+    # routes to its pool, and the allocator processes no events while a pool routes
+    allocator.restore(list(image.segments), allocators={pool_id: arena}, pending=_never(allocator))
     return pool_id
 
 

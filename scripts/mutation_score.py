@@ -1,4 +1,4 @@
-"""Write the mutation score of the last `mutmut run` to a JSON file under data/.
+"""Write the mutation score of the last `mutmut run` over the capacity planner to a JSON file.
 
     python scripts/mutation_score.py data/mutation_capacity.json [MUTANT_PATTERN ...]
 
@@ -7,7 +7,11 @@ they match are counted: [tool.mutmut] also lists the rule modules that `make mut
 
 Reads `mutmut results --all true` (run from the checkout that holds `mutants/`) and records
 the counts by status, the score (killed and timed out over all mutants that tests reach),
-every surviving mutant's name, and the command, mutmut and torch versions.
+every survivor with its diff, split the way scripts/mutation_report.py splits them for
+data/mutation.json (one mechanism): survivors a test should kill, and survivors reviewed
+and judged harmless (HARMLESS below, or a change of message wording only), each with why.
+Exits 1 when a survivor is left to kill or a mutant has no test, so `make
+mutation-capacity` fails until each is killed or reviewed.
 """
 
 from __future__ import annotations
@@ -15,9 +19,96 @@ from __future__ import annotations
 import collections
 import fnmatch
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutation_report import _only_wording, mutmut  # noqa: E402  (the shared review mechanism)
+
+# Survivors looked at and judged harmless: mutant name (fnmatch pattern) -> why. A survivor
+# not listed here (and not a wording-only change) is one a test should kill.
+_SEARCH_BOUND = (
+    "moves a bound of the bisection over one size class: the answer is the largest fitting size "
+    "over the three classes (small, medium, large), fit is monotone inside each, and a bound moved "
+    "into a neighbouring class only adds sizes that class's own search already answers (the "
+    "256 KiB-step table test checks every run size up to 40 MiB against the allocator's rules)"
+)
+_GPU_ONLY = (
+    "reached only with a CUDA backend: impl='auto' plans the fused kernels on a real GPU with Triton, "
+    "and the simulated device always plans the reference; tests/test_capacity.py::"
+    "test_auto_plans_the_fused_kernels_on_cuda (marked gpu) checks it on the H200"
+)
+HARMLESS: dict[str, str] = {
+    # capacity.largest_borrowable / _fits_one / size_class_table
+    "graphborrow.capacity.x_largest_borrowable__mutmut_1[56]": (
+        "the probe run's address (2**40 or 2**41): any 512-byte-aligned address gives the same replay"),
+    "graphborrow.capacity.x_largest_borrowable__mutmut_19": "the small class's search starts at 2 bytes, not 1: both are one 512-byte block",
+    "graphborrow.capacity.x_largest_borrowable__mutmut_2[1245-9]": _SEARCH_BOUND,
+    "graphborrow.capacity.x_largest_borrowable__mutmut_3[67]": (
+        "the large class's upper bound for runs under 10 or 11 MiB: no size above the run fits, so the "
+        "search ends at the same size"),
+    "graphborrow.capacity.x_largest_borrowable__mutmut_47": (
+        "bisection midpoint (low+high+2)//2 instead of +1: still in (low, high], the same fixed point"),
+    "graphborrow.capacity.x__fits_one__mutmut_[89]": "the probe request's id: a label that only pairs a free with its allocation",
+    "graphborrow.capacity.x__fits_one__mutmut_10": (
+        "the probe request's recorded stream: the replay puts the first recorded stream on the pool's own"),
+    "graphborrow.capacity.x_size_class_table__mutmut_14": "range end 40 MiB + 2 instead of + 1: the same 256 KiB steps",
+    # capacity.FitPolicyPool
+    "graphborrow.capacity.xǁFitPolicyPoolǁ__init____mutmut_28": (
+        "the second graph's input 7.2 MiB instead of 9 MiB: any medium tensor up to 12 MiB takes the same "
+        "12 MiB block and leaves the same runs (the test checks the runs and the fit-policy contrast)"),
+    "graphborrow.capacity.xǁFitPolicyPoolǁ__init____mutmut_{36,38,45,47,49,51,53}": (
+        "the captured graphs' arithmetic (* 2, / 2, + 1, ...): only the tensors' sizes shape the pool"),
+    # capacity.plan_verify / _planned_impl
+    "graphborrow.capacity.x_plan_verify__mutmut_{86,89}": (
+        "the mode passed to plan_fused_step, which only labels its ChunkPlan (the fused step runs the "
+        "whole batch in every mode); plan_verify does not read that label"),
+    "graphborrow.capacity.x_plan_verify__mutmut_31": _GPU_ONLY,
+    "graphborrow.capacity.x__planned_impl__mutmut_*": _GPU_ONLY,
+    # planner
+    "graphborrow.planner.x__layout_device__mutmut_[45]": (
+        "backed=None / activate=None for False: both are falsy, the same layout-only, inactive device"),
+    "graphborrow.planner.x__mib__mutmut_4": "'>' instead of '>=' MB/10: a byte count is an int and never equals 104857.6",
+    "graphborrow.planner.x__never__mutmut_5": "float('INF') is float('inf')",
+    "graphborrow.planner.xǁPoolImageǁof__mutmut_55": (
+        "the stream of a built pool without segments: it has no cached block, so the step's requests "
+        "carve the same segments on any stream"),
+    "graphborrow.planner.xǁPoolImageǁof__mutmut_65": (
+        "a built pool's arena alignment left at the image's default: borrow states build their arenas "
+        "with BumpArena's default alignment, the same 512 bytes"),
+    "graphborrow.planner.x_replay__mutmut_3[2-5]": (
+        "the replay allocator's own device memory (size, backing): never used, every request routes to "
+        "the pool, whose segments come from the arena and restored segments belong to it"),
+    "graphborrow.planner.x_replay__mutmut_120": (
+        "the precarve's stream: seeds exist only in a fresh image, whose stream is the default one"),
+    "graphborrow.planner.x_replay__mutmut_15[789]": (
+        "the id a second recorded stream gets in the replay (999, -999 or 1002 instead of 1001 for the "
+        "pool's stream 0): any id other than the pool's stream keeps its blocks apart, as the "
+        "two-stream test checks"),
+    "graphborrow.planner.x_replay__mutmut_74": (
+        "snapshot(None) instead of the pool's: the replay's allocator holds that one pool only"),
+}
+
+
+def _expand(pattern: str) -> list[str]:
+    """fnmatch patterns with one ``{a,b,...}`` alternation expanded."""
+    head, brace, rest = pattern.partition("{")
+    if not brace:
+        return [pattern]
+    options, _, tail = rest.partition("}")
+    return [head + option + tail for option in options.split(",")]
+
+
+def review(name: str) -> dict:
+    """The survivor's diff and, when it was judged harmless, why."""
+    diff = [ln for ln in mutmut("show", name).splitlines()
+            if ln.startswith(("+", "-")) and not ln.startswith(("+++", "---"))]
+    entry = {"mutant": name, "diff": diff[:6]}
+    reason = next((why for pattern, why in HARMLESS.items() if any(fnmatch.fnmatch(name, p) for p in _expand(pattern))),
+                  None)
+    if reason is None and _only_wording(diff):
+        reason = "changes only the wording of a message; tests check its key words"
+    return {**entry, "why_harmless": reason} if reason else entry
 
 
 def main(argv=None) -> int:
@@ -26,10 +117,8 @@ def main(argv=None) -> int:
         print(__doc__)
         return 2
     patterns = argv[1:]
-    listing = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"],
-                             capture_output=True, text=True, check=True).stdout
     status = {}
-    for line in listing.splitlines():
+    for line in mutmut("results", "--all", "true").splitlines():
         name, sep, state = line.strip().rpartition(": ")
         if sep and name and (not patterns or any(fnmatch.fnmatch(name, p) for p in patterns)):
             status[name] = state
@@ -38,23 +127,36 @@ def main(argv=None) -> int:
         return 1
     counts = collections.Counter(status.values())
     reached = counts["killed"] + counts["timeout"] + counts["survived"]
-    import mutmut
+    reviewed = [review(n) for n, s in sorted(status.items()) if s == "survived"]
+    harmless = [r for r in reviewed if "why_harmless" in r]
+    to_kill = [r for r in reviewed if "why_harmless" not in r]
+    killed = counts["killed"] + counts["timeout"]
+    import mutmut as mutmut_package
     import torch
 
     result = {
-        "command": "OMP_NUM_THREADS=1 mutmut run --max-children 2 " + " ".join(f"'{p}'" for p in patterns)
-                   + "  (config: pyproject.toml [tool.mutmut])",
-        "mutmut": mutmut.__version__,
+        "command": "make mutation-capacity  (OMP_NUM_THREADS=1 mutmut run --max-children 2 "
+                   + " ".join(f"'{p}'" for p in patterns)
+                   + "; python scripts/mutation_score.py " + " ".join(argv) + ")  (config: pyproject.toml [tool.mutmut])",
+        "mutmut": mutmut_package.__version__,
         "torch": torch.__version__,
         "device": "CPU",
         "counts": dict(sorted(counts.items())),
-        "score": round((counts["killed"] + counts["timeout"]) / reached, 3) if reached else None,
-        "survivors": sorted(n for n, s in status.items() if s == "survived"),
+        "score": round(killed / reached, 3) if reached else None,
+        "score_counting_harmless_as_killed": round((killed + len(harmless)) / reached, 3) if reached else None,
+        "survivors_to_kill": to_kill,
+        "survivors_judged_harmless": harmless,
         "no_tests": sorted(n for n, s in status.items() if s in ("no tests", "tests")),
+        "not_checked": sorted(n for n, s in status.items() if s == "not checked"),
     }
-    Path(argv[0]).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{counts}: score {result['score']} -> {argv[0]}")
-    return 0
+    Path(argv[0]).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    print(f"{dict(counts)}: score {result['score']}, {result['score_counting_harmless_as_killed']} counting "
+          f"the {len(harmless)} judged harmless -> {argv[0]}")
+    left = (to_kill + [{"mutant": n, "diff": ["(no test reaches it)"]} for n in result["no_tests"]]
+            + [{"mutant": n, "diff": ["(not run: run mutmut again)"]} for n in result["not_checked"]])
+    for entry in left:
+        print(f"  to kill: {entry['mutant']}  {' | '.join(entry['diff'])}")
+    return 1 if left else 0
 
 
 if __name__ == "__main__":

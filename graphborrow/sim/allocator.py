@@ -1342,7 +1342,10 @@ class CachingAllocator:
         controls. Device memory under the segments is marked used, and the statistics are
         those of an allocator that allocated these segments and blocks (peaks = current).
         Expandable segments' mapped ranges of one stream and pool become one expandable
-        segment whose virtual range starts at the lowest of them.
+        segment whose virtual range starts at the lowest of them, or at their
+        ``reservation_address`` when they give one (a reservation whose lowest pages were not
+        mapped then: the pages below its first range are unmapped room, and its range ends
+        where the real one does).
 
         Why: the capacity planner replays a step against a copy of a pool, and trace replay
         starts mid-run traces from a reconstructed state; both need exactly this state.
@@ -1377,7 +1380,7 @@ class CachingAllocator:
         restored = RestoredBlocks({}, {})
         expandable: dict[tuple, list] = {}
         for item in sorted(parsed, key=lambda p: (p[0], -p[1])):
-            address, size, stream, pool_id, is_small, blocks, is_expandable = item
+            address, size, stream, pool_id, is_small, blocks, is_expandable, _ = item
             pool = self._restored_pool(pool_id, is_small)
             if is_expandable:
                 expandable.setdefault((stream, pool_id, is_small), []).append(item)
@@ -1458,7 +1461,13 @@ class CachingAllocator:
         page = expandable_page_size(pool.is_small, self.large_segment_size)
         total = self.memory.capacity
         virtual = -(-(total + total // 8) // page) * page
-        base = ranges[0][0]
+        starts = {r[7] for r in ranges if r[7] is not None}
+        if len(starts) > 1:
+            raise ValueError(
+                f"expandable ranges of stream {stream} in one pool name {len(starts)} reservation starts "
+                f"({', '.join(f'{a:#x}' for a in sorted(starts))}); one stream, kind and pool has one reservation"
+            )
+        base = starts.pop() if starts else ranges[0][0]
         for address, size, *_ in ranges:
             if (address - base) % page or size % page or address + size > base + virtual:
                 raise ValueError(
@@ -1470,7 +1479,7 @@ class CachingAllocator:
         segment = Segment(base, virtual, stream, pool, expandable=True, page_size=page)
         self._segments[segment] = None
         prev, cursor = None, base
-        for address, size, _, _, _, blocks, _ in ranges:
+        for address, size, _, _, _, blocks, _, _ in ranges:
             if address > cursor:
                 prev = self._restore_unmapped(segment, prev, cursor, address - cursor)
             self.memory.map_pages(address, size)
@@ -1680,7 +1689,8 @@ _BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
 
 
 def _restorable_segment(index: int, segment: dict) -> tuple:
-    """(address, size, stream, pool id, is_small, [(size, state, requested)], expandable) of a snapshot segment, checked."""
+    """(address, size, stream, pool id, is_small, [(size, state, requested)], expandable, reservation start or
+    None) of a snapshot segment, checked."""
     where = f"segment {index}"
     try:
         address, total = int(segment["address"]), int(segment["total_size"])
@@ -1718,8 +1728,16 @@ def _restorable_segment(index: int, segment: dict) -> tuple:
         previous_state = state
     if ptr - address != total:
         raise ValueError(f"{where} at {address:#x}: its blocks add up to {ptr - address} bytes, not total_size {total}")
-    return (address, total, int(segment.get("stream", 0)), pool_id, kind == "small", parsed,
-            bool(segment.get("is_expandable", False)))
+    expandable = bool(segment.get("is_expandable", False))
+    reservation = segment.get("reservation_address")
+    if reservation is not None:
+        reservation = int(reservation)
+        if not expandable or reservation > address:
+            raise ValueError(
+                f"{where} at {address:#x}: reservation_address {reservation:#x} must be the start of the virtual "
+                "reservation holding this expandable segment, at or below its address; leave it out for other segments"
+            )
+    return (address, total, int(segment.get("stream", 0)), pool_id, kind == "small", parsed, expandable, reservation)
 
 
 def _check_no_overlap(parsed: list[tuple], allocators: dict) -> None:

@@ -33,7 +33,11 @@ reported (:attr:`ReplayReport.inferred`):
   in the snapshot that the trace never allocated) and restored into the allocator;
   expandable memory as the ranges mapped at the first entry (the snapshot's, less what the
   trace mapped, plus what it unmapped), one reservation per stream, kind and pool, each
-  starting at its lowest range.
+  starting at its lowest range or, below a rebuilt reservation, where the driver's
+  end-to-end layout puts it (``RESERVATION_ALIGNMENT``). Pages the trace maps or unmaps
+  belong to a reservation of their stream and kind only, and one from before the trace
+  ends when every page it could have held is unmapped (the allocator releases it then):
+  a later reservation at the same address is a new one, with the snapshot's pool.
   Where that state is a guess (the size of a block allocated before the trace, the pool of
   a segment the snapshot does not name), checks that depend on it are not made but
   counted (:attr:`ReplayReport.unverifiable`). The rule, exactly: a check is unverifiable
@@ -86,6 +90,9 @@ __all__ = ["DEVICE_MEMORY", "ReplayReport", "load_trace", "replay_trace"]
 # allocation made under a memory fraction fits it (tests/test_sim_corpus.py recomputes both).
 DEVICE_MEMORY = {"NVIDIA H200": 143_160 * 2**20}
 _UNKNOWN_DEVICE_MEMORY = 80 * 2**30
+# the grid the driver lays virtual reservations on (cuMemAddressReserve with alignment 0): every
+# expandable reservation of the H200 corpus that starts on a 2 MiB page boundary starts on it
+RESERVATION_ALIGNMENT = 32 * 2**20
 _SKIPPED = {"snapshot", "annotate", "user_defined"}
 _RELEASES = {"segment_free", "segment_unmap"}
 _DEVICE_CALLS = {"segment_alloc", "segment_map", "segment_free", "segment_unmap"}
@@ -165,7 +172,7 @@ class _Life:
 class _Plan:
     """One pass over the trace: segment lives, what existed before the first entry, known pools."""
 
-    def __init__(self, entries: list[dict], final: list[dict], virtual_size) -> None:
+    def __init__(self, entries: list[dict], final: list[dict], virtual_size, large_page: int) -> None:
         self.entries = entries
         self.final = final
         self.lives: dict[int, _Life] = {}  # creating entry index -> life
@@ -175,6 +182,8 @@ class _Plan:
         self.problems: list[str] = []  # contradictions between the trace and its snapshot
         self.contradictions: list[str] = []  # ... that no state before the trace can explain
         self._virtual_size = virtual_size
+        self._large_virtual = virtual_size(large_page, 0)
+        self._start_pages: SortedDict | None = None  # (built when needed) pages mapped when the trace began
         self.failed_releases = self._failed_releases()  # entry indices of releases that did not happen
         self._walk()
 
@@ -199,15 +208,29 @@ class _Plan:
         return failed
 
     # an interval index of the lives that exist at the entry being walked
-    def _find(self, live: SortedDict, address: int, end: int) -> _Life | None:
+    def _find(self, live: SortedDict, address: int, end: int, stream: int | None = None,
+              virtual: int | None = None) -> _Life | None:
+        """The smallest life holding ``[address, end)``; with ``stream``, only an expandable
+        reservation of that stream (and, with ``virtual``, of that size: of that page kind) can
+        hold pages mapped or unmapped there: a reservation serves one stream and kind."""
         i = live.bisect_right(address)
         best = None
         for key in reversed(live.keys()[max(0, i - 64):i]):
             for life in live[key]:
+                if stream is not None and (not life.expandable or life.stream != stream
+                                           or (virtual is not None and life.size != virtual)):
+                    continue
                 if life.address <= address and end <= life.address + life.size:
                     if best is None or life.size < best.size:
                         best = life
         return best
+
+    def _kind_of(self, size: int, address: int) -> int | None:
+        """The virtual size of the reservation pages of ``size`` mapped at once come from; None
+        when the size does not tell (a multiple of the large page: large pages, or small ones
+        unmapped together)."""
+        virtual = self._virtual_size(size, address)
+        return None if virtual == self._large_virtual else virtual
 
     @staticmethod
     def _add(live: SortedDict, life: _Life) -> None:
@@ -253,7 +276,7 @@ class _Plan:
                 life.end = i
                 life.touched = True
             elif action == "segment_map":
-                host = self._find(live, addr, addr + size)
+                host = self._find(live, addr, addr + size, stream, self._kind_of(size, addr))
                 if host is None or not host.expandable:
                     host = _Life(addr, self._virtual_size(size, addr), stream, i, expandable=True)
                     self._add(live, host)
@@ -262,15 +285,16 @@ class _Plan:
                 host.touched = True
                 mapped[id(host)] = mapped.get(id(host), 0) + size
             elif action == "segment_unmap":
-                host = self._find(live, addr, addr + size)
+                host = self._find(live, addr, addr + size, stream, self._kind_of(size, addr))
                 if host is None or not host.expandable:
                     host = _Life(addr, self._virtual_size(size, addr), stream, -1, expandable=True, pre_trace=True)
                     self.pre.append(host)
                     self._add(live, host)
                     reservations[id(host)] = host
+                    mapped[id(host)] = self._mapped_at_start_near(host)
                 host.touched = True
                 mapped[id(host)] = mapped.get(id(host), 0) - size
-                if mapped[id(host)] == 0 and not host.pre_trace:
+                if mapped[id(host)] <= 0:  # the allocator releases a reservation with nothing mapped
                     self._remove(live, host)
                     host.end = i
             elif action == "alloc":
@@ -305,6 +329,38 @@ class _Plan:
         self.freed_before = pre_blocks  # (address, requested, state, entry) of blocks the trace frees without allocating
         self.pending_in_trace = pending_in_trace
 
+    def _mapped_at_start(self) -> dict[int, tuple]:
+        """Expandable pages mapped when the trace began: page address -> (stream, whether a small
+        reservation's). The snapshot's, less what the trace mapped, plus what it unmapped (pages
+        unmapped in a multiple of the large page taken as large ones: ten free small pages in a row
+        would be the exception)."""
+        pages: dict[int, tuple] = {}
+        for segment in self.final:
+            if segment.get("is_expandable"):
+                for page in range(segment["address"], segment["address"] + segment["total_size"], SMALL_BUFFER):
+                    pages[page] = (segment.get("stream", 0), segment.get("segment_type") == "small")
+        for entry in reversed(self.entries):
+            action = entry.get("action")
+            if action in ("segment_map", "segment_unmap"):
+                for page in range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER):
+                    if action == "segment_map":
+                        pages.pop(page, None)
+                    else:
+                        pages[page] = (entry.get("stream", 0), self._kind_of(entry["size"], entry["addr"]) is not None)
+        return pages
+
+    def _mapped_at_start_near(self, host: _Life) -> int:
+        """Bytes that may have been mapped in a reservation from before the trace when it began: the
+        pages of its stream and kind within one reservation's size of it on either side, so that it
+        is taken as released only when it must have been."""
+        if self._start_pages is None:
+            self._start_pages = SortedDict(self._mapped_at_start())
+        pages = self._start_pages
+        small = host.size != self._large_virtual
+        low, high = host.address - host.size, host.address + host.size
+        return SMALL_BUFFER * sum(1 for page in pages.irange(low, high, inclusive=(False, False))
+                                  if pages[page] == (host.stream, small))
+
     def _pages_mapped_by_the_trace(self) -> set[int]:
         """The 2 MiB pages (by address) that a segment_map of the trace mapped and nothing unmapped since."""
         pages: set[int] = set()
@@ -328,7 +384,9 @@ class _Plan:
             address, size = segment["address"], segment["total_size"]
             pool = _pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL))
             if segment.get("is_expandable"):
-                host = self._find(live, address, address + size)
+                small = segment.get("segment_type") == "small"
+                host = self._find(live, address, address + size, segment.get("stream", 0),
+                                  self._virtual_size(SMALL_BUFFER, address) if small else self._large_virtual)
                 if host is None or not host.expandable:
                     host = _Life(address, self._virtual_size(size, address), segment.get("stream", 0), -1,
                                  expandable=True, pre_trace=True)
@@ -478,7 +536,7 @@ class _Replayer:
         if fraction is not None:
             self.sim.set_memory_fraction(fraction)
         self.sim.record_history(True, max_entries=1 << 30)
-        self.plan = _Plan(entries, final, self._virtual_size)
+        self.plan = _Plan(entries, final, self._virtual_size, config.large_segment_size)
         # device memory reserved before each entry, as the trace and its snapshot say (None: the snapshot
         # was taken of some pools only); the decisions a memory fraction makes depend on it
         self.reserved_before = None if snapshot_pools is not None else _reserved_before(entries, final)
@@ -1456,6 +1514,7 @@ class _Replayer:
                 if (stream, small, pool) in named:
                     raise ValueError("two reservations of one stream, kind and pool")
                 named.add((stream, small, pool))
+        starts = self._reservation_starts(groups, large_page)
         out = []
         used = {(stream, small, self._pool(pool).id) for stream, small, pool in named} if not self.layout else set()
         for group in groups:
@@ -1474,10 +1533,47 @@ class _Replayer:
             for address, size, _, _, _ in group:
                 inside = [k for k in known if address <= k[0] < address + size]
                 out.append({"address": address, "total_size": size, "stream": stream, "is_expandable": True,
+                            "reservation_address": starts[id(group)],
                             "segment_type": "small" if small else "large", "segment_pool_id": pool_id,
                             "blocks": [{"size": b, "state": st, "requested_size": rq}
                                        for b, st, rq, _ in self._layout(address, size, inside)]})
         return out
+
+    def _reservation_starts(self, groups: list[list], large_page: int) -> dict[int, int]:
+        """Where each rebuilt reservation begins: its lowest page mapped then, or below it.
+
+        The driver lays reservations end to end on a ``RESERVATION_ALIGNMENT`` grid, each
+        one its virtual size rounded up to that grid. A reservation whose lowest pages were
+        unmapped when the trace began would, started at its lowest mapped page, reach into
+        the next reservation and take the pages the trace maps there. Its start is taken as
+        the highest address on that grid and on its page grid, at or below its lowest page,
+        whose range ends at or below the start of the next rebuilt reservation above it (all
+        of them existed together), walked from the top. That is never below the true start
+        when the one above is not, so a range never reaches into a reservation the driver
+        laid after it. Without a reservation above, or with no such address, the lowest
+        mapped page (a reservation cannot be shown to start lower).
+        """
+        starts: dict[int, int] = {}
+        above = None  # start of the rebuilt reservation just above
+        for group in sorted(groups, key=lambda g: -g[0][0]):
+            small = group[0][3]
+            low, high = group[0][0], max(a + n for a, n, *_ in group)
+            page = SMALL_BUFFER if small else large_page
+            virtual = self._virtual_size(page, low)
+            start = low
+            if above is not None and above >= high:
+                limit = min(above - virtual, low)
+                candidate = limit - limit % RESERVATION_ALIGNMENT
+                while candidate >= high - virtual and (low - candidate) % page:
+                    candidate -= RESERVATION_ALIGNMENT
+                if candidate < high - virtual:  # off the grid: the highest start on its page grid
+                    candidate = low - -(-(low - limit) // page) * page
+                if candidate >= high - virtual and candidate != low:
+                    start = candidate
+                    self.decisions[f"reservation {low:#x}"] = f"starts at {start:#x}, below the next reservation"
+            starts[id(group)] = start
+            above = start
+        return starts
 
     def _layout(self, start: int, size: int, known) -> list[tuple]:
         """(size, state, requested, guessed) tiling ``[start, start + size)``: the known blocks

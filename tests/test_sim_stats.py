@@ -10,7 +10,7 @@ counters against the trace. So a wrong line in any statistic update fails here.
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from graphborrow.sim.allocator import ARRAY_STATS, CachingAllocator
@@ -72,7 +72,16 @@ def check(alloc: CachingAllocator, peaks: dict[str, int], where: str) -> None:
     for prefix in prefixes + ["oversize_allocations", "oversize_segments"]:
         current = stats[f"{prefix}.current"]
         assert current == stats[f"{prefix}.allocated"] - stats[f"{prefix}.freed"], f"{where}: {prefix} totals"
-        peaks[prefix] = max(peaks.get(prefix, 0), current)
+        seen = max(peaks.get(prefix, 0), current)
+        if prefix.startswith("inactive_split"):
+            # one operation can complete several pending frees (empty_cache, an event check in
+            # malloc); as in torch, each free updates the count, so a block freed before its
+            # neighbour splits a segment for a moment: the peak may exceed what is seen between
+            # operations, never fall below it or below an earlier peak
+            assert stats[f"{prefix}.peak"] >= max(seen, peaks.get(prefix + ".stat", 0)), f"{where}: {prefix}.peak"
+            peaks[prefix + ".stat"] = stats[f"{prefix}.peak"]
+            seen = stats[f"{prefix}.peak"]
+        peaks[prefix] = seen
         assert stats[f"{prefix}.peak"] == peaks[prefix], f"{where}: {prefix}.peak"
     for name in ARRAY_STATS:
         for field in ("current", "allocated", "freed"):
@@ -91,6 +100,7 @@ operation = st.tuples(st.integers(0, 9), st.integers(0, 104), st.integers(0, 2**
 
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(CONFIGS), st.lists(operation, min_size=1, max_size=70))
+@example(None, [(0, 0, 0, False), (0, 0, 0, False), (4, 0, 0, True), (4, 0, 0, True), (4, 0, 0, False)])  # empty_cache frees two
 def test_every_statistic_matches_the_blocks(config, ops):
     alloc = CachingAllocator(PhysicalMemory(capacity=256 * MiB, backed=False), Clockwork(), config)
     alloc.set_memory_fraction(0.75)

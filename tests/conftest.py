@@ -8,7 +8,9 @@ marked ``property`` automatically, so ``pytest -m property`` selects them.
 """
 
 import gc
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -24,6 +26,16 @@ from graphborrow.backend import get_backend  # noqa: E402
 from graphborrow.borrow import BorrowState  # noqa: E402
 
 MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str):
+    """Import one of the repository's scripts (``scripts/x.py``, ``benchmarks/y.py``) as a module."""
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 HYPOTHESIS_ENV = "GRAPHBORROW_HYPOTHESIS"
 DEEP_FACTOR = 50

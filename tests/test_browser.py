@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -148,11 +149,7 @@ def _executed_copy(path: Path, folder: Path) -> Path:
     """The notebook executed at its defaults: from the points run when there is one, else run now."""
     done = POINTS / path.stem / "defaults.ipynb"
     if not done.exists():
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("notebook_points", ROOT / "scripts" / "notebook_points.py")
-        harness = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(harness)
+        harness = load_script("scripts/notebook_points.py")
         record = harness.run_point(path, "defaults", {}, folder / "points", timeout=300)
         assert record["ok"], f"{path.name} failed at its defaults: {record['problems']}"
         done = folder / "points" / path.stem / "defaults.ipynb"

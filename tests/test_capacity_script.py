@@ -1,22 +1,17 @@
 """benchmarks/capacity_gpu.py on the simulated device: the GPU script's CPU twin."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "capacity_gpu.py"
+from conftest import load_script
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("capacity_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_capacity_script():
+    return load_script("benchmarks/capacity_gpu.py")
 
 
 def test_every_check_agrees_and_the_sequences_match(tmp_path):
     out = tmp_path / "capacity.json"
-    code = load_script().main(["--device", "sim", "--small", "--batches", "1,8", "--draft-tokens", "4",
+    code = load_capacity_script().main(["--device", "sim", "--small", "--batches", "1,8", "--draft-tokens", "4",
                                "--top-k", "20", "--out", str(out)])
     result = json.loads(out.read_text())
     assert code == 0
@@ -27,7 +22,7 @@ def test_every_check_agrees_and_the_sequences_match(tmp_path):
 
 
 def test_the_comparison_shows_where_sequences_part():
-    script = load_script()
+    script = load_capacity_script()
     device = [("alloc", 512), ("alloc", 8), ("free", 1), ("alloc", 4096), ("free", 0), ("free", 2)]
     planned = [("alloc", 512), ("alloc", 4096), ("free", 0), ("free", 1)]
     diff = script.compare(device, planned)

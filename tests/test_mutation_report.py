@@ -1,19 +1,12 @@
 """Which surviving mutants the mutation record may call wording-only (scripts/mutation_report.py)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "mutation_report.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("mutation_report", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/mutation_report.py")
 
 
 @pytest.mark.parametrize("before, after, wording", [

@@ -1,20 +1,14 @@
 """The deterministic sample a time-boxed mutation run names (scripts/mutation_sample.py)."""
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "mutation_sample.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("mutation_sample", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/mutation_sample.py")
 
 
 def statuses(function, count, status="not checked"):

@@ -5,7 +5,6 @@ runs on a tiny notebook that fails on purpose, so the report is shown to name th
 the point and the failed assert's message.
 """
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -19,12 +18,11 @@ from graphborrow.sweep.parameters import PARAMETERS, validate
 from graphborrow.sweep.space import (BACKED_LIMIT_BYTES, H200, REAL_VOCABS, corner, derive, footprint_bytes,
                                      notebook_points, random_point)
 from tests.sweep_notebooks import tiny_notebook
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-_spec = importlib.util.spec_from_file_location("notebook_points", ROOT / "scripts" / "notebook_points.py")
-harness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(harness)
+harness = load_script("scripts/notebook_points.py")
 
 SHAPES = {"HIDDEN", "INTERMEDIATE", "LAYERS", "VOCAB", "PREFILL_TOKENS", "LADDER", "DRAFT_TOKENS", "LAYOUT_ONLY"}
 

@@ -1,17 +1,15 @@
 """The committed notebooks: stripped, one parameters cell with the shared knobs, python3 kernel."""
 
-import importlib.util
 import re
 from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-_spec = importlib.util.spec_from_file_location("strip_notebooks", ROOT / "scripts" / "strip_notebooks.py")
-strip_notebooks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(strip_notebooks)
+strip_notebooks = load_script("scripts/strip_notebooks.py")
 
 
 def test_the_suite_is_there():

@@ -4,8 +4,9 @@ Tables and a figure for the free-runs notebook and the README, computed the same
 a GPU and on the simulated device:
 
 * :func:`study` — one ladder's pool: reserved and idle bytes, runs under both rules
-  (``runs`` and the seed's ``whole_segments``), which verification steps fit, and the
-  device memory a borrowed probability set saves (``mem_get_info`` before and after);
+  (``runs`` and the seed's ``whole_segments``), which verification steps fit, the planner's
+  boundary steps run for real on the same pool (:func:`check_boundaries`), and the device
+  memory a borrowed probability set saves (``mem_get_info`` before and after);
 * :func:`workload_table` — rows for several workloads side by side (the synthetic
   baseline first);
 * :func:`prefill_table` — one model with no prefill graph, one prefill graph, and
@@ -33,9 +34,11 @@ __all__ = [
     "MiB",
     "borrow_saving",
     "build_workload",
+    "check_boundaries",
     "markdown_table",
     "plot_workloads",
     "prefill_table",
+    "readme_markers",
     "replace_between_markers",
     "segment_addresses",
     "simulate_recording",
@@ -98,6 +101,39 @@ def verify_fit(state, batches: Iterable[int], draft_tokens: int, vocab: int,
     return rows
 
 
+def check_boundaries(state, fit: Sequence[dict]) -> list[dict]:
+    """The planner's boundary steps run for real, borrowing from the pool it was asked about.
+
+    Per mode, the largest batch the planner fits and the smallest it does not
+    (:func:`graphborrow.capacity_study.boundary_cells`) are the cells a wrong planner gets
+    wrong first. Each runs as ``eagle_verify`` (the reference path, whose allocations the
+    planner replays) on the ladder's own pool. A chunked step planned not to fit is left
+    out: ``eagle_verify`` refuses it before allocating, so running it would check nothing.
+
+    Args:
+        state: the ladder's :class:`~graphborrow.borrow.BorrowState`.
+        fit: rows of :func:`verify_fit` answered by the planner.
+
+    Returns:
+        One row per step run: batch, draft_tokens, vocab, mode, planned, ran, agrees.
+    """
+    from .capacity_study import boundary_cells, run_verify_step
+
+    cells = [{"batch_size": r["batch"], "draft_tokens": r["draft_tokens"], "vocab": r["vocab"],
+              "mode": r["mode"], "fits": r["fits"]}
+             for r in fit if r["answered_by"] == "capacity.plan_verify"]
+    out = []
+    for draft_tokens in sorted({c["draft_tokens"] for c in cells}):
+        for cell in boundary_cells(cells, draft_tokens):
+            if cell["mode"] == "chunked" and not cell["fits"]:
+                continue
+            ran = run_verify_step(state, cell["batch_size"], draft_tokens, cell["vocab"], cell["mode"])
+            out.append({"batch": cell["batch_size"], "draft_tokens": draft_tokens, "vocab": cell["vocab"],
+                        "mode": cell["mode"], "planned": cell["fits"], "ran": ran,
+                        "agrees": ran == cell["fits"]})
+    return out
+
+
 def borrow_saving(state, logits: torch.Tensor, backend) -> dict:
     """Device memory a verification probability set takes plain and borrowed (``mem_get_info``).
 
@@ -140,11 +176,21 @@ def vocab_of(ladder) -> int:
     return config.vocab_size if config is not None else ladder.shape.vocab
 
 
-def study(ladder, label: str = "", measure_saving: bool = True, saving_batch: Optional[int] = None) -> dict:
+def study(ladder, label: str = "", measure_saving: bool = True, saving_batch: Optional[int] = None,
+          check_plan: bool = True) -> dict:
     """The pool of a captured ladder: summary, runs by rule, verify fit, memory a borrow saves.
 
-    ``saving_batch``: the batch whose probability set is measured (default: the largest
-    captured batch whose standard step fits, else the smallest batch).
+    Args:
+        ladder: a captured ladder (synthetic or a transformers model).
+        label: the workload's name in the tables (default: the ladder's).
+        measure_saving: measure the device memory a borrowed probability set saves.
+        saving_batch: the batch whose probability set is measured (default: the largest
+            captured batch whose standard step fits, else the smallest batch).
+        check_plan: run the planner's boundary steps for real (:func:`check_boundaries`).
+
+    Returns:
+        workload, pool (:func:`graphborrow.runs.summarize`), runs_by_rule, verify_fit,
+        and, as asked, borrow_saving and planner_checked.
     """
     segments = ladder.snapshot()
     summary = summarize(segments)
@@ -166,6 +212,8 @@ def study(ladder, label: str = "", measure_saving: bool = True, saving_batch: Op
             if saving["borrowed_device_bytes"] is not None or saving_batch:
                 break
         result["borrow_saving"] = saving
+    if check_plan:
+        result["planner_checked"] = check_boundaries(ladder.state, fit)
     return result
 
 
@@ -206,7 +254,7 @@ def prefill_table(make_backend: Callable[[], object], model: str, prefill_tokens
     for mode in modes:
         backend = make_backend()
         ladder = build_workload(model, backend, prefill=mode, prefill_tokens=prefill_tokens, **ladder_kwargs).capture()
-        s = study(ladder, label=f"{model}, prefill {mode}", measure_saving=False)
+        s = study(ladder, label=f"{model}, prefill {mode}", measure_saving=False, check_plan=False)
         studies.append(s)
         del ladder
         backend.empty_cache()
@@ -303,8 +351,13 @@ def simulate_recording(rec: dict, addresses: bool = True):
         backend.close()
 
 
-README_BEGIN = "<!-- model-pools:begin (scripts/model_pools_table.py writes this table) -->"
-README_END = "<!-- model-pools:end -->"
+def readme_markers(name: str = "model-pools") -> tuple[str, str]:
+    """The README comments that enclose a generated table: ``model-pools`` (the H200 run)
+    or ``model-pools-sim`` (the simulated device's run)."""
+    return (f"<!-- {name}:begin (scripts/model_pools_table.py writes this table) -->", f"<!-- {name}:end -->")
+
+
+README_BEGIN, README_END = readme_markers()
 
 
 def planned_largest_batch(recording_path, verify_fit: list) -> int:
@@ -338,6 +391,9 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
                         for w in summary["workloads"] for r in w["study"]["verify_fit"])
     if single_tensor:
         header.insert(6, "largest fitting verify batch (planner, recorded pool)")
+    checked = any("planner_checked" in w["study"] for w in summary["workloads"])
+    if checked:
+        header.insert(header.index("largest fitting verify batch") + 1, "planner's boundary steps run: as planned")
     if compare:
         header.append("simulator agreement: blocks / bytes / trace events")
     causes: dict[str, int] = {}
@@ -350,6 +406,10 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
         if single_tensor:
             cells.insert(6, str(planned_largest_batch(Path(directory) / f"{w['workload']}.json.gz",
                                                       w["study"]["verify_fit"])))
+        if checked:
+            runs = w["study"].get("planner_checked", [])
+            cells.insert(header.index("largest fitting verify batch") + 1,
+                         f"{sum(r['agrees'] for r in runs)} of {len(runs)}" if runs else "-")
         if compare:
             rec = load_recording(Path(directory) / f"{w['workload']}.json.gz")
             c = compare_recordings(rec, simulate_recording(rec))
@@ -377,17 +437,25 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
                      "The planner's column replays each standard step against the recorded pool "
                      "(`graphborrow.inspection.inspect_snapshot`, on the CPU), as it agreed with the "
                      "H200 in every step of `data/capacity_h200.json`.")
+    if checked:
+        lines.append("Fit column: the largest batch whose standard step the capacity planner fits "
+                     "(`capacity.plan_verify`, reference path, D = "
+                     f"{fits[0]['draft_tokens']}); the next column runs each mode's boundary steps (the largest "
+                     "batch planned to fit, the smallest planned not to) for real on the same pool "
+                     "(`pool_study.check_boundaries`) and counts those that ran as planned.")
     lines.append(f"{summary['device']}, torch {summary['torch']}, transformers {summary['transformers']}; "
                  f"`{summary['command']}`")
     return "\n".join(lines)
 
 
-def replace_between_markers(text: str, table: str) -> str:
-    """``text`` with the part between the README markers replaced by ``table``."""
-    start, end = text.find(README_BEGIN), text.find(README_END)
+def replace_between_markers(text: str, table: str, name: str = "model-pools") -> str:
+    """``text`` with the part between the README markers called ``name`` replaced by ``table``."""
+    begin, end_marker = readme_markers(name)
+    start, end = text.find(begin), text.find(end_marker)
     if start < 0 or end < start:
-        raise ParameterError(f"the markers {README_BEGIN!r} and {README_END!r} are not both in the file")
-    return text[: start + len(README_BEGIN)] + "\n" + table + "\n" + text[end:]
+        raise ParameterError(f"the markers {begin!r} and {end_marker!r} are not both in the file; "
+                             "put them around the table to be replaced")
+    return text[: start + len(begin)] + "\n" + table + "\n" + text[end:]
 
 
 def recorded_rows(directory=None) -> Optional[list[dict]]:

@@ -4,7 +4,8 @@
 
 Reads ``<dir>/summary.json`` and the recordings beside it, rebuilds each workload on the
 layout-only simulated device to report block-for-block agreement, and prints a Markdown
-table; with ``--readme`` it replaces the text between the ``model-pools`` markers there.
+table; with ``--readme`` it replaces the text between the ``--marker`` markers there
+(``model-pools`` for the H200 run, ``model-pools-sim`` for the simulated one).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("directory", help="what benchmarks/model_pools.py wrote (summary.json + recordings)")
     p.add_argument("--readme", default=None, help="replace the table between the model-pools markers in this file")
+    p.add_argument("--marker", default="model-pools",
+                   help="which markers enclose the table: model-pools (H200) or model-pools-sim")
     p.add_argument("--no-compare", action="store_true", help="skip the simulated rebuilds (no agreement column)")
     args = p.parse_args(argv)
     directory = Path(args.directory)
@@ -31,7 +34,7 @@ def main(argv=None) -> int:
     print(table)
     if args.readme:
         path = Path(args.readme)
-        path.write_text(replace_between_markers(path.read_text(), table))
+        path.write_text(replace_between_markers(path.read_text(), table, args.marker))
         print(f"updated {path}")
     return 0
 

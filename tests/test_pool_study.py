@@ -11,6 +11,7 @@ from graphborrow.pool_study import (  # noqa: E402
     MiB,
     borrow_saving,
     build_workload,
+    check_boundaries,
     plot_workloads,
     prefill_table,
     study,
@@ -54,6 +55,25 @@ def test_verify_fit_answers_for_every_batch(layout):
     assert by_batch[1]["fits"] is True
     assert by_batch[4096]["fits"] is False  # 4096 x 8 x 128256 fp32 is 16 GiB
     assert all(r["answered_by"] for r in rows) and all(r["reason"] is not None for r in rows)
+
+
+def test_the_planner_s_boundary_steps_run_as_planned_on_both_sides(layout):
+    ladder = _ladder(layout, "synthetic", prefill_tokens=1024, layers=1)
+    s = study(ladder, measure_saving=False)
+    runs = {(r["mode"], r["batch"]): r for r in s["planner_checked"]}
+    # standard and lean: the largest batch planned to fit ran, the smallest planned not to ran out
+    assert runs[("standard", 8)]["planned"] and runs[("standard", 8)]["ran"]
+    assert not runs[("standard", 64)]["planned"] and not runs[("standard", 64)]["ran"]
+    assert not runs[("lean", 64)]["ran"] and runs[("chunked", 64)]["ran"]
+    assert all(r["agrees"] for r in runs.values())
+
+
+def test_a_wrong_plan_is_caught_by_running_its_step(layout):
+    ladder = _ladder(layout, "synthetic", prefill_tokens=1024, layers=1)
+    fit = verify_fit(ladder.state, [8, 64], 8, 128256, modes=("standard",))
+    wrong = [dict(r, fits=not r["fits"]) if r["batch"] == 64 else r for r in fit]  # "64 fits"
+    runs = check_boundaries(ladder.state, wrong)
+    assert [(r["batch"], r["planned"], r["ran"], r["agrees"]) for r in runs] == [(64, True, False, False)]
 
 
 def test_a_borrowed_probability_set_takes_no_device_memory(layout):

@@ -118,6 +118,12 @@ def test_example_grid_is_valid_for_its_notebook():
     assert len(points) == 4 and all(p["DEVICE"] == "sim" for p in points)
 
 
+def test_models_grid_is_valid_for_its_notebook():
+    grid = Grid.from_yaml(example_grid().with_name("sweep_models.yaml"))
+    points = grid.validated_points(declared_parameters(read_notebook(find_notebook(grid.notebook))))
+    assert {p["MODEL"] for p in points} == {"synthetic", "mistral-7b", "qwen3-30b-a3b"} and len(points) == 6
+
+
 def test_find_notebook_by_prefix_and_errors(tmp_path):
     assert find_notebook("06").name == "06_capacity_sweep.ipynb"
     assert find_notebook("01_free_runs.ipynb").name == "01_free_runs.ipynb"

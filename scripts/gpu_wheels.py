@@ -2,7 +2,7 @@
 
 The GPU machine (Python 3.12, x86_64, no package index) has torch, numpy, matplotlib,
 pyyaml, tqdm, cython, pytest, hypothesis and their dependencies, but not papermill,
-nbclient, nbformat, ipykernel, ipywidgets, jupyter-client or Dask. This resolves those for
+nbclient, nbformat, ipykernel, ipywidgets, jupyter-client, Dask or transformers. This resolves those for
 Python 3.12 on manylinux x86_64 with pip, keeps only what the machine does not already
 have, and prints the install line to run there. pip evaluates dependency markers
 (``python_version == "3.12"``) for the interpreter it runs in, so this runs pip with a
@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 WANTED = ["papermill>=2.6", "nbclient", "nbformat>=5", "ipykernel>=6", "jupyter-client", "ipywidgets>=8.0.5",
-          "distributed>=2024.1", "dask>=2024.1", "filelock>=3.12", "setuptools>=68"]
+          "distributed>=2024.1", "dask>=2024.1", "filelock>=3.12", "setuptools>=68",
+          "transformers==5.17.0"]  # the models extra (make model-pools)
 # Already on the GPU machine's image (torch's, matplotlib's, pytest's and hypothesis' trees).
 PRESENT = {"torch", "triton", "numpy", "pyyaml", "tqdm", "cython", "matplotlib", "contourpy", "cycler", "fonttools",
            "kiwisolver", "pillow", "pyparsing", "packaging", "python-dateutil", "six", "sortedcontainers",

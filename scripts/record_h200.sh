@@ -15,7 +15,7 @@ set -uo pipefail
 out=${1:?usage: scripts/record_h200.sh OUT_DIR [STEP ...]}
 shift
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(gpu-tests capacity sweep kernels interrupt-cost suite capacity-renorm)
+[ ${#steps[@]} -eq 0 ] && steps=(gpu-tests capacity sweep kernels interrupt-cost suite capacity-renorm model-pools)
 py=${PYTHON:-python}
 mkdir -p "$out/data" "$out/logs"
 
@@ -61,4 +61,9 @@ if want suite; then
 fi
 want capacity-renorm && run_step capacity-renorm 60 "$py" benchmarks/capacity_gpu.py \
   --out "$out/data/capacity_h200_renorm.json" --top-k 50 --top-p 0.9 --batches 1,4,32,128 --budget-s 40
+if want model-pools; then  # needs transformers (make gpu-wheels brings it); writes in place so the command stays portable
+  run_step model-pools 420 "$py" benchmarks/model_pools.py --out data/models_h200
+  mkdir -p "$out/data/models_h200" && cp data/models_h200/* "$out/data/models_h200/"
+  tar -czf "$out/record_h200.tar.gz" -C "$out" data logs
+fi
 cat "$out/logs/steps.txt"

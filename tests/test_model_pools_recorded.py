@@ -103,3 +103,21 @@ def test_planner_on_the_recorded_synthetic_pool_agrees_with_the_h200_runs():
     study = next(w["study"] for w in summary["workloads"] if w["workload"] == "synthetic")
     ran = json.loads((DATA.parent / "capacity_h200.json").read_text())["largest_standard_batch_by_draft_tokens"]
     assert planned_largest_batch(DATA / "synthetic.json.gz", study["verify_fit"]) == ran["8"] == 32
+
+
+@pytest.mark.parametrize("path", RECORDINGS, ids=IDS)
+def test_the_planner_s_boundary_steps_ran_as_planned_on_the_h200(path):
+    """On each recorded pool the H200 ran the planner's boundary steps (per mode, the largest
+    batch planned to fit and the smallest planned not to): each finished exactly when planned,
+    and the planner, replaying the same steps against the recording on the CPU, still agrees."""
+    from graphborrow.inspection import inspect_snapshot
+
+    rec = load_recording(path)
+    checked = rec["study"]["planner_checked"]
+    assert checked and all(r["agrees"] for r in checked), checked
+    assert {r["mode"] for r in checked} == {"standard", "lean", "chunked"}
+    report = inspect_snapshot(rec["segments"], batches=sorted({r["batch"] for r in checked}),
+                              draft_tokens=[checked[0]["draft_tokens"]], vocab=checked[0]["vocab"],
+                              modes=("standard", "lean", "chunked"))
+    planned = {(f["mode"], f["batch_size"]): f["fits"] for f in report.fit}
+    assert all(planned[(r["mode"], r["batch"])] == r["ran"] for r in checked)

@@ -20,6 +20,19 @@ import torch.nn.functional as F
 from .borrow import BorrowState
 from .errors import ParameterError
 
+__all__ = [
+    "LLAMA3_8B",
+    "SYNTHETIC",
+    "TINY",
+    "GraphLadder",
+    "LlamaMLP",
+    "ModelShape",
+    "borrowable_ladder",
+    "build_ladder",
+    "model_names",
+    "notebook_dtype",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:

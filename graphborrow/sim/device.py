@@ -26,6 +26,8 @@ from .memory import PhysicalMemory
 from .streams import Clockwork, Event, Stream
 from .tensor import SimCaptureError, SimFunctionMode, SimStorage, SimTensor, is_sim_tensor
 
+__all__ = ["GiB", "MemPool", "SimBackend", "SimEvent"]
+
 GiB = 2**30
 
 _active = threading.local()  # .backend: the SimBackend active on this thread

@@ -32,6 +32,12 @@ CORE_MODULES = [
     "graphborrow.workload",
     "graphborrow.sim.replay",
     "graphborrow.sim.device",
+    # beyond the core: the rest of what the README and notebooks call
+    "graphborrow.eagle.kernel",
+    "graphborrow.eagle.renorm",
+    "graphborrow.eagle.sequence",
+    "graphborrow.planner",
+    "graphborrow.sweep",
 ]
 
 SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Example|Examples|Note|Notes|Warning|See Also):\s*$")

@@ -49,7 +49,13 @@ NO_MEMORY = -9
 
 
 def cache_dir() -> Path:
-    """Where built libraries live: $GRAPHBORROW_CACHE_DIR, else ~/.cache/graphborrow."""
+    """Where built libraries live: $GRAPHBORROW_CACHE_DIR, else ~/.cache/graphborrow.
+
+    Per user, not per checkout, so every process of one user shares one verified build.
+
+    Returns:
+        The directory (not created here); ``$XDG_CACHE_HOME/graphborrow`` when that is set.
+    """
     env = os.environ.get("GRAPHBORROW_CACHE_DIR")
     if env:
         return Path(env)
@@ -75,7 +81,14 @@ def _digest(path: Path) -> str:
 
 
 def digest_path(library: Path) -> Path:
-    """The file beside a built library that holds the library's SHA-256."""
+    """The file beside a built library that holds the library's SHA-256.
+
+    Args:
+        library: path of a built arena library.
+
+    Returns:
+        The digest file's path, ``<library>.sha256`` (it may not exist).
+    """
     return library.with_name(library.name + ".sha256")
 
 
@@ -84,6 +97,13 @@ def library_is_intact(library: Path) -> bool:
 
     A truncated or overwritten shared library can crash the interpreter when loaded
     (SIGBUS on a page past the end of the file), so nothing is loaded unchecked.
+
+    Args:
+        library: path of a built arena library.
+
+    Returns:
+        False when the library or its digest file is missing or unreadable, or the two
+        disagree.
     """
     try:
         recorded = digest_path(library).read_text().strip()
@@ -111,6 +131,13 @@ def library_path() -> Path:
     concurrent process either finds a complete, verified library or builds its own
     private copy and races harmlessly on the renames. A library that fails its check
     (truncated, overwritten, digest missing) is rebuilt.
+
+    Returns:
+        Path of the verified library in :func:`cache_dir`.
+
+    Raises:
+        RuntimeError: no C compiler was found, the cache is not writable, or the build
+            failed.
     """
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + sys.platform.encode() + os.uname().machine.encode()).hexdigest()[:16]
@@ -187,7 +214,15 @@ def _library() -> ctypes.CDLL:
 
 
 def first_overlap(ranges: Iterable[Sequence[int]]):
-    """The first two ``(base, nbytes)`` ranges that share a byte, in address order, else None."""
+    """The first two ``(base, nbytes)`` ranges that share a byte, in address order, else None.
+
+    Args:
+        ranges: ``(base, nbytes)`` pairs in bytes, in any order.
+
+    Returns:
+        ``((base, nbytes), (base, nbytes))``, the lower range first, or None when the ranges
+        are disjoint (touching ranges do not overlap).
+    """
     ordered = sorted((int(b), int(n)) for b, n in ranges)
     for first, second in zip(ordered, ordered[1:]):
         if second[0] < first[0] + first[1]:
@@ -214,7 +249,17 @@ def _integer(value, what: str) -> int:
 
 
 def describe_free_error(code: int, ptr: int, nbytes: int, live_size: int = 0) -> str:
-    """What an arena error code means, for one free (or malloc) call."""
+    """What an arena error code means, for one free (or malloc) call.
+
+    Args:
+        code: the C library's error code (negative; see :meth:`BumpArena.last_error`).
+        ptr: the address the call passed.
+        nbytes: the size the call passed, in bytes.
+        live_size: for a wrongly sized free, the size the allocation was made with.
+
+    Returns:
+        One sentence naming the call, what was wrong and what to pass instead.
+    """
     call = f"free({ptr:#x}, {nbytes})"
     if code == FREE_NEGATIVE:
         return f"{call}: a negative size is never valid; pass the size malloc was asked for"
@@ -247,6 +292,16 @@ class BumpArena:
     (and the simulated device's, :meth:`raw_delete`) cannot raise: such frees are
     counted in :attr:`errors` and described by :meth:`last_error`, and the borrow state
     refuses to go on with an arena that reports them.
+
+    Args:
+        align: every allocation starts at a multiple of this many bytes (a power of two;
+            512 matches the caching allocator's block rounding).
+        best_fit: place an allocation in the extent with the least room that holds it,
+            instead of the first one that does.
+
+    Raises:
+        ValueError: ``align`` is not a positive power of two.
+        RuntimeError: all ``MAX_SLOTS`` arenas of this process are in use.
     """
 
     MAX_EXTENTS = 64
@@ -272,7 +327,20 @@ class BumpArena:
     # extents
     def set_extents(self, extents: Iterable[Sequence[int]]) -> None:
         """Hand over ``(base, nbytes)`` ranges; resets every cursor, the freed counter and
-        the record of live allocations. A rejected list changes nothing."""
+        the record of live allocations. A rejected list changes nothing.
+
+        The caller keeps owning the memory: the arena only hands out addresses inside it,
+        so the extents must stay valid until they are replaced.
+
+        Args:
+            extents: at most ``MAX_EXTENTS`` ``(base, nbytes)`` pairs of ints, in bytes;
+                each base a positive multiple of ``align``, no two overlapping.
+
+        Raises:
+            TypeError: an extent is not a pair of integers.
+            ValueError: too many extents, or one is empty, misaligned, past 2**64 or
+                overlapping another.
+        """
         checked = []
         for i, extent in enumerate(extents):
             try:
@@ -325,7 +393,21 @@ class BumpArena:
 
     # allocation (host calls of the same C functions torch calls)
     def malloc(self, nbytes: int) -> int:
-        """Address of ``nbytes`` rounded up to ``align``; 0 when no extent has room."""
+        """Address of ``nbytes`` rounded up to ``align``; 0 when no extent has room.
+
+        Returning 0 rather than raising is the pluggable-allocator contract: torch turns it
+        into an ordinary out-of-memory error.
+
+        Args:
+            nbytes: bytes wanted (an int, 0 or more).
+
+        Returns:
+            The address, or 0 when nothing fits.
+
+        Raises:
+            TypeError: ``nbytes`` is not an integer.
+            ValueError: ``nbytes`` is negative or not below 2**64.
+        """
         nbytes = _integer(nbytes, "malloc size")
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size ({nbytes})")
@@ -338,6 +420,13 @@ class BumpArena:
 
         Raises ArenaFreeError, changing nothing, unless ``ptr`` is a live allocation of
         this arena and ``nbytes`` the size malloc was asked for.
+
+        Args:
+            ptr: an address :meth:`malloc` returned since the last :meth:`set_extents`.
+            nbytes: the size that malloc call asked for (not the aligned size).
+
+        Raises:
+            ArenaFreeError: a double, unknown, stale, wrongly sized or negative free.
         """
         code = self._free(ptr, nbytes)
         if code:
@@ -360,6 +449,11 @@ class BumpArena:
         return self._lib.gb_arena_cursor(self.slot)
 
     def extent_cursors(self) -> list[int]:
+        """How far each extent has been carved, for room checks (extent size minus cursor).
+
+        Returns:
+            Bytes used from the start of each extent, in the order of :attr:`extents`.
+        """
         return [self._lib.gb_arena_extent_cursor(self.slot, i) for i in range(len(self._extents))]
 
     @property
@@ -372,12 +466,22 @@ class BumpArena:
         return self._errors.value  # read in place: checked on every borrow
 
     def last_error(self) -> tuple[int, int, int, int]:
-        """``(code, ptr, nbytes, live_size)`` of the most recent refused call (code 0: none)."""
+        """``(code, ptr, nbytes, live_size)`` of the most recent refused call (code 0: none).
+
+        Returns:
+            The C library's error code, the pointer and size the call passed, and for a
+            wrongly sized free the size the allocation was made with.
+        """
         ptr, size, live = ctypes.c_uint64(), ctypes.c_int64(), ctypes.c_uint64()
         code = self._lib.gb_arena_last_error(self.slot, ctypes.byref(ptr), ctypes.byref(size), ctypes.byref(live))
         return code, ptr.value, size.value, live.value
 
     def describe_last_error(self) -> str:
+        """The most recent refused call in words, for error messages.
+
+        Returns:
+            :func:`describe_free_error`'s sentence, or ``"no error"``.
+        """
         code, ptr, size, live = self.last_error()
         return describe_free_error(code, ptr, size, live) if code else "no error"
 
@@ -424,11 +528,25 @@ class BumpArena:
         return self._allocator
 
     def raw_alloc(self, nbytes: int, stream: int = 0) -> int:
-        """The simulated device's pluggable-allocator hook (same C function as torch's)."""
+        """The simulated device's pluggable-allocator hook (same C function as torch's).
+
+        Args:
+            nbytes: bytes wanted.
+            stream: the stream the allocation is for; ignored, as the C allocator ignores it.
+
+        Returns:
+            The address, or 0 when nothing fits.
+        """
         return self.malloc(nbytes)
 
     def raw_delete(self, address: int, nbytes: int, stream: int = 0) -> None:
-        """Like torch's pluggable free: an invalid free is counted in ``errors``, not raised."""
+        """Like torch's pluggable free: an invalid free is counted in ``errors``, not raised.
+
+        Args:
+            address: an address :meth:`raw_alloc` returned.
+            nbytes: the size it was asked for.
+            stream: the stream of the free; ignored, as the C allocator ignores it.
+        """
         self._free(address, nbytes)
 
     def __repr__(self) -> str:

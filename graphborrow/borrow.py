@@ -71,6 +71,20 @@ class BorrowState:
     segment (less ``precarve_reserve``, left for 2 MiB small-pool segments), so a tensor
     as large as the run can land there without the allocator's 2 MiB segment rounding
     spreading it over several runs.
+
+    Args:
+        backend: the device, a :class:`~graphborrow.backend.CudaBackend` or a
+            :class:`~graphborrow.sim.SimBackend` (see :func:`graphborrow.backend.get_backend`).
+        pool_id: the shared graph pool's handle (``backend.graph_pool_handle()``) whose idle
+            runs are borrowed; None leaves borrowing off until static runs are set.
+        policy: how free runs are found, ``"runs"`` (merged inactive blocks) or
+            ``"whole_segments"`` (the seed's rule); see :data:`graphborrow.runs.POLICIES`.
+        best_fit: the arena places a segment in the smallest run that holds it (False: the
+            first, largest first).
+        precarve: seed each large run with one cached segment when the borrow pool is built.
+        precarve_reserve: bytes of each run left out of its seed segment, for small-pool
+            segments.
+        precarve_min: smallest seed segment worth carving, in bytes.
     """
 
     backend: Any
@@ -113,7 +127,18 @@ class BorrowState:
         return self.pool_id is not None
 
     def disable(self, reason: str) -> None:
-        """Turn borrowing off for good reason (e.g. graphs saved to external storage)."""
+        """Turn borrowing off for good reason (e.g. graphs saved to external storage).
+
+        Disabling is explicit so that a log or ``stats()`` can say why nothing is borrowed;
+        the borrow pool is retired first, and every scope becomes a true no-op.
+
+        Args:
+            reason: a non-empty sentence saying why, kept in ``disabled_reason``.
+
+        Raises:
+            ValueError: ``reason`` is empty or not a string.
+            PoolBusyError: a capture, replay or borrow scope holds the pool.
+        """
         if not isinstance(reason, str) or not reason.strip():
             raise ValueError("disable() needs a reason, e.g. disable('graph pool is externally managed')")
         with CRITICAL:
@@ -122,6 +147,7 @@ class BorrowState:
             self.disabled_reason = reason
 
     def enable(self) -> None:
+        """Undo :meth:`disable`; the next borrow builds a fresh pool from the current runs."""
         self.disabled_reason = None
 
     def set_static_runs(self, runs: Iterable[Sequence[int]]) -> None:
@@ -129,6 +155,15 @@ class BorrowState:
 
         For externally managed storage whose addresses never move. The largest
         ``BumpArena.MAX_EXTENTS`` are kept; an empty list disables borrowing.
+
+        Args:
+            runs: ``(address, nbytes)`` pairs in bytes; each address 512-byte aligned, no two
+                ranges overlapping, none covering a block the caching allocator hands out
+                (use memory from ``backend.external_alloc``).
+
+        Raises:
+            ValueError: a range is empty, misaligned, overlaps another or a live block.
+            PoolBusyError: a scope holds the pool.
         """
         runs = [(int(a), int(n)) for a, n in runs]
         for a, n in runs:
@@ -171,6 +206,7 @@ class BorrowState:
                         )
 
     def clear_static_runs(self) -> None:
+        """Go back to runs found in the pool's snapshot (undoes :meth:`set_static_runs`)."""
         with CRITICAL:
             self._require_idle("clear the static runs")
             self._retire()
@@ -183,7 +219,12 @@ class BorrowState:
 
     # ------------------------------------------------------------------ capacity
     def free_runs(self) -> list[tuple[int, int]]:
-        """The runs a new borrow pool would use, largest first (cached until retirement)."""
+        """The runs a new borrow pool would use, largest first (cached until retirement).
+
+        Returns:
+            ``(address, nbytes)`` pairs, at most ``BumpArena.MAX_EXTENTS``; empty when
+            borrowing is disabled.
+        """
         if not self.enabled:
             return []
         if self.static_runs is not None:
@@ -206,6 +247,11 @@ class BorrowState:
         return [s for s in segments if tuple(s.get("segment_pool_id", pool)) == pool]
 
     def largest_run(self) -> int:
+        """The size of the largest free run, the upper bound on any one borrowed segment.
+
+        Returns:
+            Bytes; 0 when borrowing is disabled or the pool has no idle run.
+        """
         runs = self.free_runs()
         return runs[0][1] if runs else 0
 
@@ -215,7 +261,15 @@ class BorrowState:
         return precarve_bytes(run, self.precarve_reserve, self.precarve_min)
 
     def precarve_sizes(self, runs: Sequence[Sequence[int]]) -> list[int]:
-        """The seed segments a fresh borrow pool over ``runs`` allocates (and frees), in order."""
+        """The seed segments a fresh borrow pool over ``runs`` allocates (and frees), in order.
+
+        Args:
+            runs: ``(address, nbytes)`` pairs, as :meth:`free_runs` returns them.
+
+        Returns:
+            Segment sizes in bytes, one per run large enough to seed (none when ``precarve``
+            is off).
+        """
         return [s for s in (self._precarve_bytes(n) for _, n in runs) if s]
 
     def can_fit(self, nbytes: int) -> bool:
@@ -227,6 +281,13 @@ class BorrowState:
         cached free block of the borrow pool (a precarved segment included), or in a new
         segment of 2 MiB, 20 MiB or a 2 MiB multiple that the arena must still have room
         for. Before the first borrow it answers for the pool that borrow would build.
+
+        Args:
+            nbytes: the tensor's size in bytes (before rounding).
+
+        Returns:
+            True if the allocator would place it in the borrow pool; False when borrowing
+            is disabled, ``nbytes`` is not positive, or no run has room.
         """
         if nbytes <= 0 or not self.enabled:
             return False
@@ -295,11 +356,27 @@ class BorrowState:
             )
 
     def capture_scope(self) -> "CaptureScope":
-        """Wrap a graph capture into the shared pool: retires the borrow pool first."""
+        """Wrap a graph capture into the shared pool: retires the borrow pool first.
+
+        The capture re-carves the pool's free space, so the cached runs are dropped when the
+        scope ends.
+
+        Returns:
+            A :class:`CaptureScope`; entering it raises ``PoolBusyError`` while another scope
+            holds the pool and ``BorrowLeakError`` if a borrowed tensor is still referenced.
+        """
         return CaptureScope(self, CAPTURE_USER)
 
     def replay_scope(self) -> "ReplayScope":
-        """Wrap a graph replay: refuses while any borrowed byte is still referenced."""
+        """Wrap a graph replay: refuses while any borrowed byte is still referenced.
+
+        A replay writes into the pool's free blocks, so a borrowed tensor alive across it
+        would be overwritten silently; the scope turns that into an error.
+
+        Returns:
+            A :class:`ReplayScope`; entering it raises ``BorrowLeakError`` (a borrowed tensor
+            survived its borrow) or ``PoolBusyError`` (another scope holds the pool).
+        """
         return ReplayScope(self, REPLAY_USER)
 
     def borrow(self, user: str = "borrow") -> "BorrowScope":
@@ -308,6 +385,18 @@ class BorrowState:
         ``user`` names the borrower in errors (``PoolBusyError`` names the holder); it
         must be a non-empty string. A request no run can hold raises the backend's
         OutOfMemoryError; nothing falls back silently to fresh device memory.
+
+        Args:
+            user: who borrows, e.g. ``"EAGLE verify"``.
+
+        Returns:
+            A :class:`BorrowScope`. Entering it builds the borrow pool on the current stream
+            if there is none; it raises ``WrongStreamError`` on another stream than the one
+            that built the pool, ``EmptyGraphPoolError`` when nothing was captured into
+            ``pool_id``, and ``PoolBusyError`` while another scope holds the pool.
+
+        Raises:
+            TypeError: ``user`` is not a non-empty string.
         """
         if not isinstance(user, str) or not user.strip():
             raise TypeError(
@@ -343,7 +432,11 @@ class BorrowState:
                 held.clear()
 
     def live_borrowed_bytes(self) -> int:
-        """Bytes of the borrow pool still allocated to live tensors."""
+        """Bytes of the borrow pool still allocated to live tensors.
+
+        Returns:
+            Bytes in ``active_allocated`` blocks (allocator-rounded sizes); 0 without a pool.
+        """
         if self.mem_pool is None:
             return 0
         segments = self.backend.memory_snapshot(self.backend.pool_id(self.mem_pool))
@@ -367,6 +460,11 @@ class BorrowState:
         Returns:
             A :class:`RetireReport`: the borrow pool's ``active_pending_free`` bytes before
             the synchronise and after the drain (always 0 after: that is the point).
+
+        Raises:
+            PoolBusyError: a scope holds the pool.
+            BorrowLeakError: a tensor borrowed earlier is still referenced.
+            ArenaIntegrityError: the arena refused frees since the last check.
         """
         with CRITICAL:
             self._require_idle("retire the borrow pool")
@@ -389,7 +487,11 @@ class BorrowState:
 
     def pending_free_bytes(self) -> int:
         """Bytes of the borrow pool still ``active_pending_free`` (freed in Python, waiting for
-        another stream's event); 0 without a pool."""
+        another stream's event).
+
+        Returns:
+            Bytes; 0 without a pool.
+        """
         if self.mem_pool is None:
             return 0
         segments = self.backend.memory_snapshot(self.backend.pool_id(self.mem_pool))
@@ -419,6 +521,14 @@ class BorrowState:
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
+        """The state at a glance, for tables and logs.
+
+        Returns:
+            A dict: ``enabled``, ``disabled_reason``, ``holder``, the free ``runs`` (count),
+            ``run_bytes``, ``largest_run``, ``pool_built``, ``builds``, the arena's
+            ``cursor_bytes``, ``freed_bytes`` and ``arena_errors``, and ``high_water``;
+            sizes in bytes.
+        """
         runs = self.free_runs() if self.enabled else []
         return {
             "enabled": self.enabled,

@@ -85,7 +85,8 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
         draft_tokens: tree nodes per request (D).
         vocab: vocabulary size V (float32 logits, as samplers read them).
         mode: "standard", "lean" or "chunked".
-        top_k, top_p: whether those renorms run.
+        top_k: whether the top-k renorm runs (True or False).
+        top_p: whether the top-p renorm runs (True or False).
         impl: the implementation whose allocations are planned, as ``eagle_verify`` takes it:
             ``"reference"``, ``"fused"`` (the Triton kernels' coins and workspace, recorded
             with ``launch=False``; one group whatever the mode) or ``"auto"``: fused when
@@ -93,7 +94,12 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
             ``eagle_verify(impl="auto")`` decides for CUDA logits), else the reference.
 
     Returns:
-        A :class:`VerifyPlan`.
+        A :class:`VerifyPlan`. The answer comes from replaying the step's own allocation
+        sequence against the pool's current state, not from a byte formula.
+
+    Raises:
+        ValueError: a size that is not an int in range, an unknown ``mode`` or ``impl``, or
+            ``top_k`` / ``top_p`` that are not bools.
     """
     for name, value, least in (("batch_size", batch_size, 0), ("draft_tokens", draft_tokens, 1), ("vocab", vocab, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -154,6 +160,9 @@ def largest_borrowable(run_bytes: int, seeds: Sequence[int] = ()) -> int:
 
     Returns:
         Bytes (0: the run can never hold a borrow).
+
+    Raises:
+        ValueError: ``run_bytes`` is not an int >= 0.
     """
     if isinstance(run_bytes, bool) or not isinstance(run_bytes, int) or run_bytes < 0:
         raise ValueError(f"run_bytes must be an int >= 0, got {run_bytes!r}")
@@ -195,12 +204,27 @@ def size_class_table(run_sizes: Iterable[int] | None = None) -> list[dict]:
 
 def unborrowable_runs(runs: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
     """The ``(address, nbytes)`` runs that can never hold a borrow: too small for even a 2 MiB
-    small-pool segment (the arena carves whole segments)."""
+    small-pool segment (the arena carves whole segments).
+
+    Args:
+        runs: ``(address, nbytes)`` pairs, as :func:`graphborrow.runs.find_free_runs` returns them.
+
+    Returns:
+        The runs whose :func:`largest_borrowable` is 0, in the order given.
+    """
     return [(int(a), int(n)) for a, n in runs if largest_borrowable(int(n)) == 0]
 
 
 def describe_plan(plan: VerifyPlan) -> str:
-    """One line for a status bar: fits, or why not."""
+    """One line for a status bar: fits, or why not.
+
+    Args:
+        plan: an answer of :func:`plan_verify`.
+
+    Returns:
+        The step's shape and mode, then the peak of its blocks in MiB when it fits, or the
+        plan's reason when it does not.
+    """
     what = f"bs={plan.batch_size} x D={plan.draft_tokens}, V={plan.vocab}, {plan.mode}"
     if plan.impl == "fused":
         what += " (fused kernels)"
@@ -223,6 +247,9 @@ class FitPolicyPool:
     2 MiB small-pool segment out of the 12 MiB run, and not under first fit, which carves
     it out of the 20 MiB run (the first extent: runs come largest first). Precarve is off,
     so the arena alone decides.
+
+    Args:
+        backend: the device (any :class:`~graphborrow.device_api.DeviceAPI`; active if simulated).
     """
 
     def __init__(self, backend) -> None:
@@ -243,6 +270,11 @@ class FitPolicyPool:
         b.synchronize()
 
     def snapshot(self) -> list[dict]:
+        """The pool's segments, to show its runs.
+
+        Returns:
+            Segment dicts in torch's snapshot format, this pool's only.
+        """
         return self.backend.memory_snapshot(self.pool_id)
 
 

@@ -36,7 +36,19 @@ class DraftTree(NamedTuple):
 
 
 def max_tree_nodes(topk: int, depth: int) -> int:
-    """Nodes an EAGLE tree of this shape can hold, root included."""
+    """Nodes an EAGLE tree of this shape can hold, root included.
+
+    The root expands into ``topk`` children; each later level expands the ``topk`` best
+    nodes of the level before into ``topk`` children each.
+
+    Args:
+        topk: children per expanded node.
+        depth: draft levels below the root.
+
+    Returns:
+        ``1 + topk + (depth - 1) * topk**2``: the largest ``num_draft_tokens`` that
+        :func:`build_draft_tree` accepts for this shape.
+    """
     return 1 + topk + (depth - 1) * topk * topk
 
 
@@ -71,6 +83,12 @@ def repeat_tree(tree: DraftTree, copies: int) -> DraftTree:
     Args:
         tree: a :class:`DraftTree`; its request 0 is repeated.
         copies: how many requests the result holds, at least 1.
+
+    Returns:
+        A :class:`DraftTree` of ``copies`` requests, on ``tree``'s device.
+
+    Raises:
+        ValueError: ``copies`` is not a positive int.
     """
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
         raise ValueError(f"copies must be a positive int, got {copies!r}")
@@ -95,13 +113,18 @@ def build_draft_tree(
     Args:
         topk: children per expanded node (and frontier width).
         depth: draft levels below the root.
-        num_draft_tokens: nodes kept per request, root included (D).
-        batch_size, vocab: requests and vocabulary size.
+        num_draft_tokens: nodes kept per request, root included (D); at most
+            :func:`max_tree_nodes` of ``topk`` and ``depth``.
+        batch_size: requests (bs).
+        vocab: vocabulary size; draft tokens are drawn from ``[0, vocab)``.
         generator: a CPU generator for reproducible trees.
         device: where the tensors go.
 
     Returns:
         A :class:`DraftTree` with ``tree_depth = depth + 1``.
+
+    Raises:
+        ValueError: a shape argument out of range, or a generator that is not on the CPU.
     """
     _check_shape(topk, depth, num_draft_tokens, batch_size, vocab)
     if generator is not None and generator.device.type != "cpu":
@@ -168,6 +191,19 @@ def tree_from_parents(parents, candidates, tree_depth: int | None = None, device
 
     Handy for hand-built trees: ``parents=[[-1, 0, 0, 1]]`` is a root with two children,
     the first of which has one child. ``tree_depth`` defaults to the deepest path + 1.
+
+    Args:
+        parents: ``[bs, D]`` parent node numbers; node 0 is the root (parent -1) and every
+            node n >= 1 has a parent in ``[0, n)``, so nodes are numbered parents first.
+        candidates: ``[bs, D]`` token ids, one per node (the root's is its last verified token).
+        tree_depth: the width S of the accept index; None for the deepest path + 1.
+        device: where the tensors go.
+
+    Returns:
+        A :class:`DraftTree` whose ``retrive_index`` numbers the output slots ``request * D + node``.
+
+    Raises:
+        ValueError: the shapes differ or are not 2-D, or a parent breaks the numbering rule.
     """
     parent = torch.as_tensor(parents, dtype=torch.long)
     cand = torch.as_tensor(candidates, dtype=torch.long)

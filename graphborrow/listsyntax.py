@@ -4,6 +4,8 @@ Used for allocator settings (``roundup_power2_divisions:[256:1,>:4],max_split_si
 and for sweep values on the command line (``-p LADDER [8,4],[16,8]``).
 """
 
+__all__ = ["split_top_level"]
+
 
 def split_top_level(text: str) -> list[str]:
     """Split at commas outside brackets; items come back stripped, empty ones dropped."""

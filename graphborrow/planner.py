@@ -65,6 +65,11 @@ class SizeClass:
     segment_bytes: int   # the segment a new one takes from the pool's allocator
 
     def describe(self) -> str:
+        """How a request of this class is served, for failure reasons.
+
+        Returns:
+            One phrase: the class, its size range and the block or segment it takes.
+        """
         if self.name == "small":
             return "small (up to 1 MiB): a block of a 2 MiB small-pool segment"
         if self.name == "medium":
@@ -159,7 +164,15 @@ class Recording:
 
     @contextlib.contextmanager
     def phase(self) -> Iterator[list]:
-        """Record everything allocated and freed in the block; the yielded list gets the events."""
+        """Record everything allocated and freed in the block; the yielded list gets the events.
+
+        Yields:
+            A list, filled when the block ends with ``(ALLOC, id, nbytes, stream)`` and
+            ``(FREE, id, 0, stream)`` tuples in the order the allocator saw them.
+
+        Raises:
+            RuntimeError: the phase overflowed the trace buffer (record smaller phases).
+        """
         events: list = []
         self.device.record_memory_history(True, max_entries=MAX_TRACE)
         try:
@@ -190,6 +203,9 @@ def recording() -> Iterator[Recording]:
 
     Tensors created with ``device="cuda"`` inside land on it (shapes only). One recording
     at a time per process; the device's cache is emptied afterwards.
+
+    Yields:
+        A :class:`Recording`; record with its ``phase()``.
     """
     with _RECORD_LOCK:
         device = _layout_device()
@@ -246,7 +262,17 @@ class PoolImage:
     @classmethod
     def from_runs(cls, runs: Iterable[Sequence[int]], best_fit: bool = True, seeds: Iterable[int] = (),
                   align: int = 512) -> "PoolImage":
-        """A fresh borrow pool over ``(address, nbytes)`` runs (largest first, as borrow states keep them)."""
+        """A fresh borrow pool over ``(address, nbytes)`` runs (largest first, as borrow states keep them).
+
+        Args:
+            runs: ``(address, nbytes)`` pairs, the arena's extents in that order.
+            best_fit: the arena's fit policy (False: first fit).
+            seeds: precarve segment sizes the fresh pool allocates and frees first.
+            align: the arena's alignment in bytes.
+
+        Returns:
+            A :class:`PoolImage` of a pool not yet built, for "what if" questions without a device.
+        """
         runs = tuple((int(a), int(n)) for a, n in runs)
         return cls(extents=runs, best_fit=bool(best_fit), align=align, seeds=tuple(seeds), runs=runs)
 
@@ -256,7 +282,15 @@ class PoolImage:
 
         A built pool is read after the one allocator call the borrow makes first (a 4-byte
         allocation outside any pool, ``backend.touch()``), which completes the frees whose
-        events are done; while the state is held (inside a borrow) nothing is allocated."""
+        events are done; while the state is held (inside a borrow) nothing is allocated.
+
+        Args:
+            state: a :class:`~graphborrow.borrow.BorrowState`.
+
+        Returns:
+            A :class:`PoolImage`: the built pool's cached segments and the arena's room, a
+            fresh build over the current runs, or a disabled image saying why nothing is lent.
+        """
         if not state.enabled:
             why = state.disabled_reason or ("no static runs" if state.static_runs is not None else "no graph pool")
             return cls(disabled=why)
@@ -325,6 +359,11 @@ class FailedAllocation:
     label: str             # what the tensor is, when the caller could tell
 
     def reason(self) -> str:
+        """Why the request did not fit, in words.
+
+        Returns:
+            Which allocation, which tensor and size class, and the room the pool had left.
+        """
         s = self.size
         what = f"{self.label} ({_mib(s.nbytes)})" if self.label else f"a {_mib(s.nbytes)} tensor"
         where = ("building the borrow pool (its precarve)" if self.index < 0

@@ -69,6 +69,14 @@ def find_free_runs(segments: Any, policy: str = "runs") -> list[tuple[int, int]]
     Args:
         segments: a snapshot in any form :func:`~graphborrow.snapshot.load_snapshot` reads.
         policy: ``"runs"`` or ``"whole_segments"``.
+
+    Returns:
+        ``(address, nbytes)`` pairs in bytes. Borrowing uses them as the arena's extents,
+        so the largest come first: that is where a large tensor must go.
+
+    Raises:
+        ValueError: an unknown ``policy``.
+        SnapshotFormatError: ``segments`` is not a valid snapshot.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -91,6 +99,14 @@ def summarize(segments: Any) -> dict[str, int]:
     Nested segments (a borrow pool inside a graph pool's free blocks) count once:
     ``reserved_bytes`` and ``inactive_bytes`` are those of the outermost segments, less
     the nested ones' memory for ``inactive_bytes``.
+
+    Args:
+        segments: a snapshot in any form :func:`~graphborrow.snapshot.load_snapshot` reads.
+
+    Returns:
+        A dict of ints: ``segments`` (count), ``reserved_bytes``, ``inactive_bytes``,
+        ``runs`` (count), ``run_bytes``, ``largest_run``, ``whole_segment_runs`` (count)
+        and ``whole_segment_bytes`` (the seed's rule, for comparison).
     """
     segs = load_snapshot(segments)["segments"]
     outer = [s for i, s in enumerate(segs) if i not in nested_in(segs)]
@@ -110,4 +126,12 @@ def summarize(segments: Any) -> dict[str, int]:
 
 
 def runs_total(runs: Iterable[tuple[int, int]]) -> int:
+    """Total size of some runs.
+
+    Args:
+        runs: ``(address, nbytes)`` pairs, as :func:`find_free_runs` returns them.
+
+    Returns:
+        The sum of their sizes, in bytes.
+    """
     return sum(n for _, n in runs)

@@ -118,6 +118,14 @@ def _integer(value: Any, where: str, key: str) -> int:
 def check_segments(segments: Any, *, block_addresses: bool = True) -> list:
     """Check a segment list (see the module docstring); return it as a list.
 
+    Args:
+        segments: a list (or tuple) of segment dicts in torch's snapshot format.
+        block_addresses: require every block's ``"address"``; with False a block without
+            one starts where the one before it ends (see :func:`load_snapshot`).
+
+    Returns:
+        The same segment dicts in a new list (the dicts are not copied).
+
     Raises:
         SnapshotFormatError: naming the first segment or block that is wrong.
     """
@@ -202,6 +210,17 @@ def nested_in(segments: list) -> dict[int, int]:
 
     Expects checked segments. Raises SnapshotFormatError for two segments that overlap
     otherwise: partly, or with the inner one over a block that is not free.
+
+    Args:
+        segments: checked segment dicts (see :func:`check_segments`).
+
+    Returns:
+        For each nested segment's index, the index of the segment whose free block holds
+        it; empty when no segment is nested. Free-run discovery cuts these out of the
+        host's runs so no byte counts twice.
+
+    Raises:
+        SnapshotFormatError: two segments overlap without one nesting in a free block.
     """
     def wholly_free(k: int) -> bool:
         blocks = segments[k]["blocks"]

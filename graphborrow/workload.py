@@ -20,9 +20,38 @@ import torch.nn.functional as F
 from .borrow import BorrowState
 from .errors import ParameterError
 
+__all__ = [
+    "LLAMA3_8B",
+    "SYNTHETIC",
+    "TINY",
+    "GraphLadder",
+    "LlamaMLP",
+    "ModelShape",
+    "borrowable_ladder",
+    "build_ladder",
+    "model_names",
+    "notebook_dtype",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
+    """The widths of the synthetic Llama-shaped model; the defaults are Llama-3-8B's.
+
+    Only shapes matter (weights are random): they set every activation's size, and so the
+    pool the graphs are captured into and the idle runs between replays.
+
+    Args:
+        hidden: model width (elements per token).
+        intermediate: MLP width (the gate and up projections each produce this many).
+        layers: number of MLP blocks.
+        vocab: vocabulary size, the width of the logits EAGLE verifies.
+        dtype: dtype of weights and activations (logits are always float32).
+
+    Raises:
+        ParameterError: a width or the layer count is not a positive integer.
+    """
+
     hidden: int = 4096
     intermediate: int = 14336
     layers: int = 2
@@ -45,7 +74,14 @@ TINY = ModelShape(hidden=128, intermediate=256, layers=2, vocab=2048, dtype=torc
 
 
 class LlamaMLP:
-    """RMSNorm → SwiGLU MLP blocks with residuals, then a final norm and the LM head."""
+    """RMSNorm → SwiGLU MLP blocks with residuals, then a final norm and the LM head.
+
+    Args:
+        shape: the widths.
+        device: where the weights live (``backend.device``).
+        seed: seed of the random weights.
+        fill: fill the weights with values; False on a layout-only device, which has no bytes.
+    """
 
     def __init__(self, shape: ModelShape, device: str = "cuda", seed: int = 0, fill: bool = True):
         self.shape = shape
@@ -69,6 +105,14 @@ class LlamaMLP:
         return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * w
 
     def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Run every MLP block (the part a prefill graph captures).
+
+        Args:
+            x: activations of shape ``[tokens, hidden]`` in the model's dtype.
+
+        Returns:
+            New activations of the same shape.
+        """
         for norm, gate_up, down in self.layers:
             gu = F.linear(self._rms_norm(x, norm), gate_up)
             gate, up = gu.chunk(2, dim=-1)
@@ -76,7 +120,14 @@ class LlamaMLP:
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 logits, as samplers read them."""
+        """fp32 logits, as samplers read them.
+
+        Args:
+            x: activations of shape ``[tokens, hidden]``.
+
+        Returns:
+            float32 logits of shape ``[tokens, vocab]``: the largest tensor of a decode step.
+        """
         return F.linear(self._rms_norm(x, self.norm), self.head).float()
 
 
@@ -85,6 +136,23 @@ class GraphLadder:
 
     Decode graphs take ``batch * draft_tokens`` tokens (EAGLE verifies every draft token)
     and end in the full-vocabulary head, so their logits are the verification input.
+
+    Args:
+        backend: the device (see :func:`graphborrow.backend.get_backend`).
+        shape: the model's widths.
+        prefill_tokens: tokens of the prefill graph; 0 captures none.
+        decode_batches: the batch sizes to capture a decode graph for.
+        draft_tokens: tokens verified per request (each decode graph takes
+            ``batch * draft_tokens`` tokens).
+        state: the :class:`~graphborrow.borrow.BorrowState` whose pool the graphs are captured
+            into; None makes one with a new pool handle.
+        order: ``"largest_first"`` (as serving engines capture, so smaller graphs reuse the
+            larger ones' blocks) or ``"smallest_first"``.
+        seed: seed of the random weights.
+
+    Raises:
+        ParameterError: a negative ``prefill_tokens``, no or non-positive batch sizes,
+            ``draft_tokens`` below 1, or an unknown ``order``.
     """
 
     def __init__(
@@ -142,7 +210,14 @@ class GraphLadder:
         self.graphs[key], self.inputs[key], self.outputs[key] = g, x, out
 
     def capture(self) -> "GraphLadder":
-        """Capture prefill (if any) and the decode ladder in the configured order."""
+        """Capture prefill (if any) and the decode ladder in the configured order.
+
+        Each capture runs inside the borrow state's capture scope, so a live borrow pool is
+        retired first.
+
+        Returns:
+            This ladder, so ``GraphLadder(...).capture()`` chains.
+        """
         prefill = [("prefill", self.prefill_tokens, False)] if self.prefill_tokens else []
         decode = [(("decode", bs), bs * self.draft_tokens, True) for bs in self.decode_batches]
         plan = prefill + decode if self.order == "largest_first" else decode + prefill
@@ -152,7 +227,17 @@ class GraphLadder:
         return self
 
     def capture_decode(self, batch: int) -> torch.Tensor:
-        """Capture one more decode graph (e.g. a batch size added later) into the pool."""
+        """Capture one more decode graph (e.g. a batch size added later) into the pool.
+
+        Args:
+            batch: the batch size (requests; the graph takes ``batch * draft_tokens`` tokens).
+
+        Returns:
+            The graph's output logits, ``[batch * draft_tokens, vocab]`` float32; replays write them.
+
+        Raises:
+            ParameterError: ``batch`` is below 1.
+        """
         if batch < 1:
             raise ParameterError(f"batch must be >= 1, got {batch}")
         self._capture(("decode", batch), batch * self.draft_tokens, True)
@@ -161,7 +246,17 @@ class GraphLadder:
         return self.outputs[("decode", batch)]
 
     def graph_batch(self, batch: int) -> int:
-        """Smallest captured decode batch that holds ``batch`` requests (padding up)."""
+        """Smallest captured decode batch that holds ``batch`` requests (padding up).
+
+        Args:
+            batch: requests in the step.
+
+        Returns:
+            The captured batch size to replay.
+
+        Raises:
+            ParameterError: ``batch`` exceeds the largest captured batch.
+        """
         fits = [bs for bs in self.decode_batches if bs >= batch]
         if not fits:
             raise ParameterError(
@@ -171,27 +266,63 @@ class GraphLadder:
         return min(fits)
 
     def replay(self, key) -> torch.Tensor:
+        """Replay one captured graph inside the borrow state's replay scope.
+
+        Args:
+            key: ``"prefill"`` or ``("decode", batch)`` for a captured batch size.
+
+        Returns:
+            The graph's output tensor (the same one every replay: it is overwritten).
+
+        Raises:
+            BorrowLeakError: a borrowed tensor is still referenced; the replay would overwrite it.
+        """
         with self.state.replay_scope():
             self.graphs[key].replay()
         return self.outputs[key]
 
     def decode(self, batch: int) -> torch.Tensor:
-        """Replay the decode graph for ``batch`` requests; returns its [bs*D, V] logits."""
+        """Replay the decode graph for ``batch`` requests; returns its [bs*D, V] logits.
+
+        Args:
+            batch: requests in the step; the smallest captured batch that holds them is replayed.
+
+        Returns:
+            The first ``batch * draft_tokens`` rows of that graph's float32 logits (a view
+            of its output, overwritten by the next replay).
+        """
         bs = self.graph_batch(batch)
         logits = self.replay(("decode", bs))
         return logits[: batch * self.draft_tokens]
 
     def prefill(self) -> torch.Tensor:
+        """Replay the prefill graph.
+
+        Returns:
+            Its output activations, ``[prefill_tokens, hidden]`` (overwritten by the next replay).
+        """
         return self.replay("prefill")
 
     def snapshot(self) -> list:
+        """The shared pool's segments, where the idle runs are read from.
+
+        Returns:
+            Segment dicts in torch's snapshot format, this pool's only.
+        """
         return self.backend.memory_snapshot(self.pool_id)
 
 
 def notebook_dtype(backend) -> torch.dtype:
     """The synthetic model's dtype on ``backend``: bfloat16 as served on a GPU and on the
     layout-only simulated device (no bytes, so the H200's layout exactly); float32 on a
-    simulated device with real bytes, whose CPU kernels are faster and exact in float32."""
+    simulated device with real bytes, whose CPU kernels are faster and exact in float32.
+
+    Args:
+        backend: the device the notebook runs on.
+
+    Returns:
+        ``torch.float32`` or ``torch.bfloat16``.
+    """
     return torch.float32 if backend.name == "sim" and getattr(backend, "backed", True) else torch.bfloat16
 
 
@@ -206,10 +337,14 @@ def borrowable_ladder(ladder: "GraphLadder", fallback: ModelShape | None = None)
 
     Args:
         ladder: a captured :class:`GraphLadder`.
+        fallback: the shape to capture instead; None for the teaching shapes above.
 
     Returns:
         ``(ladder, note)``: ``note`` is empty when ``ladder`` itself is returned, otherwise
         one sentence saying why the fallback was captured.
+
+    Raises:
+        RuntimeError: the fallback ladder has no borrowable run either.
     """
     from .capacity import largest_borrowable
 
@@ -235,7 +370,11 @@ SYNTHETIC = "synthetic"
 
 
 def model_names() -> tuple[str, ...]:
-    """What a notebook's ``MODEL`` parameter accepts: the synthetic workload, then real configs."""
+    """What a notebook's ``MODEL`` parameter accepts: the synthetic workload, then real configs.
+
+    Returns:
+        ``"synthetic"`` followed by the names in :data:`graphborrow.models.MODELS`.
+    """
     from .models import MODELS
 
     return (SYNTHETIC,) + tuple(MODELS)
@@ -262,7 +401,9 @@ def build_ladder(
     Args:
         model: ``"synthetic"`` (:class:`GraphLadder`, the teaching baseline) or a name in
             :data:`graphborrow.models.MODELS` (:class:`graphborrow.models.ModelLadder`).
-        decode_batches, draft_tokens: the verify ladder (both workloads).
+        backend: the device (see :func:`graphborrow.backend.get_backend`).
+        decode_batches: batch sizes of the verify ladder (both workloads).
+        draft_tokens: tokens verified per request (both workloads).
         prefill_tokens: tokens of the prefill graph; 0 for none (real models: their
             ``context`` when ``prefill`` asks for one without a length).
         prefill: real models only: ``"none"``, ``"graph"`` or ``"piecewise"``; by default
@@ -272,8 +413,15 @@ def build_ladder(
         context: real models: cached tokens per request.
         tiny: real models: shrink the widths; by default on a backed simulated device,
             where full widths would compute every matmul on the CPU.
+        state: the borrow state whose pool the graphs go into; None makes one.
+        order: ``"largest_first"`` or ``"smallest_first"`` capture order.
+        seed: seed of the random weights.
+
     Returns:
         The ladder; call ``.capture()``.
+
+    Raises:
+        ParameterError: an unknown ``model``, or an argument the chosen workload does not take.
     """
     if model == SYNTHETIC:
         if prefill not in (None, "none", "graph"):

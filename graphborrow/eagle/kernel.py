@@ -54,6 +54,32 @@ def tree_speculative_sampling_target_only(
     the accepted path keep their values. ``deterministic`` exists for signature parity:
     the PyTorch operations used here are deterministic. Arguments are checked first
     (shapes, dtypes, a well-formed tree, probabilities that are finite and >= 0).
+
+    The signature is the upstream kernel's, argument for argument, so this function is its
+    executable specification: the fused kernels are checked against it token for token.
+
+    Args:
+        predicts: [bs*D] int32 output: the emitted token at each accepted node's slot.
+        accept_index: [bs, S] int32 output: the slots of the accepted path, root first.
+        accept_token_num: [bs] int32 output: drafts accepted per request (emitted tokens - 1).
+        candidates: [bs, D] int64 draft tokens; node 0 is the root.
+        retrive_index: [bs, D] int64 output slot of each node (``request * D + node``).
+        retrive_next_token: [bs, D] int64 first child of each node, -1 for none.
+        retrive_next_sibling: [bs, D] int64 next sibling of each node, -1 for none.
+        uniform_samples: [bs, D] float32 coins, one per node, for the acceptance tests.
+        uniform_samples_for_final_sampling: [bs] float32 coins for the final sample.
+        target_probs: [bs, D, V] float32 target probabilities, one row per node (after
+            temperature and renorms).
+        draft_probs: [bs, D, V] float32, in and out: rejected siblings' target
+            probabilities are written here (the target-only form starts from zeros).
+        threshold_single: a child with target probability at least this is accepted
+            outright (1.0: exact sampling).
+        threshold_acc: ``acc`` is divided by this before the coin test (1.0: exact sampling).
+        deterministic: accepted for signature parity; the result is deterministic either way.
+
+    Raises:
+        ValueError: an argument of the wrong shape or dtype, a malformed tree, or
+            probabilities that are not finite and >= 0.
     """
     bs, _ = check_kernel_args(
         predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,

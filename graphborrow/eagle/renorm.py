@@ -48,7 +48,15 @@ _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32:
 
 
 def pivot_chunk_rows(vocab: int) -> int:
-    """How many rows share one pivot search (bounds its workspace)."""
+    """How many rows share one pivot search (bounds its workspace).
+
+    Args:
+        vocab: entries per row.
+
+    Returns:
+        Rows per search, at least 1, so the search's workspace stays near
+        ``PIVOT_CHUNK_BYTES`` whatever the vocabulary.
+    """
     return max(1, PIVOT_CHUNK_BYTES // (PIVOT_BYTES_PER_ENTRY * max(vocab, 1)))
 
 

@@ -88,6 +88,23 @@ def verify_bytes(batch_size: int, draft_tokens: int, vocab: int, mode: str, top_
     A size, not a verdict: whether a step fits depends on the pool's layout as much as on
     this number (see :func:`graphborrow.capacity.plan_verify`). ``chunk_rows`` sizes
     chunked mode's groups (default: one request per group).
+
+    Args:
+        batch_size: requests (bs), at least 1.
+        draft_tokens: tree nodes per request (D), at least 1.
+        vocab: vocabulary size V (float32 logits).
+        mode: "standard", "lean" or "chunked".
+        top_k: whether the top-k renorm runs.
+        top_p: whether the top-p renorm runs.
+        chunk_rows: chunked mode's group size in rows (whole requests are taken); ignored
+            by the other modes.
+
+    Returns:
+        Bytes: the peak of the step's 512-byte-rounded blocks (what it would add to the
+        device's footprint without borrowing).
+
+    Raises:
+        ValueError: a size that is not a positive int, or an unknown ``mode``.
     """
     for name, value in (("batch_size", batch_size), ("draft_tokens", draft_tokens), ("vocab", vocab)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -98,7 +115,17 @@ def verify_bytes(batch_size: int, draft_tokens: int, vocab: int, mode: str, top_
 
 
 def plan_step(image: planner.PoolImage, shape: StepShape, mode: str, per_chunk: Optional[int] = None) -> ChunkPlan:
-    """Replay the step's sequence against ``image``."""
+    """Replay the step's sequence against ``image``.
+
+    Args:
+        image: the borrow pool as the planner sees it.
+        shape: the step's :class:`~graphborrow.eagle.step.StepShape`.
+        mode: "standard", "lean" or "chunked".
+        per_chunk: chunked mode's requests per group (default: the whole batch).
+
+    Returns:
+        A :class:`ChunkPlan`: the replay's verdict, the group size and the step's peak bytes.
+    """
     per = shape.batch_size if mode != "chunked" or per_chunk is None else per_chunk
     sequence = verify_sequence(shape, mode, per)
     result = planner.replay(sequence, image, describe_tensor(shape, per))
@@ -106,7 +133,16 @@ def plan_step(image: planner.PoolImage, shape: StepShape, mode: str, per_chunk: 
 
 
 def plan_fused_step(image: planner.PoolImage, shape: StepShape, mode: str = "standard") -> ChunkPlan:
-    """Replay the fused step's sequence against ``image`` (every mode runs the whole batch at once)."""
+    """Replay the fused step's sequence against ``image`` (every mode runs the whole batch at once).
+
+    Args:
+        image: the borrow pool as the planner sees it.
+        shape: the step's :class:`~graphborrow.eagle.step.StepShape`.
+        mode: recorded in the plan only; the fused sequence is the same for every mode.
+
+    Returns:
+        A :class:`ChunkPlan` for the whole batch.
+    """
     sequence = fused_sequence(shape)
     result = planner.replay(sequence, image, describe_tensor(shape, shape.batch_size))
     return ChunkPlan(result, shape.batch_size, shape, mode, sequence.peak_bytes)
@@ -118,6 +154,14 @@ def requests_per_chunk(state, shape: StepShape) -> ChunkPlan:
     Every group size from the whole batch down is tried in turn (the answer is not
     monotone: a 1-10 MiB matrix needs a 20 MiB segment where a 12 MiB one needs 12).
     When none fits, the returned plan (for one request per group) says why.
+
+    Args:
+        state: a :class:`~graphborrow.borrow.BorrowState` or a
+            :class:`~graphborrow.planner.PoolImage`; only read.
+        shape: the step's :class:`~graphborrow.eagle.step.StepShape`.
+
+    Returns:
+        A :class:`ChunkPlan` for chunked mode with the largest group that fits.
     """
     image = state if isinstance(state, planner.PoolImage) else planner.PoolImage.of(state)
     if shape.batch_size == 0:
@@ -149,7 +193,17 @@ def _could_fit(room: tuple[int, int], shape: StepShape, per: int) -> bool:
 
 
 def describe_tensor(shape: StepShape, per_chunk: int):
-    """A namer for the step's requests: "[rows, V] float32 matrix" where the size says so."""
+    """A namer for the step's requests: "[rows, V] float32 matrix" where the size says so.
+
+    Args:
+        shape: the step's :class:`~graphborrow.eagle.step.StepShape`.
+        per_chunk: requests per group, whose row counts are tried too.
+
+    Returns:
+        A function from a request's size in bytes to words such as ``"a [256, 128256]
+        float32 matrix"``, or ``""`` when no row count explains the size; the planner
+        uses it to say which tensor did not fit.
+    """
     bs, d, vocab = shape.batch_size, shape.draft_tokens, shape.vocab
     row_counts = sorted({bs * d, per_chunk * d, (bs % per_chunk or per_chunk) * d, bs, per_chunk}, reverse=True)
     kinds = {4: "float32 matrix", 8: "float64 matrix", 1: "bool mask"}

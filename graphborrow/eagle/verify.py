@@ -71,8 +71,19 @@ def eagle_verify(
         logits: [bs*D, V] float32 / float16 / bfloat16, one row per tree node.
         candidates: [bs, D] int64 draft tokens (None: ``tree.candidates``).
         tree: a :class:`~graphborrow.draft_tree.DraftTree`.
-        temperatures, top_ks, top_ps, coins, coins_final, generator, threshold_single,
-            threshold_acc: see :class:`~graphborrow.eagle.step.VerifyStep`.
+        temperatures: sampling temperature (> 0), a number or a per-request tensor [bs].
+        top_ks: top-k (>= 1), a number or a per-request tensor [bs]; None skips that renorm.
+        top_ps: top-p (in (0, 1]), a number or a per-request tensor [bs]; None skips that renorm.
+        coins: [bs, D] float32 uniform draws for the acceptance tests; None draws them.
+            Supplying them makes the result reproducible (the fused and reference paths
+            emit the same tokens for the same coins).
+        coins_final: [bs] float32 draws for the final (residual) sample; None draws them.
+        generator: the generator missing coins are drawn from.
+        threshold_single: a draft token whose target probability is at least this is
+            accepted outright (1.0: exact sampling; see
+            :func:`~graphborrow.eagle.kernel.tree_speculative_sampling_target_only`).
+        threshold_acc: the accumulated probability is divided by this before the coin
+            test (1.0: exact sampling).
         borrow: a borrow state; when enabled, every temporary lives inside
             ``borrow.borrow("EAGLE verify")``.
         mode: ``"standard"``, ``"lean"`` or ``"chunked"`` (see the module docstring).
@@ -91,8 +102,9 @@ def eagle_verify(
         A :class:`VerifyResult`.
 
     Raises:
-        ValueError: a bad argument, named. BorrowCapacityError: chunked mode, when not
-        even one request's step fits the borrow pool (raised before anything is allocated).
+        ValueError: a bad argument, named.
+        BorrowCapacityError: chunked mode, when not even one request's step fits the
+            borrow pool (raised before anything is allocated).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -160,6 +172,17 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
     ``"auto"`` takes the fused kernels for tensors on a real CUDA device when Triton is
     installed; CPU tensors and the simulated device's take the reference. The capacity
     planner asks the same question, so it plans the path that will run.
+
+    Args:
+        impl: ``"auto"``, ``"reference"`` or ``"fused"``.
+        logits: the step's logits; only their device is read.
+
+    Returns:
+        ``"reference"`` or ``"fused"``.
+
+    Raises:
+        ValueError: an unknown ``impl``, or ``"fused"`` on the simulated device or
+            without Triton.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -180,7 +203,11 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
 
 
 def fused_available() -> bool:
-    """Whether the fused kernels can be imported (triton is installed)."""
+    """Whether the fused kernels can be imported (triton is installed).
+
+    Returns:
+        True when triton is installed (found without importing it).
+    """
     return importlib.util.find_spec("triton") is not None
 
 

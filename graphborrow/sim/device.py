@@ -26,6 +26,8 @@ from .memory import PhysicalMemory
 from .streams import Clockwork, Event, Stream
 from .tensor import SimCaptureError, SimFunctionMode, SimStorage, SimTensor, is_sim_tensor
 
+__all__ = ["GiB", "MemPool", "SimBackend", "SimEvent"]
+
 GiB = 2**30
 
 _active = threading.local()  # .backend: the SimBackend active on this thread
@@ -39,15 +41,30 @@ class SimEvent:
         self._event = Event()
 
     def record(self, stream: Stream | None = None) -> None:
+        """Mark the point reached by the work queued on ``stream`` so far.
+
+        Args:
+            stream: the stream to record on; None for the current stream.
+        """
         self._event.record(stream if stream is not None else self._backend.current_stream())
 
     def query(self) -> bool:
+        """Whether the recorded point has run, without waiting.
+
+        Returns:
+            True once the stream's clock has passed the point (or nothing was recorded).
+        """
         return self._event.query()
 
     def synchronize(self) -> None:
         self._event.synchronize()
 
     def wait(self, stream: Stream | None = None) -> None:
+        """Make later work on ``stream`` wait for this event (no host wait).
+
+        Args:
+            stream: the waiting stream; None for the current stream.
+        """
         (stream if stream is not None else self._backend.current_stream()).wait_event(self._event)
 
 
@@ -76,6 +93,15 @@ class MemPool:
         return self._id
 
     def snapshot(self, include_traces: bool = True) -> list[dict]:
+        """This pool's segments, as ``torch.cuda.MemPool.snapshot``.
+
+        Args:
+            include_traces: accepted for torch's signature; the simulated segments carry no
+                per-segment traces either way.
+
+        Returns:
+            Segment dicts in torch's snapshot format.
+        """
         return self._backend.memory_snapshot(self._id)
 
     def close(self) -> None:
@@ -183,7 +209,14 @@ class SimBackend:
 
     # ------------------------------------------------------------------ activation
     def activate(self) -> "SimBackend":
-        """Make ``device="cuda"`` mean this device on the calling thread (replacing another sim)."""
+        """Make ``device="cuda"`` mean this device on the calling thread (replacing another sim).
+
+        Returns:
+            This backend, so ``SimBackend(activate=False).activate()`` chains.
+
+        Raises:
+            RuntimeError: the backend was closed.
+        """
         self._check_open()
         current = getattr(_active, "backend", None)
         if current is self:
@@ -211,7 +244,11 @@ class SimBackend:
 
     @contextlib.contextmanager
     def activated(self) -> Iterator["SimBackend"]:
-        """Active for the duration of the block (e.g. in a worker thread), then restored."""
+        """Active for the duration of the block (e.g. in a worker thread), then restored.
+
+        Yields:
+            This backend; on exit the simulated device active before, if any, is active again.
+        """
         previous = getattr(_active, "backend", None)
         self.activate()
         try:
@@ -244,21 +281,58 @@ class SimBackend:
 
     # ------------------------------------------------------------- streams and sync
     def current_stream(self) -> Stream:
+        """The calling thread's current stream; a borrow pool is pinned to the one it was built on.
+
+        Returns:
+            A simulated :class:`~graphborrow.sim.streams.Stream` (the default stream, id 0,
+            unless a :meth:`stream` block chose another).
+        """
         return getattr(self._tls, "stream", None) or self.clock.default_stream
 
     def current_stream_key(self) -> int:
-        """A cheap identity of the current stream (its id)."""
+        """A cheap identity of the current stream (its id).
+
+        Returns:
+            The stream's id; the borrow scope compares it on every entry.
+        """
         return self.current_stream().id
 
     def Stream(self, priority: int = 0) -> Stream:
+        """A new side stream with its own clock, as ``torch.cuda.Stream``.
+
+        Args:
+            priority: recorded for torch's signature; the simulated streams do not schedule by it.
+
+        Returns:
+            A simulated :class:`~graphborrow.sim.streams.Stream` with the next free id.
+        """
         return self.clock.new_stream(priority=priority)
 
     def stream(self, s: Stream | None) -> _StreamContext:
+        """Make ``s`` the calling thread's current stream for a with block, as ``torch.cuda.stream``.
+
+        Args:
+            s: a stream from :meth:`Stream`; None leaves the current stream as it is.
+
+        Returns:
+            The context manager (it gives ``s`` to ``as``).
+
+        Raises:
+            TypeError: ``s`` is not a simulated stream.
+        """
         if s is not None and not isinstance(s, Stream):
             raise TypeError(f"expected a simulated Stream from backend.Stream(), got {type(s).__name__}")
         return _StreamContext(self, s)
 
     def Event(self, enable_timing: bool = False) -> SimEvent:
+        """A new event, as ``torch.cuda.Event``.
+
+        Args:
+            enable_timing: accepted for torch's signature; simulated events carry no timing.
+
+        Returns:
+            A :class:`SimEvent`.
+        """
         return SimEvent(self)
 
     def synchronize(self) -> None:
@@ -270,7 +344,15 @@ class SimBackend:
         self.clock.synchronize()
 
     def sleep(self, stream: Stream, microseconds: float) -> None:
-        """Keep ``stream`` busy for ``microseconds`` (like ``torch.cuda._sleep``)."""
+        """Keep ``stream`` busy for ``microseconds`` (like ``torch.cuda._sleep``).
+
+        Events recorded on ``stream`` after this complete only once its clock has run that long,
+        which is what keeps a ``record_stream`` free pending.
+
+        Args:
+            stream: the stream that is busy.
+            microseconds: how long, in simulated microseconds.
+        """
         stream.enqueue(microseconds)
 
     def touch(self) -> None:
@@ -280,45 +362,124 @@ class SimBackend:
 
     # ------------------------------------------------------------------- pools, graphs
     def graph_pool_handle(self) -> tuple[int, int]:
+        """A new private pool handle that several graph captures can share.
+
+        Returns:
+            The handle, as ``torch.cuda.graph_pool_handle``; pass it as ``pool=`` and as
+            :class:`~graphborrow.borrow.BorrowState`'s ``pool_id``.
+        """
         return self.new_pool_id(graph=False)
 
     def CUDAGraph(self) -> graphs.CUDAGraph:
+        """An empty graph to capture into; its replay re-runs the kernels into the same addresses.
+
+        Returns:
+            A simulated ``CUDAGraph``.
+        """
         return graphs.CUDAGraph(self)
 
     def graph(self, g, pool=None, stream=None) -> graphs.graph:
+        """Capture the with block's work into ``g``, as ``torch.cuda.graph``.
+
+        Args:
+            g: a graph from :meth:`CUDAGraph`.
+            pool: the pool handle to capture into (None: a private pool of its own).
+            stream: the stream to capture on (None: :meth:`default_capture_stream`).
+
+        Returns:
+            The capture's context manager.
+        """
         return graphs.graph(g, pool=pool, stream=stream)
 
     def MemPool(self, allocator=None, use_on_oom: bool = False, no_split: bool = False) -> MemPool:
+        """A private pool, as ``torch.cuda.MemPool``.
+
+        Args:
+            allocator: an object with ``raw_alloc`` / ``raw_delete`` whose memory the pool's
+                segments use (a :class:`~graphborrow.arena.BumpArena`); None for device memory.
+            use_on_oom: let other allocations use this pool's cached memory when the device
+                is out of memory.
+            no_split: never split the pool's blocks.
+
+        Returns:
+            A :class:`MemPool`.
+        """
         return MemPool(self, allocator, use_on_oom, no_split)
 
     def arena_pool(self, arena) -> MemPool:
-        """A MemPool whose segments come from ``arena`` (host calls into the C bump arena)."""
+        """A MemPool whose segments come from ``arena`` (host calls into the C bump arena).
+
+        Args:
+            arena: the :class:`~graphborrow.arena.BumpArena` whose extents the pool's
+                segments are carved from.
+
+        Returns:
+            A :class:`MemPool`; the caching allocator still splits its segments into blocks.
+        """
         return MemPool(self, arena)
 
     def route_to_pool(self, pool):
-        """The borrow scope's per-step routing; on the simulator simply ``use_mem_pool``."""
+        """The borrow scope's per-step routing; on the simulator simply ``use_mem_pool``.
+
+        Args:
+            pool: the borrow pool (a :class:`MemPool`).
+
+        Returns:
+            The context manager of :meth:`use_mem_pool`.
+        """
         return self.use_mem_pool(pool)
 
     def use_mem_pool(self, pool) -> "_SimPoolRouting":
-        """Route this thread's allocations to ``pool`` (no stream filter, as in torch 2.8+)."""
+        """Route this thread's allocations to ``pool`` (no stream filter, as in torch 2.8+).
+
+        Args:
+            pool: a :class:`MemPool`, or a pool id.
+
+        Returns:
+            The context manager.
+        """
         return _SimPoolRouting(self, self.pool_id(pool))
 
     def pool_id(self, pool) -> tuple[int, int]:
+        """The id snapshots use for ``pool`` (``segment_pool_id``).
+
+        Args:
+            pool: a :class:`MemPool`, or a pool id (given back as a tuple).
+
+        Returns:
+            The pool's id as a tuple of two ints.
+        """
         return tuple(pool.id) if hasattr(pool, "id") else tuple(pool)
 
     def new_pool_id(self, graph: bool) -> tuple[int, int]:
-        """``(uid, 0)`` for a capture without a pool, ``(0, uuid)`` for handles and MemPools."""
+        """``(uid, 0)`` for a capture without a pool, ``(0, uuid)`` for handles and MemPools.
+
+        Args:
+            graph: True for a capture that was given no pool, False for a handle or MemPool.
+
+        Returns:
+            A fresh pool id, numbered as torch numbers them.
+        """
         with self._lock:
             return self.allocator.new_pool_id("graph" if graph else "handle")
 
     def default_capture_stream(self) -> Stream:
-        """The side stream ``graph(...)`` captures on when given none (one per device, like torch's)."""
+        """The side stream ``graph(...)`` captures on when given none (one per device, like torch's).
+
+        Returns:
+            That stream, made on first use.
+        """
         if self._capture_stream is None:
             self._capture_stream = self.Stream()
         return self._capture_stream
 
     def capture_for_current_stream(self):
-        """The graph the current stream is capturing into, or None."""
+        """The graph the current stream is capturing into, or None.
+
+        Returns:
+            The capturing graph, or None outside a capture (operations that would break a
+            capture, like synchronising, check this).
+        """
         if not self.captures:
             return None
         return self.captures.graph_on(self.current_stream().id)
@@ -330,28 +491,73 @@ class SimBackend:
 
     # ----------------------------------------------------------------- introspection
     def memory_snapshot(self, pool_id=None) -> list[dict]:
+        """The allocator's segments, as ``torch.cuda.memory_snapshot``.
+
+        Args:
+            pool_id: only the segments of this pool (a graph pool handle or
+                :meth:`pool_id`); None for every segment of the device.
+
+        Returns:
+            Segment dicts in torch's format (sizes and addresses in bytes).
+        """
         with self._allocator_call():
             return self.allocator.snapshot(None if pool_id is None else tuple(pool_id))
 
     def memory_stats(self) -> dict[str, Any]:
+        """The allocator's counters, as ``torch.cuda.memory_stats``.
+
+        Returns:
+            A flat dict such as ``"reserved_bytes.all.current"`` to int, with torch's keys.
+        """
         return self.allocator.memory_stats()
 
     def memory_reserved(self) -> int:
+        """Bytes in the caching allocator's segments, as ``torch.cuda.memory_reserved``.
+
+        Borrowed segments are counted here a second time although they use no new memory:
+        measure the device with :meth:`mem_get_info` instead.
+
+        Returns:
+            Bytes.
+        """
         return self.allocator.memory_reserved()
 
     def memory_allocated(self) -> int:
+        """Bytes in blocks allocated to tensors, as ``torch.cuda.memory_allocated``.
+
+        Returns:
+            Bytes (allocator-rounded block sizes).
+        """
         return self.allocator.memory_allocated()
 
     def set_per_process_memory_fraction(self, fraction: float, device=None) -> None:
         """``torch.cuda.set_per_process_memory_fraction``: new segments may take at most this share of
-        the device; with ``garbage_collection_threshold`` set, old cached segments are collected above it."""
+        the device; with ``garbage_collection_threshold`` set, old cached segments are collected above it.
+
+        Args:
+            fraction: the share of ``capacity``, between 0 and 1.
+            device: accepted for torch's signature (there is one simulated device).
+        """
         with self._allocator_call():
             self.allocator.set_memory_fraction(float(fraction))
 
     def get_per_process_memory_fraction(self, device=None) -> float:
+        """The share set by :meth:`set_per_process_memory_fraction`.
+
+        Args:
+            device: accepted for torch's signature (there is one simulated device).
+
+        Returns:
+            The fraction (1.0 when never set).
+        """
         return self.allocator.get_memory_fraction()
 
     def mem_get_info(self) -> tuple[int, int]:
+        """Free and total device memory as the driver sees it: the physical measure.
+
+        Returns:
+            ``(free, total)`` in bytes; ``total`` is ``capacity``.
+        """
         return self.memory.mem_get_info()
 
     def empty_cache(self) -> None:
@@ -359,22 +565,54 @@ class SimBackend:
             self.allocator.empty_cache()
 
     def record_memory_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
-        """Like ``torch.cuda.memory._record_memory_history`` (no stack frames are kept)."""
+        """Like ``torch.cuda.memory._record_memory_history`` (no stack frames are kept).
+
+        Args:
+            enabled: record allocator events as trace entries; False stops recording.
+            max_entries: how many entries the ring buffer keeps.
+        """
         self.allocator.record_history(enabled, max_entries)
 
     def full_snapshot(self) -> dict:
-        """Like ``torch.cuda.memory._snapshot()``: segments, device traces, settings."""
+        """Like ``torch.cuda.memory._snapshot()``: segments, device traces, settings.
+
+        Returns:
+            A dict with ``"segments"``, ``"device_traces"`` and ``"allocator_settings"``,
+            readable by PyTorch's memory_viz.
+        """
         with self._allocator_call():
             return self.allocator.full_snapshot()
 
     def record_stream(self, tensor, stream: Stream) -> None:
+        """Mark ``tensor`` as in use by ``stream``: its block stays ``active_pending_free``
+        after it dies, until the work queued on ``stream`` by then has run.
+
+        Args:
+            tensor: a tensor on this simulated device.
+            stream: the other stream that uses it.
+
+        Raises:
+            TypeError: ``tensor`` is not on a simulated device.
+            ValueError: ``tensor`` lives on another simulated device.
+        """
         storage = self._storage_of(tensor)
         if storage is not None:
             with self._allocator_call():
                 self.allocator.record_stream(storage.block, stream.id)
 
     def data_ptr(self, tensor) -> int:
-        """The simulated device address of ``tensor``'s first element."""
+        """The simulated device address of ``tensor``'s first element.
+
+        Args:
+            tensor: a tensor on this simulated device.
+
+        Returns:
+            The address, comparable with snapshot block addresses; 0 for an empty tensor.
+
+        Raises:
+            TypeError: ``tensor`` is not on a simulated device.
+            ValueError: ``tensor`` lives on another simulated device.
+        """
         storage = self._storage_of(tensor)
         if storage is None:
             return 0
@@ -384,7 +622,19 @@ class SimBackend:
         return storage.block.ptr + inner.storage_offset() * inner.element_size()
 
     def external_alloc(self, nbytes: int):
-        """Device memory from cudaMalloc itself, outside the caching allocator (static runs)."""
+        """Device memory from cudaMalloc itself, outside the caching allocator (static runs).
+
+        Args:
+            nbytes: bytes wanted (positive).
+
+        Returns:
+            An :class:`~graphborrow.device_api.ExternalBuffer`; call its ``free()`` when no
+            static run uses it any more.
+
+        Raises:
+            ValueError: ``nbytes`` is not positive.
+            torch.OutOfMemoryError: the simulated device has not that much free memory.
+        """
         if nbytes <= 0:
             raise ValueError(f"external_alloc needs a positive size, got {nbytes}")
         with self._lock:
@@ -397,6 +647,11 @@ class SimBackend:
         return ExternalBuffer(address, nbytes, lambda: self.memory.cuda_free(address))
 
     def describe(self) -> str:
+        """The device in words, for tables and plots.
+
+        Returns:
+            Capacity, backed or layout-only, and the torch version.
+        """
         kind = "backed" if self.backed else "layout only"
         return f"simulated CUDA device ({self.capacity / GiB:g} GiB, {kind}; torch {torch.__version__})"
 
@@ -510,7 +765,16 @@ class SimBackend:
             self._depth -= 1
 
     def place(self, src: torch.Tensor, copy: bool = True) -> SimTensor:
-        """A new device tensor with ``src``'s layout (its storage size, strides, offset)."""
+        """A new device tensor with ``src``'s layout (its storage size, strides, offset).
+
+        Args:
+            src: a CPU (or META) tensor whose layout, and with ``copy`` values, are taken.
+            copy: copy ``src``'s values in (ignored on a layout-only device).
+
+        Returns:
+            A :class:`~graphborrow.sim.tensor.SimTensor` in a block allocated on the
+            current stream, routed like any other allocation.
+        """
         nbytes = src.untyped_storage().nbytes()
         if nbytes == 0:
             return SimTensor(src, None, self)
@@ -526,7 +790,14 @@ class SimBackend:
         return SimTensor(inner, storage, self)
 
     def from_host(self, host: torch.Tensor) -> SimTensor:
-        """Copy a plain CPU tensor onto the device (``.to("cuda")``)."""
+        """Copy a plain CPU tensor onto the device (``.to("cuda")``).
+
+        Args:
+            host: a CPU tensor; a tensor already on a simulated device is given back as is.
+
+        Returns:
+            A :class:`~graphborrow.sim.tensor.SimTensor` with ``host``'s shape, strides and values.
+        """
         if is_sim_tensor(host):
             return host
         layout = torch.empty_like(host, device="meta")

@@ -141,6 +141,16 @@ def load_trace(source: Any) -> dict:
     snapshots: every segment, block and trace entry is checked before the replay trusts it
     (blocks may omit their addresses: the replay reads them from the sizes).
     An empty trace is accepted here; the replay then reports that it made no check.
+
+    Args:
+        source: a ``_snapshot()`` dict, or a path to its pickle.
+
+    Returns:
+        The checked snapshot dict, with ``"segments"`` and ``"device_traces"``.
+
+    Raises:
+        SnapshotFormatError: the source is malformed or has no ``"device_traces"``.
+        FileNotFoundError: the path does not exist.
     """
     snapshot = load_snapshot(source, block_addresses=False)
     if "device_traces" not in snapshot:

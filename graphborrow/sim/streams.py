@@ -10,6 +10,8 @@ allocator needs to model ``record_stream`` and deferred frees.
 
 from __future__ import annotations
 
+__all__ = ["Clockwork", "Event", "Stream"]
+
 
 class Stream:
     """One simulated stream; ``id`` 0 is the default stream (torch reports streams as ints)."""

@@ -26,6 +26,18 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+__all__ = [
+    "CUDA_MODELS",
+    "SimCaptureError",
+    "SimFunctionMode",
+    "SimLayoutOnlyError",
+    "SimStorage",
+    "SimTensor",
+    "is_sim_tensor",
+    "register_cuda_model",
+    "to_host",
+]
+
 _OVERRIDES: dict[Callable, Callable] = {}
 _aten = torch.ops.aten
 _UNINITIALISED = {  # fresh outputs whose values need not be copied in

@@ -61,6 +61,12 @@ class SweepReport:
         return [p for p in self.points if p.status == "failed"]
 
     def summary(self) -> str:
+        """The sweep in a few lines, for a terminal.
+
+        Returns:
+            Counts of points that ran, were already done and failed, where the table and
+            plot are, and one line per failed point with its error.
+        """
         counts = {s: sum(p.status == s for p in self.points) for s in ("ok", "done", "failed")}
         n = len(self.points)
         lines = [f"{n} point{'s' if n != 1 else ''}: {counts['ok']} ran, {counts['done']} already done, "

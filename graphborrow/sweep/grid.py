@@ -35,7 +35,17 @@ LONG_FORM_KEYS = ("parameters", "grid")
 
 
 def parse_value(text: str) -> Any:
-    """One CLI value: YAML scalar or list (``8``, ``0.9``, ``best``, ``[64, 32]``, ``null``)."""
+    """One CLI value: YAML scalar or list (``8``, ``0.9``, ``best``, ``[64, 32]``, ``null``).
+
+    Args:
+        text: the value as typed.
+
+    Returns:
+        The parsed value (int, float, str, list or None); not yet checked against the rules.
+
+    Raises:
+        ParameterError: ``text`` is not valid YAML.
+    """
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -43,7 +53,17 @@ def parse_value(text: str) -> Any:
 
 
 def parse_cli_values(text: str) -> list:
-    """``1,2,4`` -> [1, 2, 4]; a bracketed list stays one value: ``[64,32]`` -> [[64, 32]]."""
+    """``1,2,4`` -> [1, 2, 4]; a bracketed list stays one value: ``[64,32]`` -> [[64, 32]].
+
+    Args:
+        text: the comma list of a ``-p NAME VALUES`` option.
+
+    Returns:
+        The values, each parsed by :func:`parse_value`.
+
+    Raises:
+        ParameterError: a value is not valid YAML.
+    """
     return [parse_value(part) for part in split_top_level(text)]
 
 
@@ -78,7 +98,18 @@ class Grid:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Grid":
-        """Read a grid file (see the module docstring for both forms)."""
+        """Read a grid file (see the module docstring for both forms).
+
+        Args:
+            path: the YAML file.
+
+        Returns:
+            The :class:`Grid`; its values are checked when the points are made.
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            ParameterError: the file is not a YAML mapping of the expected form.
+        """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"grid file {path} does not exist")
@@ -156,6 +187,12 @@ class Grid:
         """``-p NAME VALUES`` pairs: one value fixes the parameter, several make an axis.
 
         A command-line value replaces what the grid file says for the same parameter.
+
+        Args:
+            pairs: ``(name, values)`` pairs as argparse collects them; ``values`` is a comma list.
+
+        Raises:
+            ParameterError: an unknown parameter name, or no values.
         """
         for raw, text in pairs:
             name = canonical(raw)
@@ -171,13 +208,27 @@ class Grid:
                 self.axes[name] = values
 
     def points(self) -> list[dict[str, Any]]:
-        """Every combination of the axes' values, each with the fixed parameters."""
+        """Every combination of the axes' values, each with the fixed parameters.
+
+        Returns:
+            One dict of parameters per point, the first axis varying slowest (unchecked).
+        """
         names = list(self.axes)
         combos = itertools.product(*(self.axes[n] for n in names)) if names else [()]
         return [{**self.fixed, **dict(zip(names, combo))} for combo in combos]
 
     def validated_points(self, known: set[str] | None = None) -> list[dict[str, Any]]:
-        """:meth:`points`, each checked against the parameter rules; duplicates refused."""
+        """:meth:`points`, each checked against the parameter rules; duplicates refused.
+
+        Args:
+            known: the names the notebook's ``parameters`` cell declares; None skips that check.
+
+        Returns:
+            The points, their values checked and names in the notebook's spelling.
+
+        Raises:
+            ParameterError: a name or value breaks a rule, or an axis lists a value twice.
+        """
         points = [validate(p, known) for p in self.points()]
         for name, values in self.axes.items():
             seen = []

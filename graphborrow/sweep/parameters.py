@@ -150,7 +150,17 @@ PATH_PARAMETERS = ("OUTPUT_DIR",)
 
 
 def canonical(name: str) -> str:
-    """The notebook spelling of a parameter name (``batch_size`` -> ``BATCH_SIZE``)."""
+    """The notebook spelling of a parameter name (``batch_size`` -> ``BATCH_SIZE``).
+
+    Args:
+        name: a parameter name in any case.
+
+    Returns:
+        The name stripped and upper-cased (not checked against :data:`PARAMETERS`).
+
+    Raises:
+        ParameterError: ``name`` is not text.
+    """
     if not isinstance(name, str):
         raise ParameterError(f"parameter names are text, got {name!r}; sweepable parameters: "
                              f"{', '.join(sorted(PARAMETERS))}")
@@ -193,6 +203,14 @@ def argument_type(name: str, parse: Callable[[str], Any] = int) -> Callable[[str
 
     ``parser.add_argument("--batch", type=argument_type("BATCH_SIZE"))`` turns
     ``--batch -3`` into "argument --batch: BATCH_SIZE=-3 is out of range; allowed: 1 to 256".
+
+    Args:
+        name: the parameter whose rule applies (any case).
+        parse: turns the command-line text into a value (``int``, ``float``, ...).
+
+    Returns:
+        The converter argparse calls; it raises ``argparse.ArgumentTypeError`` with the
+        allowed range, which argparse reports as a usage error.
     """
     rule = PARAMETERS[canonical(name)]
 
@@ -230,6 +248,12 @@ def declared_parameters(notebook) -> set[str]:
 
     Args:
         notebook: a path, or a notebook node from :func:`read_notebook`.
+
+    Returns:
+        The names, as spelled in the cell.
+
+    Raises:
+        ParameterError: the notebook has no or several cells tagged ``parameters``.
     """
     nb = read_notebook(notebook) if isinstance(notebook, (str, Path)) else notebook
     cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]

@@ -229,7 +229,17 @@ def _cell(value: Any) -> Any:
 
 
 def write_csv(path: str | Path, points: Sequence[PointResult]) -> Path:
-    """One row per point: id, status, error, worker, host, seconds, parameters, results."""
+    """One row per point: id, status, error, worker, host, seconds, parameters, results.
+
+    Written atomically, so a reader never sees half a table.
+
+    Args:
+        path: where the CSV goes.
+        points: the sweep's points, in the order the rows should have.
+
+    Returns:
+        The path written.
+    """
     rows = []
     for p in points:
         row = {"point_id": p.point_id, "status": "ok" if p.status in ("ok", "done") else p.status,
@@ -246,6 +256,13 @@ def write_csv(path: str | Path, points: Sequence[PointResult]) -> Path:
 
 
 def read_csv(path: str | Path) -> list[dict[str, str]]:
-    """The rows of a sweep's ``results.csv`` (all values as text, as csv gives them)."""
+    """The rows of a sweep's ``results.csv`` (all values as text, as csv gives them).
+
+    Args:
+        path: the CSV file.
+
+    Returns:
+        One dict per row, column name to text.
+    """
     with open(path, newline="") as f:
         return list(csv.DictReader(f))

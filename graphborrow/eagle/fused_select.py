@@ -110,7 +110,10 @@ def select_pivots(src, pivots, ws: SelectWorkspace, top_k, top_p, d: int, splits
 
     Args:
         src: [rows, V] probabilities, or logits when ``stats`` is given.
-        top_k: [rows / d] int32 or None; top_p: [rows / d] float64 or None (one per request).
+        top_k: [rows / d] int32 or None; top_p: [rows / d] float32 or None (one per request).
+            top_p is float32 as the reference takes it (and torch and flashinfer do), widened
+            to float64 to compare with the kept mass: a float64 top_p would move the pivot of
+            any row whose kept mass lies in [float32(top_p), top_p).
         d: rows per request.
         stats: ``(temps, part_max, part_sum, unscale)`` of the logits (see
             :mod:`graphborrow.eagle.fused`), or None for probabilities.
@@ -168,12 +171,12 @@ def _renorm(probs, top_k, top_p, validate):
     if validate:
         if top_k is not None and any_true(per_request(top_k, rows, "top_k", probs, torch.int64) < 1):
             raise ValueError(f"top_k must be >= 1 (a value >= the vocabulary {vocab} keeps all)")
-        if top_p is not None and any_true(~(per_request(top_p, rows, "top_p", probs, torch.float64) > 0)):
+        if top_p is not None and any_true(~(per_request(top_p, rows, "top_p", probs, torch.float32) > 0)):
             raise ValueError("top_p must be in (0, 1] (1 keeps all)")
         if any_true(~torch.isfinite(probs)) or any_true(probs < 0):
             raise ValueError("probs must be finite and >= 0")
     k = None if top_k is None else per_request(top_k, rows, "top_k", probs, torch.int32)
-    p = None if top_p is None else per_request(top_p, rows, "top_p", probs, torch.float64)
+    p = None if top_p is None else per_request(top_p, rows, "top_p", probs, torch.float32)
     splits, chunk = split_layout(rows, vocab)
     pivots = probs.new_empty((rows, 4))
     select_pivots(probs, pivots, select_workspace(probs, rows, splits), k, p, 1, splits, chunk)

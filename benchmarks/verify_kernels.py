@@ -1,6 +1,7 @@
 """Fused (Triton) EAGLE verification against the PyTorch reference and the upstream kernel.
 
     python benchmarks/verify_kernels.py --out data/verify_kernels_h200.json
+    python benchmarks/verify_kernels.py --only renorm [--profile]   # the standalone renorm point alone
 
 For every bs in --batches and D in --drafts (V = --vocab, fp32 logits, draft trees as in
 the upstream measurement: D=4 topk 1 depth 3, D=8 topk 4 depth 3, D=16 topk 4 depth 5;
@@ -379,7 +380,11 @@ def renorm_table(rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("data/verify_kernels_h200.json"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON to write (default data/verify_kernels_h200.json; with --only renorm, none)")
+    ap.add_argument("--only", choices=("all", "renorm"), default="all",
+                    help="renorm: just the standalone top-p / top-k renorm of 32 x V (a quick check of the "
+                         "pivot search: time, graph replay time and bitwise agreement)")
     ap.add_argument("--batches", default="1,4,16,32,64,128")
     ap.add_argument("--drafts", default="4,8,16")
     ap.add_argument("--vocab", type=int, default=128256)
@@ -401,6 +406,8 @@ def main(argv=None):
         record["triton"] = triton.__version__
     except ImportError:
         record["triton"] = None
+    if args.only == "renorm":
+        return renorm_only(args, record, started)
     record["compile_s"] = compile_times()
     print("Triton compile (first call) seconds:", {k: round(v, 2) for k, v in record["compile_s"].items()})
     rows = []
@@ -427,22 +434,43 @@ def main(argv=None):
             record[name] = fn()
         except Exception as exc:  # noqa: BLE001
             record[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=4)}
-    tp = record["top_p_renorm"]
-    if "fused_us" in tp:
-        print(f"\ntop-p renorm 32 x {args.vocab}: fused {tp['fused_us']:.0f} us (graph {tp['fused_graph_us']:.0f}), "
-              f"reference {tp['reference_us']:.0f} us, goal <= {tp['goal_us']:.0f} us: "
-              f"{'met' if tp['meets_goal'] else 'MISSED'}; agrees {tp['agrees']}; top-k 50 {tp['top_k50_fused_us']:.0f} us, "
-              f"agrees {tp['top_k50_agrees']}; per kernel {tp.get('per_kernel_us')}")
+    print_renorm(record["top_p_renorm"], args.vocab)
     for r in record["chunked"] if isinstance(record["chunked"], list) else []:
         if r.get("ok"):
             print(f"chunked in borrowed memory bs={r['bs']} D={r['draft_tokens']}: {r['chunked_borrowed_us']:.0f} us vs "
                   f"{r['unchunked_us']:.0f} us ({r['ratio']:.2f}x, goal <= 1.3x: {'met' if r['ratio'] <= 1.3 else 'MISSED'})")
         else:
             print(f"chunked bs={r['bs']} D={r['draft_tokens']} failed: {r.get('error')}")
+    write(record, args.out or Path("data/verify_kernels_h200.json"), started)
+
+
+def renorm_only(args, record, started):
+    """--only renorm: the standalone renorm point alone, in the full run's record format."""
+    try:
+        record["top_p_renorm"] = renorm_row(args)
+    except Exception as exc:  # noqa: BLE001
+        record["top_p_renorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                  "traceback": traceback.format_exc(limit=4)}
+    print_renorm(record["top_p_renorm"], args.vocab)
+    if args.out is not None:
+        write(record, args.out, started)
+
+
+def print_renorm(tp, vocab):
+    if "fused_us" in tp:
+        print(f"\ntop-p renorm 32 x {vocab}: fused {tp['fused_us']:.0f} us (graph {tp['fused_graph_us']:.0f}), "
+              f"reference {tp['reference_us']:.0f} us, goal <= {tp['goal_us']:.0f} us: "
+              f"{'met' if tp['meets_goal'] else 'MISSED'}; agrees {tp['agrees']}; top-k 50 {tp['top_k50_fused_us']:.0f} us, "
+              f"agrees {tp['top_k50_agrees']}; per kernel {tp.get('per_kernel_us')}")
+    else:
+        print(f"\ntop-p renorm failed: {tp.get('error')}\n{tp.get('traceback', '')}")
+
+
+def write(record, out, started):
     record["elapsed_s"] = time.monotonic() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
-    print(f"\nwrote {args.out} in {record['elapsed_s']:.0f} s")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"\nwrote {out} in {record['elapsed_s']:.0f} s")
 
 
 if __name__ == "__main__":

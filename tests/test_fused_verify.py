@@ -358,6 +358,43 @@ def test_standalone_renorm_matches_the_reference_bitwise(ties, cap, passes, monk
         assert torch.equal(fv.top_p_renorm(dprobs, pd).cpu(), top_p_renorm_probs(probs, p)), f"top_p={p}"
 
 
+def test_top_p_is_float32_on_both_paths_standalone():
+    """A row whose mass above a value is float32(0.9) exactly, just under 0.9: with top_p
+    0.9 taken as float32 (as the reference, torch and flashinfer take it) that value is the
+    pivot; taken as float64 the kernel would keep the next value too."""
+    probs = torch.zeros(2, 1100)
+    f32_09 = float(torch.tensor(0.9, dtype=torch.float32))
+    probs[:, 700] = 0.5
+    probs[:, 100] = f32_09 - 0.5  # 0.39999997615814209: exact in float32
+    probs[:, 1050] = 0.0625
+    probs[:, 400] = 0.03125
+    probs[1, 900] = 0.25  # a second row whose pivot is elsewhere
+    assert f32_09 <= float(probs[0].double()[[700, 100]].sum()) < 0.9
+    expected = top_p_renorm_probs(probs, 0.9)
+    assert int((expected[0] > 0).sum()) == 2, "the reference keeps the two entries whose mass is float32(0.9)"
+    assert torch.equal(fv.top_p_renorm(probs.to(DEVICE), 0.9).cpu(), expected)
+
+
+def test_top_p_is_float32_on_both_paths_in_verification():
+    """Inside verification: the root row keeps two tokens (logit 0) whose float64 mass is
+    float32(top_p) exactly, just under top_p, so its candidates (logit -1) get probability 0
+    and are rejected even with a zero coin; a float64 top_p in the kernels would keep them."""
+    tree = tree_from_parents([[-1, 0, 0, 1]], [[0, 3, 5, 7]])
+    row = torch.full((300,), -math.inf)
+    row[[100, 280]] = 0.0
+    row[[3, 5, 200]] = -1.0
+    logits = row.repeat(4, 1)
+    p_top = formula.softmax_rows(row[None], torch.ones(1))[0, 100]
+    top_p = 2 * float(p_top) + 2.0 ** -40  # float32(top_p) == 2 * p_top < top_p
+    assert float(torch.tensor(top_p, dtype=torch.float32)) == 2 * float(p_top) < top_p
+    coins, final = torch.zeros(1, 4), torch.tensor([0.7])
+    expected = eagle_verify(logits, None, tree, 1.0, top_ps=top_p, coins=coins, coins_final=final)
+    assert expected.accept_length.tolist() == [1] and expected.predicts.tolist()[0] in (100, 280)
+    dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, final)
+    got = fv.fused_verify(dlogits, None, dtree, 1.0, top_ps=top_p, coins=dcoins, coins_final=dfinal)
+    assert_same(expected, got, f"top_p {top_p!r}")
+
+
 def test_renorm_rejects_bad_arguments():
     probs = torch.full((2, 8), 0.125, device=DEVICE)
     with pytest.raises(ValueError, match="top_k must be >= 1"):

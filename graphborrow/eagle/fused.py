@@ -94,7 +94,7 @@ class FusedWorkspace(NamedTuple):
     """Every temporary of one fused step (outputs excluded), in allocation order.
 
     Per request: ``temps`` [bs] float32, ``top_k`` [bs] int32 or None, ``top_p`` [bs]
-    float64 or None. Per row (rows = bs * D) and slice: ``part_max`` float32, ``part_sum``
+    float32 or None (as the reference takes it). Per row (rows = bs * D) and slice: ``part_max`` float32, ``part_sum``
     int64. Per request: ``walk_state`` [bs, 4 + D] int32 (final node, its slot, last
     rejected token, how many tokens the residual drops, then those tokens), ``res_sum`` [bs, rsplits] float64 and ``res_last``
     [bs, rsplits] int32 (residual mass and last positive index per slice), ``counters``
@@ -131,7 +131,7 @@ def fused_workspace(like: torch.Tensor, bs: int, d: int, vocab: int, temperature
     rsplits, rchunk = split_layout(bs, vocab)
     temps = per_request(temperatures, bs, "temperatures", like, torch.float32)
     top_k = None if top_ks is None else per_request(top_ks, bs, "top_ks", like, torch.int32)
-    top_p = None if top_ps is None else per_request(top_ps, bs, "top_ps", like, torch.float64)
+    top_p = None if top_ps is None else per_request(top_ps, bs, "top_ps", like, torch.float32)
     part_max = like.new_empty((rows, splits), dtype=torch.float32)
     part_sum = like.new_empty((rows, splits), dtype=torch.int64)
     walk_state = like.new_empty((bs, WALK_FIELDS + d), dtype=torch.int32)
@@ -152,7 +152,7 @@ def fused_workspace_bytes(bs: int, d: int, vocab: int, top_k: bool = False, top_
     rows = bs * d
     splits, _ = split_layout(rows, vocab)
     rsplits, _ = split_layout(bs, vocab)
-    total = 4 * bs + (4 * bs if top_k else 0) + (8 * bs if top_p else 0)
+    total = 4 * bs + (4 * bs if top_k else 0) + (4 * bs if top_p else 0)
     total += 12 * rows * splits + 4 * bs * (WALK_FIELDS + d) + 12 * bs * rsplits + 4 * bs
     if top_k or top_p:
         total += 16 * rows + select_workspace_bytes(rows, splits)
@@ -633,7 +633,7 @@ def _check_values(logits, candidates, tree, temperatures, top_ks, top_ps, coins,
     if isinstance(top_ks, torch.Tensor) and any_true(top_ks >= 2**31):
         raise ValueError(f"top_ks must be < 2**31 (the kernels read int32; pass the vocabulary {vocab} to keep all)")
     if top_ps is not None:
-        p = per_request(top_ps, bs, "top_ps", logits, torch.float64)
+        p = per_request(top_ps, bs, "top_ps", logits, torch.float32)
         if any_true(~(p > 0) | (p > 1)):
             raise ValueError("top_ps must be in (0, 1] (1 keeps all)")
     for name, c in (("coins", coins), ("coins_final", coins_final)):

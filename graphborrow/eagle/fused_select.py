@@ -50,9 +50,10 @@ __all__ = ["SelectWorkspace", "select_pivots", "select_workspace", "select_works
 BLOCK = 2048            # vocabulary entries per tile in the streaming kernels
 SPLIT_MAX = 64          # most vocabulary slices per row
 TARGET_PROGRAMS = 1056  # eight per H200 SM: slices enough to fill the GPU at small batches
-SELECT_BLOCK = 1024     # entries per tile in the threshold passes (a [SELECT_BLOCK, thresholds] tile each)
-SELECT_THRESHOLDS = 16  # thresholds per pass: the bracket shrinks ~17-fold per pass
-SELECT_PASSES = 3       # multi-program passes launched before the gather
+SELECT_BLOCK = 1024     # entries per tile in the threshold passes
+SELECT_RUN = 4          # coalesced runs per tile: each thread takes one entry of each
+SELECT_THRESHOLDS = 8   # thresholds per pass: the bracket shrinks ~9-fold per pass
+SELECT_PASSES = 4       # multi-program passes launched before the gather
 SELECT_CAP = 1024       # entries gathered and sorted exactly once the bracket holds no more
 SELECT_WARPS = 8
 STREAM_WARPS = 8
@@ -110,7 +111,10 @@ def select_pivots(src, pivots, ws: SelectWorkspace, top_k, top_p, d: int, splits
 
     Args:
         src: [rows, V] probabilities, or logits when ``stats`` is given.
-        top_k: [rows / d] int32 or None; top_p: [rows / d] float64 or None (one per request).
+        top_k: [rows / d] int32 or None; top_p: [rows / d] float32 or None (one per request).
+            top_p is float32 as the reference takes it (and torch and flashinfer do), widened
+            to float64 to compare with the kept mass: a float64 top_p would move the pivot of
+            any row whose kept mass lies in [float32(top_p), top_p).
         d: rows per request.
         stats: ``(temps, part_max, part_sum, unscale)`` of the logits (see
             :mod:`graphborrow.eagle.fused`), or None for probabilities.
@@ -168,12 +172,12 @@ def _renorm(probs, top_k, top_p, validate):
     if validate:
         if top_k is not None and any_true(per_request(top_k, rows, "top_k", probs, torch.int64) < 1):
             raise ValueError(f"top_k must be >= 1 (a value >= the vocabulary {vocab} keeps all)")
-        if top_p is not None and any_true(~(per_request(top_p, rows, "top_p", probs, torch.float64) > 0)):
+        if top_p is not None and any_true(~(per_request(top_p, rows, "top_p", probs, torch.float32) > 0)):
             raise ValueError("top_p must be in (0, 1] (1 keeps all)")
         if any_true(~torch.isfinite(probs)) or any_true(probs < 0):
             raise ValueError("probs must be finite and >= 0")
     k = None if top_k is None else per_request(top_k, rows, "top_k", probs, torch.int32)
-    p = None if top_p is None else per_request(top_p, rows, "top_p", probs, torch.float64)
+    p = None if top_p is None else per_request(top_p, rows, "top_p", probs, torch.float32)
     splits, chunk = split_layout(rows, vocab)
     pivots = probs.new_empty((rows, 4))
     select_pivots(probs, pivots, select_workspace(probs, rows, splits), k, p, 1, splits, chunk)
@@ -192,6 +196,7 @@ if TRITON_AVAILABLE:
     _KEY_MAX = tl.constexpr(0x7FFFFFFF)
     _NI = tl.constexpr(STATE_INTS)
     _NF = tl.constexpr(STATE_FLOATS)
+    RUN = tl.constexpr(SELECT_RUN)
 
     @triton.jit
     def _context(temps, part_max, part_sum, pivots, row, d, splits, unscale,
@@ -241,21 +246,30 @@ if TRITON_AVAILABLE:
                     FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
                     BLOCK_S: tl.constexpr, PRECISE: tl.constexpr):
         """Weight (count, or float64 mass for top-p) and count of the entries in
-        [lo_idx, hi_idx) whose key is >= each threshold (each tile reduced at once: few
-        registers, so many programs share an SM and hide the loads' latency)."""
-        offs = tl.arange(0, BLOCK_S)
-        weights = tl.zeros([NT], tl.float64)
-        counts = tl.zeros([NT], tl.int32)
+        [lo_idx, hi_idx) whose key is >= each threshold.
+
+        Each thread keeps its own NT partial sums over the entries it visits (a tile is RUN
+        coalesced runs of BLOCK_S / RUN entries, one entry per thread in each run), so the
+        sums cross threads once per call, not once per tile."""
+        lanes = tl.arange(0, BLOCK_S // RUN)
+        thr2 = thr[:, None]
+        part_w = tl.zeros([NT, BLOCK_S // RUN], tl.float64)
+        part_c = tl.zeros([NT, BLOCK_S // RUN], tl.int32)
         for start in range(lo_idx, hi_idx, BLOCK_S):
-            idx = start + offs
-            valid = idx < hi_idx
-            x = tl.load(base + idx, mask=valid, other=0.0).to(tl.float32)
-            above = (float_key(x)[:, None] >= thr[None, :]) & valid[:, None]
-            counts += tl.sum(above.to(tl.int32), axis=0)
-            if TOPP:
-                v = _value(x, t, big, total, pk, sk, FROM_LOGITS, TOPP, HAS_TOPK, PRECISE)
-                weights += tl.sum(tl.where(above, v.to(tl.float64)[:, None], 0.0), axis=0)
-        if not TOPP:
+            for run in tl.static_range(RUN):
+                idx = start + run * (BLOCK_S // RUN) + lanes
+                valid = idx < hi_idx
+                x = tl.load(base + idx, mask=valid, other=0.0).to(tl.float32)
+                key = tl.where(valid, float_key(x), _KEY_MIN)  # thresholds exceed lo >= _KEY_MIN: never above
+                above = key[None, :] >= thr2
+                part_c += above.to(tl.int32)
+                if TOPP:
+                    v = _value(x, t, big, total, pk, sk, FROM_LOGITS, TOPP, HAS_TOPK, PRECISE)
+                    part_w += tl.where(above, v.to(tl.float64)[None, :], 0.0)
+        counts = tl.sum(part_c, axis=1)
+        if TOPP:
+            weights = tl.sum(part_w, axis=1)
+        else:
             weights = counts.to(tl.float64)
         return weights, counts
 

@@ -59,7 +59,7 @@ if TRITON_AVAILABLE:
     import triton.language as tl
 
     from .fused_probs import fixed_point_e, prob, renormed, row_max_y, row_norm
-    from .fused_select import _arrive
+    from .fused_select import arrive
 
 __all__ = [
     "FusedResult",
@@ -374,7 +374,7 @@ if TRITON_AVAILABLE:
             acc += fixed_point_e(x, t, big, scale, PRECISE)
         tl.store(part_sum + row.to(tl.int64) * splits + c, tl.sum(acc, axis=0))
         if WALK:
-            if _arrive(counters, req, d * splits):
+            if arrive(counters, req, d * splits):
                 _walk(req, logits, temps, part_max, part_sum, pivots, candidates, retrive_index, next_token,
                       next_sibling, coins, predicts, accept_index, accept_length, walk_state,
                       d, vocab, steps, splits, unscale, thr_single, thr_acc,
@@ -509,7 +509,7 @@ if TRITON_AVAILABLE:
             last_pos = tl.maximum(last_pos, tl.where(r > 0, idx, -1))
         tl.store(res_sum + b * rsplits + c, tl.sum(mass, axis=0))
         tl.store(res_last + b * rsplits + c, tl.max(last_pos, axis=0))
-        if _arrive(counters, b, rsplits):
+        if arrive(counters, b, rsplits):
             # u = coin * total mass; find the slice where the running sum crosses u, then
             # scan it from the running sum before it (<= u, so no zero entry can be picked)
             slots = tl.arange(0, SPLIT_BLOCK)

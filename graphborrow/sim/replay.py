@@ -608,7 +608,7 @@ class _Replayer:
 
     def _segment_at(self, address: int):
         """The innermost simulated segment containing ``address``."""
-        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, len(self.sim._segments))
+        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, self.sim.segment_count())
         if stamp != self._index_stamp:
             self._index = SortedDict()
             for segment in self.sim.segments():
@@ -966,7 +966,7 @@ class _Replayer:
             if maps and block.segment not in self.reservations:  # a new reservation: one per pool, stream, kind
                 for other in self.reservations:
                     if other.stream == block.segment.stream and other.pool.is_small == block.segment.pool.is_small \
-                            and other in self.sim._segments:
+                            and self.sim.holds_segment(other):
                         theirs = self.identity.get(other.pool.owner.id)
                         self.conflicts.setdefault(mine, set()).add(theirs)
                         self.conflicts.setdefault(theirs, set()).add(mine)
@@ -1024,7 +1024,7 @@ class _Replayer:
 
     def _pools_on(self, stream: int, small: bool) -> list:
         """Ids of the pools with segments on this stream and of this kind (layout mode: one per segment)."""
-        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, len(self.sim._segments))
+        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, self.sim.segment_count())
         if stamp != self._groups_stamp:
             groups: dict[tuple, list] = {}
             for segment in self.sim.segments():

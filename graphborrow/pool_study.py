@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from .eagle.modes import MODES
 from .errors import ParameterError
 from .runs import find_free_runs, summarize
 
@@ -71,7 +72,7 @@ def _planner():
 
 
 def verify_fit(state, batches: Iterable[int], draft_tokens: int, vocab: int,
-               modes: Sequence[str] = ("standard", "lean", "chunked")) -> list[dict]:
+               modes: Sequence[str] = MODES) -> list[dict]:
     """Which verification steps fit the borrowable runs: one row per batch size and mode."""
     plan_verify = _planner()
     rows = []

@@ -1259,7 +1259,7 @@ class _Replayer:
             threshold = int(self.config.garbage_collection_threshold * float(sim.allowed_memory_maximum))
             if self.layout:  # no default pool to age blocks in: a run garbage collection could make proves nothing
                 return sim.total_allocated_memory > threshold and all(
-                    e["action"] == "segment_free" and e["size"] > 2 * 2**20 for e in run)
+                    e["action"] == "segment_free" and e["size"] > SMALL_BUFFER for e in run)
             victims = {(block.ptr, block.size) for block in sim.garbage_collection_victims()}
             return bool(victims) and victims == {(e["addr"], e["size"]) for e in run if e["action"] == "segment_free"}
         return over_cap and not private  # routed to a private pool, only the two above release memory

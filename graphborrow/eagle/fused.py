@@ -236,8 +236,8 @@ def fused_verify(
         coins_final = _draw(coins_final, (bs,), generator, logits)
         ws = fused_workspace(logits, bs, d, vocab, temperatures, top_ks, top_ps)
         if launch:
-            _launch(logits, candidates, tree, coins, coins_final, ws, bs, d, vocab, steps, thr_single, thr_acc,
-                    predicts, accept_index, accept_length)
+            _launch(_Launch(logits, candidates, tree, coins, coins_final, bs, d, vocab, steps, thr_single, thr_acc,
+                            predicts, accept_index, accept_length), ws)
         del ws, coins, coins_final
     return FusedResult(predicts, accept_index, accept_length)
 
@@ -258,8 +258,28 @@ def run_step(step: VerifyStep, out, launch: bool = True) -> None:
                  threshold_acc=step.threshold_acc, out=tuple(out), validate=False, launch=launch)
 
 
-def _launch(logits, candidates, tree, coins, coins_final, ws, bs, d, vocab, steps, thr_single, thr_acc,
-            predicts, accept_index, accept_length) -> None:
+class _Launch(NamedTuple):
+    """One fused step's checked inputs and its outputs: what the kernels read and write besides the workspace."""
+
+    logits: torch.Tensor
+    candidates: torch.Tensor
+    tree: DraftTree
+    coins: torch.Tensor
+    coins_final: torch.Tensor
+    bs: int
+    d: int
+    vocab: int
+    steps: int
+    thr_single: float
+    thr_acc: float
+    predicts: torch.Tensor
+    accept_index: torch.Tensor
+    accept_length: torch.Tensor
+
+
+def _launch(step: _Launch, ws: FusedWorkspace) -> None:
+    (logits, candidates, tree, coins, coins_final, bs, d, vocab, steps, thr_single, thr_acc,
+     predicts, accept_index, accept_length) = step
     rows = bs * d
     bits = sum_bits(vocab)
     scale, unscale = 2.0 ** bits, 2.0 ** -bits

@@ -228,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--draft-tokens", type=_int_list, default=[4, 8, 16],
                          help="draft tokens per request, comma-separated (default 4,8,16)")
     inspect.add_argument("--vocab", type=_positive_int, default=128256, help="target vocabulary (default 128256)")
-    inspect.add_argument("--modes", type=_modes, default=["standard", "lean", "chunked"],
-                         help="verification modes, comma-separated (default standard,lean,chunked)")
+    inspect.add_argument("--modes", type=_modes, default=None,
+                         help="verification modes, comma-separated (default: all of them)")
     inspect.add_argument("--pool", type=_pool, default=None,
                          help="pool to borrow from, e.g. 0,1 (default: the private pool with the most idle runs)")
     inspect.add_argument("--top-k", action="store_true", help="the step runs the top-k renorm")

@@ -36,7 +36,7 @@ from .errors import (
 )
 from .interrupts import CRITICAL, CRITICAL_ENTRY
 from .runs import find_free_runs
-from .sizes import MB, allocation_size, is_small, round_size
+from .sizes import MB, MIN_BLOCK_SIZE, allocation_size, is_small, round_size
 
 __all__ = ["BorrowState", "BorrowScope", "CaptureScope", "ReplayScope", "CAPTURE_USER", "REPLAY_USER"]
 
@@ -169,10 +169,10 @@ class BorrowState:
         for a, n in runs:
             if n <= 0 or a <= 0:
                 raise ValueError(f"static run ({a:#x}, {n}) needs a positive address and size")
-            if a % 512:
+            if a % MIN_BLOCK_SIZE:
                 raise ValueError(
-                    f"static run at {a:#x} is not 512-byte aligned; round its start up to a "
-                    "multiple of 512 (and shrink its size to match)"
+                    f"static run at {a:#x} is not {MIN_BLOCK_SIZE}-byte aligned; round its start up to a "
+                    f"multiple of {MIN_BLOCK_SIZE} (and shrink its size to match)"
                 )
         overlap = first_overlap(runs)
         if overlap:

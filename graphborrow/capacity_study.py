@@ -13,13 +13,14 @@ from typing import Iterable, Sequence
 import torch
 
 from .draft_tree import DraftTree, build_draft_tree, tree_depth_for
+from .eagle.modes import MODES
 from .errors import BorrowCapacityError
 
 __all__ = ["boundary_cells", "verify_inputs", "fit_grid_figure", "fit_policy_contrast", "plan_table", "run_verify_step", "summarize_fit"]
 
 
 def plan_table(pool, batches: Iterable[int], draft_tokens: Iterable[int], vocab: int,
-               modes: Sequence[str] = ("standard", "lean", "chunked"), top_k: bool = False,
+               modes: Sequence[str] = MODES, top_k: bool = False,
                top_p: bool = False) -> list[dict]:
     """The planner's answer for every cell of the grid.
 
@@ -84,7 +85,7 @@ def verify_inputs(backend, batch_size: int, draft_tokens: int, vocab: int, branc
     (run ``eagle_verify`` with ``validate=False`` there).
     """
     device = backend.device
-    if getattr(backend, "backed", True):
+    if backend.backed:
         g = torch.Generator().manual_seed(seed)
         branching = min(branching, vocab)
         tree = build_draft_tree(branching, tree_depth_for(draft_tokens, branching), draft_tokens, batch_size,

@@ -165,7 +165,7 @@ def escaped_tensor_hazard(ladder, make: Callable[[torch.Tensor], torch.Tensor], 
     live = _live_borrowed_blocks(state)
     guard = _guarded_replay(ladder)
     fraction = None
-    if getattr(backend, "backed", True):
+    if backend.backed:
         before = kept.cpu().clone()
         for graph in ladder.graphs.values():  # no replay scope: nobody checks
             graph.replay()

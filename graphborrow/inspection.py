@@ -161,7 +161,7 @@ def _config(settings: dict):
 
 def inspect_snapshot(snapshot: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 128),
                      draft_tokens: Iterable[int] = (4, 8, 16), vocab: int = 128256,
-                     modes: Iterable[str] = ("standard", "lean", "chunked"), pool_id: Optional[Sequence[int]] = None,
+                     modes: Optional[Iterable[str]] = None, pool_id: Optional[Sequence[int]] = None,
                      top_k: bool = False, top_p: bool = False, best_fit: bool = True,
                      precarve: bool = True) -> SnapshotReport:
     """Pools, free runs and the verification steps that fit a borrow, from a recorded snapshot.
@@ -169,7 +169,7 @@ def inspect_snapshot(snapshot: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
     Args:
         snapshot: a path to a pickle of ``torch.cuda.memory._snapshot()`` (what
             ``_dump_snapshot`` writes), the dict itself, or ``torch.cuda.memory_snapshot()``'s list.
-        batches, draft_tokens, modes: the verification steps to plan.
+        batches, draft_tokens, modes: the verification steps to plan (modes: all of ``eagle.MODES`` by default).
         vocab: the target model's vocabulary (float32 probabilities, as samplers read them).
         pool_id: the pool to borrow from; default: the private pool with the most idle run
             bytes (a CUDA graph pool), else the default pool.
@@ -184,10 +184,11 @@ def inspect_snapshot(snapshot: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
     """
     from .borrow import precarve_bytes
     from .capacity_study import plan_table
+    from .eagle.modes import MODES
     from .planner import PoolImage
 
     segments, settings, source = read_snapshot(snapshot)
-    batches, draft_tokens, modes = list(batches), list(draft_tokens), list(modes)
+    batches, draft_tokens, modes = list(batches), list(draft_tokens), list(MODES if modes is None else modes)
     for name, values in (("batches", batches), ("draft_tokens", draft_tokens), ("modes", modes)):
         if not values:
             raise ValueError(f"{name} is empty: name at least one")

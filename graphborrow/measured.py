@@ -130,7 +130,7 @@ MEASURED_MODES = {"standard": "standard+borrow", "chunked": "chunked+borrow"}  #
 
 
 def planned_capacity(segments: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 128),
-                     draft_tokens: Iterable[int] = (4, 8, 16), modes: Iterable[str] = ("standard", "lean", "chunked"),
+                     draft_tokens: Iterable[int] = (4, 8, 16), modes: Iterable[str] | None = None,
                      vocab: int = 128256, top_k: bool = False, top_p: bool = False, best_fit: bool = True,
                      precarve: bool = True) -> list[dict]:
     """The capacity planner's table for a recorded pool: which (bs, D, mode) steps fit its runs.
@@ -138,7 +138,7 @@ def planned_capacity(segments: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
     Args:
         segments: the pool's snapshot (a path, a ``_snapshot()`` dict or a segment list),
             e.g. ``data/h200_ladder_segments.pickle``, the Llama-3-8B ladder of the H200 runs.
-        batches, draft_tokens, modes: the grid.
+        batches, draft_tokens, modes: the grid (modes: all of ``eagle.MODES`` by default).
         vocab, top_k, top_p: the step's vocabulary and renorms.
         best_fit, precarve: the borrow state's settings (its defaults: as on the H200).
 
@@ -147,9 +147,11 @@ def planned_capacity(segments: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
     """
     from .borrow import precarve_bytes
     from .capacity import plan_verify
+    from .eagle.modes import MODES
     from .planner import PoolImage
     from .runs import find_free_runs
 
+    modes = MODES if modes is None else modes
     runs = find_free_runs(segments)[:64]
     seeds = [s for s in (precarve_bytes(n) for _, n in runs) if s] if precarve else []
     image = PoolImage.from_runs(runs, best_fit=best_fit, seeds=seeds)

@@ -14,9 +14,10 @@ from typing import Any, Iterable, Mapping, Optional
 
 from .sizes import MB
 
-__all__ = ["MODES", "mode_costs", "plot_mode_costs", "summarize_costs"]
+__all__ = ["MEASURED_VARIANTS", "mode_costs", "plot_mode_costs", "summarize_costs"]
 
-MODES = ("standard", "standard+borrow", "lean", "chunked+borrow")
+# the four ways benchmarks/eagle_verify.py ran each step: a verification mode (eagle.MODES), borrowing or not
+MEASURED_VARIANTS = ("standard", "standard+borrow", "lean", "chunked+borrow")
 
 
 def mode_costs(eagle: Mapping[str, Any]) -> list[dict]:
@@ -33,16 +34,16 @@ def mode_costs(eagle: Mapping[str, Any]) -> list[dict]:
         by_point.setdefault((p["bs"], p["draft_tokens"]), {})[p["mode"]] = p
     rows = []
     for (bs, d), modes in sorted(by_point.items()):
-        if not all(modes.get(m, {}).get("ok") for m in MODES):
+        if not all(modes.get(m, {}).get("ok") for m in MEASURED_VARIANTS):
             continue
         row = {"batch_size": bs, "draft_tokens": d}
-        for m in MODES:
+        for m in MEASURED_VARIANTS:
             row[f"{m}_bytes"] = modes[m]["device_bytes"]
             row[f"{m}_ms"] = modes[m]["device_ms"]
         rows.append(row)
     if not rows:
         raise ValueError("no point of this file ran in every mode "
-                         f"({', '.join(MODES)}); is it an eagle_verify.py result?")
+                         f"({', '.join(MEASURED_VARIANTS)}); is it an eagle_verify.py result?")
     return rows
 
 
@@ -54,7 +55,7 @@ def summarize_costs(rows: Iterable[Mapping]) -> dict:
     rows = list(rows)
     share = [r["lean_bytes"] / r["standard_bytes"] for r in rows if r["standard_bytes"]]
     out = {"points": len(rows), "lean_bytes_share": statistics.median(share) if share else None}
-    for m in MODES[1:]:
+    for m in MEASURED_VARIANTS[1:]:
         out[f"{m}_time_ratio"] = statistics.median(r[f"{m}_ms"] / r["standard_ms"] for r in rows)
     return out
 
@@ -81,7 +82,7 @@ def plot_mode_costs(rows: Iterable[Mapping], title: Optional[str] = None, draft_
     xs = [r["batch_size"] for r in mine]
     styles = {"standard": ("#d95f02", "o"), "standard+borrow": ("#1b9e77", "s"), "lean": ("#7570b3", "^"),
               "chunked+borrow": ("#e7298a", "D")}
-    for m in MODES:
+    for m in MEASURED_VARIANTS:
         color, marker = styles[m]
         mem.plot(xs, [r[f"{m}_bytes"] / MB for r in mine], marker=marker, color=color, label=m)
         time.plot(xs, [r[f"{m}_ms"] for r in mine], marker=marker, color=color, label=m)

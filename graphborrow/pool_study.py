@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from .eagle.modes import MODES
 from .errors import ParameterError
 from .runs import find_free_runs, summarize
 
@@ -74,7 +75,7 @@ def _planner():
 
 
 def verify_fit(state, batches: Iterable[int], draft_tokens: int, vocab: int,
-               modes: Sequence[str] = ("standard", "lean", "chunked")) -> list[dict]:
+               modes: Sequence[str] = MODES) -> list[dict]:
     """Which verification steps fit the borrowable runs: one row per batch size and mode."""
     plan_verify = _planner()
     rows = []
@@ -287,17 +288,17 @@ def _record_sites(backend) -> list:
     """Keep the Python frames of every simulated allocation, as a GPU trace does.
 
     Every tensor, workspace and RNG-state allocation of the simulated device goes through
-    ``_new_storage``; wrapping it on this one instance records frames in allocation order.
+    ``new_storage``; wrapping it on this one instance records frames in allocation order.
     """
     sites: list = []
-    new_storage = backend._new_storage
+    new_storage = backend.new_storage
 
     def recorded(nbytes):
         stack = traceback.extract_stack(limit=40)[:-1]
         sites.append([{"filename": f.filename, "line": f.lineno, "name": f.name} for f in reversed(stack)])
         return new_storage(nbytes)
 
-    backend._new_storage = recorded
+    backend.new_storage = recorded
     return sites
 
 

@@ -105,7 +105,7 @@ def save(
         "schema": SCHEMA,
         "device_work": int(device_work),
         "device": backend.describe() if backend is not None else None,
-        "backend": getattr(backend, "name", None),
+        "backend": backend.name if backend is not None else None,
         "torch": _torch_version(),
         "python": platform.python_version(),
         "finished_at": time.time(),

@@ -184,7 +184,7 @@ class GraphLadder:
         self.pool_id = self.state.pool_id
         with torch.inference_mode():
             self.model = LlamaMLP(shape, device=backend.device, seed=seed,
-                                  fill=getattr(backend, "backed", True))
+                                  fill=backend.backed)
         self._warmup_stream = None  # one for all captures: each new stream costs a BLAS workspace
         self.graphs: dict = {}
         self.inputs: dict = {}
@@ -323,7 +323,7 @@ def notebook_dtype(backend) -> torch.dtype:
     Returns:
         ``torch.float32`` or ``torch.bfloat16``.
     """
-    return torch.float32 if backend.name == "sim" and getattr(backend, "backed", True) else torch.bfloat16
+    return torch.float32 if backend.name == "sim" and backend.backed else torch.bfloat16
 
 
 def borrowable_ladder(ladder: "GraphLadder", fallback: ModelShape | None = None) -> tuple["GraphLadder", str]:
@@ -439,7 +439,7 @@ def build_ladder(
     if model not in MODELS:
         raise ParameterError(f"unknown MODEL {model!r}; choose one of {list(model_names())}")
     if tiny is None:
-        tiny = backend.name == "sim" and getattr(backend, "backed", True)
+        tiny = backend.name == "sim" and backend.backed
     if prefill is None:
         prefill = "graph" if prefill_tokens else "none"
     return ModelLadder(backend, model, layers=2 if layers is None else layers, decode_batches=decode_batches,

@@ -42,6 +42,6 @@ def test_plot_draws_each_mode_in_both_panels():
     fig = mode_costs.plot_mode_costs(mode_costs.mode_costs(measured.load("eagle_h200", DATA)), draft_tokens=8)
     assert len(fig.axes) == 2
     for ax in fig.axes:
-        assert [line.get_label() for line in ax.get_lines()] == list(mode_costs.MODES)
+        assert [line.get_label() for line in ax.get_lines()] == list(mode_costs.MEASURED_VARIANTS)
     with pytest.raises(ValueError, match="no row has draft_tokens=5"):
         mode_costs.plot_mode_costs(mode_costs.mode_costs(measured.load("eagle_h200", DATA)), draft_tokens=5)

@@ -4,6 +4,7 @@ Each check runs in a fresh interpreter: a process holds one ``graphborrow.sim.al
 and which one it is gets decided when ``graphborrow.sim`` is first imported.
 """
 
+import ast
 import importlib.util
 import inspect
 import os
@@ -262,10 +263,11 @@ def test_a_build_is_named_by_its_sources_cython_and_directives(tmp_path, monkeyp
 # ----------------------------------------------------------------------------- the .pxd and the .py agree
 
 
-def _pxd_declarations() -> tuple[dict, dict]:
+def _pxd_declarations(text: str | None = None) -> tuple[dict, dict]:
     """From allocator.pxd: class -> (fields, {method: parameters}) and function -> parameters."""
     classes, functions, current = {}, {}, None
-    for line in (compiled.HERE / "allocator.pxd").read_text().splitlines():
+    text = (compiled.HERE / "allocator.pxd").read_text() if text is None else text
+    for line in text.splitlines():
         stripped = line.strip()
         if stripped.startswith("cdef class "):
             current = re.match(r"cdef class (\w+)", stripped).group(1)
@@ -313,3 +315,42 @@ def test_the_pxd_declares_exactly_what_the_py_defines():
             assert defined == parameters, f"{name}.{method}: .pxd {parameters} != .py {defined}"
     for function, parameters in functions.items():
         assert list(inspect.signature(getattr(source, function)).parameters) == parameters, function
+
+
+def fields_out_of_step(source: str, pxd: str) -> dict[str, tuple[list, list]]:
+    """Class -> (set on ``self`` in its methods but not declared, declared but never set on ``self``).
+
+    Only classes the .pxd declares are compared; an attribute set on ``self`` anywhere in a
+    method of such a class (``self.x = ...``, ``self.x += ...``, ``self.x: T = ...``) counts.
+    A compiled extension type has no ``__dict__``: an undeclared one raises AttributeError at
+    run time, in the compiled build only.
+    """
+    declared = {name: fields for name, (fields, _) in _pxd_declarations(pxd)[0].items()}
+    result = {}
+    for cls in ast.parse(source).body:
+        if isinstance(cls, ast.ClassDef) and cls.name in declared:
+            assigned = {
+                node.attr for node in ast.walk(cls)
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
+                and isinstance(node.value, ast.Name) and node.value.id == "self"
+            }
+            undeclared, unset = sorted(assigned - declared[cls.name]), sorted(declared[cls.name] - assigned)
+            if undeclared or unset:
+                result[cls.name] = (undeclared, unset)
+    return result
+
+
+def test_every_attribute_set_on_self_is_declared_in_the_pxd_and_back():
+    source, pxd = (path.read_text() for path in compiled.SOURCES)
+    assert fields_out_of_step(source, pxd) == {}
+
+
+def test_the_field_check_finds_an_undeclared_attribute_and_an_unused_declaration():
+    source, pxd = (path.read_text() for path in compiled.SOURCES)
+    anchor = "    def segments(self) -> list[Segment]:\n"
+    assert anchor in source
+    extra = source.replace(anchor, "    def audit(self) -> None:\n        self.audit_extra = 0\n\n" + anchor)
+    assert fields_out_of_step(extra, pxd) == {"CachingAllocator": (["audit_extra"], [])}
+    stale = pxd.replace("cdef public long long page_size", "cdef public long long page_size, retired")
+    assert stale != pxd
+    assert fields_out_of_step(source, stale) == {"Segment": ([], ["retired"])}

@@ -267,7 +267,7 @@ def _expandable_with_its_lowest_pages_unmapped():
     kept = alloc.malloc(30 * MiB, 0)
     alloc.free(low)
     alloc.empty_cache()  # the pages under the freed block go back; the reservation stays
-    (segment,) = list(alloc._segments)
+    (segment,) = alloc.segments()
     assert segment.address < kept.ptr  # what this test is about: the reservation starts lower
     return alloc, segment.address, kept
 

@@ -200,8 +200,8 @@ def test_tensors_remember_their_device():
     try:
         assert not first.is_active and second.is_active
         b = torch.ones(3, device="cuda")
-        assert b._backend is second and a._backend is first
-        assert (a * 2)._backend is first
+        assert b.sim_backend is second and a.sim_backend is first
+        assert (a * 2).sim_backend is first
         with pytest.raises(RuntimeError, match="two different simulated devices"):
             a + b
         assert first.memory_allocated() == 512 and second.memory_allocated() == 512

@@ -59,7 +59,7 @@ if TRITON_AVAILABLE:
     import triton.language as tl
 
     from .fused_probs import fixed_point_e, prob, renormed, row_max_y, row_norm
-    from .fused_select import _arrive
+    from .fused_select import arrive
 
 __all__ = [
     "FusedResult",
@@ -236,8 +236,8 @@ def fused_verify(
         coins_final = _draw(coins_final, (bs,), generator, logits)
         ws = fused_workspace(logits, bs, d, vocab, temperatures, top_ks, top_ps)
         if launch:
-            _launch(logits, candidates, tree, coins, coins_final, ws, bs, d, vocab, steps, thr_single, thr_acc,
-                    predicts, accept_index, accept_length)
+            _launch(_Launch(logits, candidates, tree, coins, coins_final, bs, d, vocab, steps, thr_single, thr_acc,
+                            predicts, accept_index, accept_length), ws)
         del ws, coins, coins_final
     return FusedResult(predicts, accept_index, accept_length)
 
@@ -258,8 +258,28 @@ def run_step(step: VerifyStep, out, launch: bool = True) -> None:
                  threshold_acc=step.threshold_acc, out=tuple(out), validate=False, launch=launch)
 
 
-def _launch(logits, candidates, tree, coins, coins_final, ws, bs, d, vocab, steps, thr_single, thr_acc,
-            predicts, accept_index, accept_length) -> None:
+class _Launch(NamedTuple):
+    """One fused step's checked inputs and its outputs: what the kernels read and write besides the workspace."""
+
+    logits: torch.Tensor
+    candidates: torch.Tensor
+    tree: DraftTree
+    coins: torch.Tensor
+    coins_final: torch.Tensor
+    bs: int
+    d: int
+    vocab: int
+    steps: int
+    thr_single: float
+    thr_acc: float
+    predicts: torch.Tensor
+    accept_index: torch.Tensor
+    accept_length: torch.Tensor
+
+
+def _launch(step: _Launch, ws: FusedWorkspace) -> None:
+    (logits, candidates, tree, coins, coins_final, bs, d, vocab, steps, thr_single, thr_acc,
+     predicts, accept_index, accept_length) = step
     rows = bs * d
     bits = sum_bits(vocab)
     scale, unscale = 2.0 ** bits, 2.0 ** -bits
@@ -374,7 +394,7 @@ if TRITON_AVAILABLE:
             acc += fixed_point_e(x, t, big, scale, PRECISE)
         tl.store(part_sum + row.to(tl.int64) * splits + c, tl.sum(acc, axis=0))
         if WALK:
-            if _arrive(counters, req, d * splits):
+            if arrive(counters, req, d * splits):
                 _walk(req, logits, temps, part_max, part_sum, pivots, candidates, retrive_index, next_token,
                       next_sibling, coins, predicts, accept_index, accept_length, walk_state,
                       d, vocab, steps, splits, unscale, thr_single, thr_acc,
@@ -509,7 +529,7 @@ if TRITON_AVAILABLE:
             last_pos = tl.maximum(last_pos, tl.where(r > 0, idx, -1))
         tl.store(res_sum + b * rsplits + c, tl.sum(mass, axis=0))
         tl.store(res_last + b * rsplits + c, tl.max(last_pos, axis=0))
-        if _arrive(counters, b, rsplits):
+        if arrive(counters, b, rsplits):
             # u = coin * total mass; find the slice where the running sum crosses u, then
             # scan it from the running sum before it (<= u, so no zero entry can be picked)
             slots = tl.arange(0, SPLIT_BLOCK)

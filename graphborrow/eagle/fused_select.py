@@ -324,7 +324,7 @@ if TRITON_AVAILABLE:
         return tl.where(first < CAP, tl.sum(tl.where(cap_offs == first, keys, 0), axis=0), lo)
 
     @triton.jit
-    def _arrive(counters, row, splits):
+    def arrive(counters, row, splits):
         """Count this program in; True for the row's last one (which resets the counter)."""
         tl.debug_barrier()
         done = tl.atomic_add(counters + row, 1, sem="acq_rel")
@@ -372,7 +372,7 @@ if TRITON_AVAILABLE:
         tl.store(part_c + part + 1, tl.max(kmax, axis=0))
         tl.store(part_c + part + 2, tl.sum(n, axis=0))
         tl.store(part_w + part + 0, tl.sum(w, axis=0))
-        if _arrive(counters, row, splits):
+        if arrive(counters, row, splits):
             s = tl.arange(0, SPLIT_BLOCK)
             parts = (row.to(tl.int64) * splits + s) * NT
             ok = s < splits
@@ -427,7 +427,7 @@ if TRITON_AVAILABLE:
             part = (row.to(tl.int64) * splits + c) * NT
             tl.store(part_w + part + j, w)
             tl.store(part_c + part + j, cnt)
-            if _arrive(counters, row, splits):
+            if arrive(counters, row, splits):
                 s = tl.arange(0, SPLIT_BLOCK)
                 grid = (row.to(tl.int64) * splits + s)[:, None] * NT + j[None, :]
                 ok = (s < splits)[:, None]
@@ -530,7 +530,7 @@ if TRITON_AVAILABLE:
             acc += tl.where(valid & (v >= pivot), v.to(tl.float64), 0.0)
         part = (row.to(tl.int64) * splits + c) * NT
         tl.store(part_w + part, tl.sum(acc, axis=0))
-        if _arrive(counters, row, splits):
+        if arrive(counters, row, splits):
             s = tl.arange(0, SPLIT_BLOCK)
             kept = tl.sum(tl.load(part_w + (row.to(tl.int64) * splits + s) * NT, mask=s < splits, other=0.0,
                                   cache_modifier=".cg"), axis=0)

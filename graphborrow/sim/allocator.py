@@ -1545,6 +1545,14 @@ class CachingAllocator:
         """Live segments sorted by address (nested pluggable segments after their host)."""
         return sorted(self._segments, key=lambda s: (s.address, -s.size))
 
+    def segment_count(self) -> int:
+        """How many segments are live (cheaper than ``len(segments())``: nothing is sorted)."""
+        return len(self._segments)
+
+    def holds_segment(self, segment: Segment) -> bool:
+        """True while ``segment`` is live (not yet released to the device)."""
+        return segment in self._segments
+
     def snapshot(self, pool_id=None) -> list[dict]:
         """``torch.cuda.memory_snapshot(mempool_id)``: segments in torch's format, by address.
 

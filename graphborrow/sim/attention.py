@@ -174,8 +174,8 @@ def _additive_mask(mask, dtype):
     """``convert_boolean_attn_mask``: a device scalar, then ``where(mask, 0, -inf)``."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    neg_inf = _empty(mask._backend, (), (), dtype)
-    if mask._backend.backed:
+    neg_inf = _empty(mask.sim_backend, (), (), dtype)
+    if mask.sim_backend.backed:
         neg_inf.fill_(float("-inf"))
     return torch.where(mask, 0.0, neg_inf)
 
@@ -239,12 +239,12 @@ def _fill(backend, out: SimTensor, q, k, v, mask, is_causal, scale, enable_gqa) 
     """Write the values into ``out`` and, during a capture, record that for replay."""
     if not backend.backed:
         return
-    inner = [t._inner if t is not None else None for t in (q, k, v, mask)]
+    inner = [t.sim_inner if t is not None else None for t in (q, k, v, mask)]
     with torch._C.DisableTorchFunction():
-        out._inner.copy_(_values(*inner, is_causal, scale, enable_gqa))
+        out.sim_inner.copy_(_values(*inner, is_causal, scale, enable_gqa))
     capture = backend.capture_for_current_stream()
     if capture is not None:
-        capture._record(_values, (*inner, is_causal, scale, enable_gqa), {}, [(-1, out._inner)])
+        capture.record_op(_values, (*inner, is_causal, scale, enable_gqa), {}, [(-1, out.sim_inner)])
 
 
 @register_cuda_model(torch.ops.aten.scaled_dot_product_attention.default,
@@ -259,7 +259,7 @@ def scaled_dot_product_attention(func, args, kwargs):
         )
     if dropout_p > 0.0:
         raise NotImplementedError("the simulated device models attention without dropout (inference)")
-    backend = q._backend
+    backend = q.sim_backend
     model = backend.attention
     choice = select_backend(model, q, k, v, mask, dropout_p, is_causal, enable_gqa)
     mask = _additive_mask(mask, q.dtype)
@@ -280,8 +280,8 @@ def scaled_dot_product_attention(func, args, kwargs):
                                   math.ceil(k.shape[-2] / block_n))
         if splits > 1:
             rounded = (d + 31) // 32 * 32
-            lse_accum = backend._new_storage(splits * b * h * s_q * 4)
-            out_accum = backend._new_storage(splits * b * h * s_q * rounded * 4)
+            lse_accum = backend.new_storage(splits * b * h * s_q * 4)
+            out_accum = backend.new_storage(splits * b * h * s_q * rounded * 4)
             del out_accum, lse_accum  # freed when mha_fwd returns (reverse declaration order)
         _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
         del lse  # the composite keeps only the output
@@ -292,7 +292,7 @@ def scaled_dot_product_attention(func, args, kwargs):
             mask = mask.expand(b, h, s_q, k.shape[-2])
         out = _empty(backend, out_shape, _bshd_strides(b, h, s_q, d_v), q.dtype)
         if q.shape[-1] > 128 and q.dtype != f32:  # kernels past kMaxK=128 accumulate in fp32 memory
-            accum = backend._new_storage(b * s_q * h * d_v * 4)
+            accum = backend.new_storage(b * s_q * h * d_v * 4)
             del accum
         _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
         return out
@@ -301,7 +301,7 @@ def scaled_dot_product_attention(func, args, kwargs):
     offset = _empty(backend, (1,), (1,), torch.int64)
     out = _empty(backend, out_shape, _like_query(q, out_shape), q.dtype)
     if model.cudnn_workspace:
-        workspace = backend._new_storage(model.cudnn_workspace)
+        workspace = backend.new_storage(model.cudnn_workspace)
         del workspace
     _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
     del seed, offset

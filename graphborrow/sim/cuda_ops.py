@@ -30,7 +30,7 @@ import dataclasses
 
 import torch
 
-from .tensor import _dispatch, register_cuda_model
+from .tensor import dispatch, register_cuda_model
 
 __all__ = ["H200_CAPABILITY", "KernelModel", "SMALL_SORT_LIMIT", "device_queries", "grouped_mm_argument_bytes",
            "histc_any_dtype"]
@@ -66,7 +66,7 @@ class KernelModel:
 
 
 def _kernels(t):
-    return t._backend.kernels
+    return t.sim_backend.kernels
 
 
 def _named(args, kwargs, names) -> dict:
@@ -78,7 +78,7 @@ def _named(args, kwargs, names) -> dict:
 
 def _temporary(backend, nbytes: int):
     """A block the kernel holds while it runs (freed when the caller drops it)."""
-    return backend._new_storage(nbytes) if nbytes > 0 else None
+    return backend.new_storage(nbytes) if nbytes > 0 else None
 
 
 # ------------------------------------------------------------------------ pow(Scalar, Tensor)
@@ -89,9 +89,9 @@ def _pow_scalar_base(func, args, kwargs):
     """``base ** tensor``: structured output first, then the base as a device scalar."""
     params = _named(args, kwargs, ("self", "exponent"))
     base, exponent = params["self"], params["exponent"]
-    out = _dispatch(func, args, kwargs)
+    out = dispatch(func, args, kwargs)
     if not (isinstance(base, (int, float)) and not isinstance(base, bool) and base == 1):
-        scalar = _temporary(exponent._backend, _SCALAR_BYTES.get(type(base), 8))
+        scalar = _temporary(exponent.sim_backend, _SCALAR_BYTES.get(type(base), 8))
         del scalar
     return out
 
@@ -106,9 +106,9 @@ def _sort(func, args, kwargs):
     params = _named(args, kwargs, names)
     x = params["self"]
     dim = params.get("dim", -1)
-    out = _dispatch(func, args, kwargs)
+    out = dispatch(func, args, kwargs)
     if x.dim() and x.numel() and x.shape[dim] <= SMALL_SORT_LIMIT:
-        arange = _temporary(x._backend, x.shape[dim] * 8)  # fillSliceWithIndex: at::arange(n, indices' int64)
+        arange = _temporary(x.sim_backend, x.shape[dim] * 8)  # fillSliceWithIndex: at::arange(n, indices' int64)
         del arange
     return out
 
@@ -118,7 +118,7 @@ def _sort(func, args, kwargs):
 
 def _scan_temporaries(x, out, dim: int) -> list:
     """What ``cumsum`` allocates after its output: a converted (contiguous) input, CUB storage."""
-    backend = x._backend
+    backend = x.sim_backend
     held = []
     if x.dim() == 0 or x.numel() == 0:
         return held
@@ -136,7 +136,7 @@ def _cumsum(func, args, kwargs):
     """``cumsum`` and its in-place form take the same arguments and allocate alike."""
     params = _named(args, kwargs, ("self", "dim", "dtype"))
     x = params["self"]
-    out = _dispatch(func, args, kwargs)
+    out = dispatch(func, args, kwargs)
     held = _scan_temporaries(x, out, params["dim"])
     del held
     return out
@@ -157,7 +157,7 @@ def _grouped_mm(func, args, kwargs):
     params = _named(args, kwargs, ("self", "mat2", "offs", "bias", "out_dtype"))
     a, b = params["self"], params["mat2"]
     offs, bias, out_dtype = params.get("offs"), params.get("bias"), params.get("out_dtype")
-    out = _dispatch(func, args, kwargs)
+    out = dispatch(func, args, kwargs)
     kernels = _kernels(a)
     bf16 = a.dtype == b.dtype == torch.bfloat16 and (out_dtype in (None, torch.bfloat16))
     if kernels.grouped_gemm_cutlass and bf16:
@@ -167,7 +167,7 @@ def _grouped_mm(func, args, kwargs):
             groups = b.shape[0]
         else:
             groups = a.shape[0]
-        backend = a._backend
+        backend = a.sim_backend
         arguments = _temporary(backend, grouped_mm_argument_bytes(groups, bias is not None))
         workspace = _temporary(backend, kernels.multiprocessors * kernels.grouped_gemm_workspace_per_sm)
         del workspace, arguments  # freed in reverse order when the kernel launcher returns
@@ -186,7 +186,7 @@ def histc_any_dtype(x, bins=100, min=0, max=0):
 
 @register_cuda_model(_aten.histc.default)
 def _histc(func, args, kwargs):
-    return _dispatch(histc_any_dtype, args, kwargs)
+    return dispatch(histc_any_dtype, args, kwargs)
 
 
 H200_CAPABILITY = (9, 0)

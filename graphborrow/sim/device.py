@@ -85,7 +85,7 @@ class MemPool:
         self.allocator = allocator
         self._id = backend.new_pool_id(graph=False)
         self._closed = False
-        with backend._allocator_call():
+        with backend.allocator_call():
             backend.allocator.create_or_incref_pool(self._id, allocator, use_on_oom, no_split)
 
     @property
@@ -112,7 +112,7 @@ class MemPool:
         backend = self._backend
         if backend.closed:
             return
-        with backend._allocator_call():
+        with backend.allocator_call():
             backend.allocator.release_pool(self._id)
             backend.allocator.empty_cache(self._id)
 
@@ -357,7 +357,7 @@ class SimBackend:
 
     def touch(self) -> None:
         """One small allocation: lets the allocator process completed events."""
-        storage = self._new_storage(4)
+        storage = self.new_storage(4)
         del storage
 
     # ------------------------------------------------------------------- pools, graphs
@@ -500,7 +500,7 @@ class SimBackend:
         Returns:
             Segment dicts in torch's format (sizes and addresses in bytes).
         """
-        with self._allocator_call():
+        with self.allocator_call():
             return self.allocator.snapshot(None if pool_id is None else tuple(pool_id))
 
     def memory_stats(self) -> dict[str, Any]:
@@ -538,7 +538,7 @@ class SimBackend:
             fraction: the share of ``capacity``, between 0 and 1.
             device: accepted for torch's signature (there is one simulated device).
         """
-        with self._allocator_call():
+        with self.allocator_call():
             self.allocator.set_memory_fraction(float(fraction))
 
     def get_per_process_memory_fraction(self, device=None) -> float:
@@ -561,7 +561,7 @@ class SimBackend:
         return self.memory.mem_get_info()
 
     def empty_cache(self) -> None:
-        with self._allocator_call():
+        with self.allocator_call():
             self.allocator.empty_cache()
 
     def record_memory_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
@@ -580,7 +580,7 @@ class SimBackend:
             A dict with ``"segments"``, ``"device_traces"`` and ``"allocator_settings"``,
             readable by PyTorch's memory_viz.
         """
-        with self._allocator_call():
+        with self.allocator_call():
             return self.allocator.full_snapshot()
 
     def record_stream(self, tensor, stream: Stream) -> None:
@@ -597,7 +597,7 @@ class SimBackend:
         """
         storage = self._storage_of(tensor)
         if storage is not None:
-            with self._allocator_call():
+            with self.allocator_call():
                 self.allocator.record_stream(storage.block, stream.id)
 
     def data_ptr(self, tensor) -> int:
@@ -616,7 +616,7 @@ class SimBackend:
         storage = self._storage_of(tensor)
         if storage is None:
             return 0
-        inner = tensor._inner
+        inner = tensor.sim_inner
         if self.backed:
             return storage.block.ptr + (inner.data_ptr() - storage.host_ptr)
         return storage.block.ptr + inner.storage_offset() * inner.element_size()
@@ -664,13 +664,13 @@ class SimBackend:
                 f"expected a tensor on the simulated device, got a plain {tensor.device} tensor; "
                 "create it with device='cuda' while the SimBackend is active"
             )
-        if tensor._backend is not self:
+        if tensor.sim_backend is not self:
             raise ValueError("this tensor lives on another simulated device")
-        return tensor._sim
+        return tensor.sim_storage
 
     # ------------------------------------------------------ allocation (for tensors)
     @contextlib.contextmanager
-    def _allocator_call(self) -> Iterator[None]:
+    def allocator_call(self) -> Iterator[None]:
         """Serialise allocator calls; frees arriving meanwhile (GC, other threads) wait.
 
         Each call is a critical section: an interrupt cannot stop the allocator halfway
@@ -687,7 +687,7 @@ class SimBackend:
             if (self._pending or self._dead) and not self._depth:
                 self._drain()
 
-    def _new_storage(self, nbytes: int) -> SimStorage:
+    def new_storage(self, nbytes: int) -> SimStorage:
         self._check_open()
         with CRITICAL:  # the block and the storage that will free it come into being together
             with self._lock:
@@ -716,19 +716,19 @@ class SimBackend:
     def ensure_blas_workspace(self) -> None:
         stream = self.current_stream().id
         if stream not in self._blas_workspaces:
-            self._blas_workspaces[stream] = self._new_storage(self.blas_workspace)
+            self._blas_workspaces[stream] = self.new_storage(self.blas_workspace)
 
     def ensure_blaslt_workspace(self) -> None:
         stream = self.current_stream().id
         if stream not in self._blaslt_workspaces:
-            self._blaslt_workspaces[stream] = self._new_storage(self.blaslt_workspace)
+            self._blaslt_workspaces[stream] = self.new_storage(self.blaslt_workspace)
 
     def register_generator(self) -> None:
         """The first capture makes the RNG's graph-safe seed and offset (two int64 tensors)."""
         if self._generator_state is None:
-            self._generator_state = [self._new_storage(8), self._new_storage(8)]
+            self._generator_state = [self.new_storage(8), self.new_storage(8)]
 
-    def _release(self, block) -> None:
+    def release_block(self, block) -> None:
         """Free ``block`` for a storage that died (called from its finalizer).
 
         If an interrupt stops the finalizer before this runs, the storage's owner record
@@ -778,7 +778,7 @@ class SimBackend:
         nbytes = src.untyped_storage().nbytes()
         if nbytes == 0:
             return SimTensor(src, None, self)
-        storage = self._new_storage(nbytes)
+        storage = self.new_storage(nbytes)
         if not self.backed:
             storage.key = src.untyped_storage()._cdata
             return SimTensor(src, storage, self)
@@ -803,12 +803,12 @@ class SimBackend:
         layout = torch.empty_like(host, device="meta")
         placed = self.place(layout, copy=False)
         if self.backed:
-            placed._inner.copy_(host)
+            placed.sim_inner.copy_(host)
         return placed
 
 
 class _StorageOwner(weakref.ref):
-    """A weak reference to a storage that remembers its block (see ``SimBackend._release``)."""
+    """A weak reference to a storage that remembers its block (see ``SimBackend.release_block``)."""
 
     __slots__ = ("block",)
 
@@ -837,7 +837,7 @@ class _SimPoolRouting:
     def __enter__(self) -> None:
         backend, thread = self.backend, threading.get_ident()
         with CRITICAL_ENTRY:
-            with backend._allocator_call():
+            with backend.allocator_call():
                 backend.allocator.begin_allocate_to_pool(self.pool_id, lambda stream, t: t == thread)
             self.routed = True
 
@@ -850,7 +850,7 @@ class _SimPoolRouting:
     def _stop(self) -> None:
         self.routed = False
         backend = self.backend
-        with backend._allocator_call():
+        with backend.allocator_call():
             backend.allocator.end_allocate_to_pool(self.pool_id)
             backend.allocator.release_pool(self.pool_id)
 

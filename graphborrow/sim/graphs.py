@@ -76,7 +76,7 @@ class CUDAGraph:
         pool_id = backend.new_pool_id(graph=True) if pool is None else backend.pool_id(pool)
         sid = stream.id
         backend.register_generator()  # before routing starts: lands in the default pool
-        with backend._allocator_call():
+        with backend.allocator_call():
             backend.allocator.begin_allocate_to_pool(pool_id, lambda s, thread: s == sid)
         self._pool = pool_id
         self._holds_pool = True
@@ -95,7 +95,7 @@ class CUDAGraph:
             )
         backend.captures._end(self._stream.id)
         self._capturing = False
-        with backend._allocator_call():
+        with backend.allocator_call():
             backend.allocator.end_allocate_to_pool(self._pool)
         self._captured = True
 
@@ -123,7 +123,7 @@ class CUDAGraph:
             self._holds_pool = False
             backend = self._backend
             if not backend.closed:
-                with backend._allocator_call():
+                with backend.allocator_call():
                     backend.allocator.release_pool(self._pool)
 
     def pool(self) -> tuple[int, int]:
@@ -149,7 +149,12 @@ class CUDAGraph:
     def num_ops(self) -> int:
         return len(self._ops)
 
-    def _record(self, func, args, kwargs, fresh: list) -> None:
+    def record_written(self, ranges) -> None:
+        """Note ``(address, nbytes)`` ranges that a captured op's new outputs occupy."""
+        self._written.extend(ranges)
+
+    def record_op(self, func, args, kwargs, fresh: list) -> None:
+        """Keep a captured op for replay (ops that neither create nor mutate are skipped)."""
         if not fresh:
             skip = _REPLAY_SKIPS.get(func)
             if skip is None:

@@ -618,7 +618,7 @@ class _Replayer:
 
     def _segment_at(self, address: int):
         """The innermost simulated segment containing ``address``."""
-        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, len(self.sim._segments))
+        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, self.sim.segment_count())
         if stamp != self._index_stamp:
             self._index = SortedDict()
             for segment in self.sim.segments():
@@ -976,7 +976,7 @@ class _Replayer:
             if maps and block.segment not in self.reservations:  # a new reservation: one per pool, stream, kind
                 for other in self.reservations:
                     if other.stream == block.segment.stream and other.pool.is_small == block.segment.pool.is_small \
-                            and other in self.sim._segments:
+                            and self.sim.holds_segment(other):
                         theirs = self.identity.get(other.pool.owner.id)
                         self.conflicts.setdefault(mine, set()).add(theirs)
                         self.conflicts.setdefault(theirs, set()).add(mine)
@@ -1034,7 +1034,7 @@ class _Replayer:
 
     def _pools_on(self, stream: int, small: bool) -> list:
         """Ids of the pools with segments on this stream and of this kind (layout mode: one per segment)."""
-        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, len(self.sim._segments))
+        stamp = (self.sim.stats.num_device_alloc, self.sim.stats.num_device_free, self.sim.segment_count())
         if stamp != self._groups_stamp:
             groups: dict[tuple, list] = {}
             for segment in self.sim.segments():
@@ -1269,7 +1269,7 @@ class _Replayer:
             threshold = int(self.config.garbage_collection_threshold * float(sim.allowed_memory_maximum))
             if self.layout:  # no default pool to age blocks in: a run garbage collection could make proves nothing
                 return sim.total_allocated_memory > threshold and all(
-                    e["action"] == "segment_free" and e["size"] > 2 * 2**20 for e in run)
+                    e["action"] == "segment_free" and e["size"] > SMALL_BUFFER for e in run)
             victims = {(block.ptr, block.size) for block in sim.garbage_collection_victims()}
             return bool(victims) and victims == {(e["addr"], e["size"]) for e in run if e["action"] == "segment_free"}
         return over_cap and not private  # routed to a private pool, only the two above release memory

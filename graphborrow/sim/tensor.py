@@ -1,9 +1,9 @@
 """Tensors that live in simulated device memory.
 
 A :class:`SimTensor` is a wrapper subclass (reported device ``cpu``, as measured: a
-reported ``cuda`` breaks slicing and indexing on a CPU build). Its ``_inner`` is a
+reported ``cuda`` breaks slicing and indexing on a CPU build). Its ``sim_inner`` is a
 plain CPU view of the bytes of the allocator block it occupies, so ops really read
-and write the simulated memory. In layout-only mode ``_inner`` is a META tensor:
+and write the simulated memory. In layout-only mode ``sim_inner`` is a META tensor:
 shapes, strides and allocator state are exact, arithmetic does not happen.
 
 Every op on a SimTensor reaches :meth:`SimTensor.__torch_dispatch__`, which runs it on
@@ -89,15 +89,15 @@ class SimStorage:
         backend = self.backend
         if backend is not None and not _finalizing():
             self.backend = None
-            backend._release(self.block)
+            backend.release_block(self.block)
 
 
 class SimTensor(torch.Tensor):
     """A tensor whose data is a view into simulated device memory (see module doc)."""
 
-    _inner: torch.Tensor
-    _sim: SimStorage | None
-    _backend: Any
+    sim_inner: torch.Tensor
+    sim_storage: SimStorage | None
+    sim_backend: Any
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor, storage: SimStorage | None, backend):
@@ -111,9 +111,9 @@ class SimTensor(torch.Tensor):
             device="cpu",
             requires_grad=False,
         )
-        t._inner = inner
-        t._sim = storage
-        t._backend = backend
+        t.sim_inner = inner
+        t.sim_storage = storage
+        t.sim_backend = backend
         return t
 
     def __init__(self, *args, **kwargs) -> None:  # all state is set in __new__
@@ -137,7 +137,7 @@ class SimTensor(torch.Tensor):
             out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        return _dispatch(func, args, kwargs)
+        return dispatch(func, args, kwargs)
 
 
 _COMPOSITE: dict = {}
@@ -188,25 +188,25 @@ def is_sim_tensor(t: Any) -> bool:
 def _unwrap(x, sims: list):
     if isinstance(x, SimTensor):
         sims.append(x)
-        return x._inner
+        return x.sim_inner
     if isinstance(x, (list, tuple)) and x and not isinstance(x, torch.Size):
         return type(x)(_unwrap(v, sims) for v in x)
     return x
 
 
-def _dispatch(func, args, kwargs):
+def dispatch(func, args, kwargs):
     sims: list[SimTensor] = []
     inner_args = _unwrap(args, sims)
     inner_kwargs = {k: _unwrap(v, sims) for k, v in kwargs.items()} if kwargs else kwargs
-    backend = sims[0]._backend
+    backend = sims[0].sim_backend
     if not backend.backed and inner_kwargs and _names_cpu(inner_kwargs.get("device")):
         # a decomposition copied the wrapper's reported device (cpu): it means "this device"
         inner_kwargs = dict(inner_kwargs, device=torch.device("meta"))
     for s in sims:
-        if s._backend is not backend:
+        if s.sim_backend is not backend:
             raise RuntimeError(
                 f"{func}: tensors from two different simulated devices were mixed "
-                f"({backend.describe()} and {s._backend.describe()}); move one with .cpu() first"
+                f"({backend.describe()} and {s.sim_backend.describe()}); move one with .cpu() first"
             )
     capture = backend.capture_for_current_stream()
     if capture is not None:
@@ -247,10 +247,10 @@ def _dispatch(func, args, kwargs):
         if fresh:  # the device bytes this op's new outputs occupy: what a replay writes
             inners = {id(view) for _, view in fresh}
             outs = result if isinstance(result, (tuple, list)) else (result,)
-            capture._written.extend((backend.data_ptr(o), o.numel() * o.element_size()) for o in outs
-                                    if isinstance(o, SimTensor) and id(o._inner) in inners)
+            capture.record_written((backend.data_ptr(o), o.numel() * o.element_size()) for o in outs
+                                   if isinstance(o, SimTensor) and id(o.sim_inner) in inners)
         if backend.backed:
-            capture._record(func, inner_args, inner_kwargs, fresh)
+            capture.record_op(func, inner_args, inner_kwargs, fresh)
     return result
 
 
@@ -276,7 +276,7 @@ def _scalars_on_device(func, args, backend) -> list | None:
     if func not in _SCALAR_TO_DEVICE:
         return None
     return [
-        backend._new_storage(a.element_size())
+        backend.new_storage(a.element_size())
         for a in args
         if isinstance(a, torch.Tensor) and not isinstance(a, SimTensor) and a.dim() == 0
     ]
@@ -309,7 +309,7 @@ def _check_capturable(func, args, kwargs) -> None:
 def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], backend, fresh: list, copy: bool):
     """Give an op output its place in device memory (shared with an input, or new)."""
     for s in sims:
-        if o is s._inner:  # in-place op or out=: the wrapper itself is the result
+        if o is s.sim_inner:  # in-place op or out=: the wrapper itself is the result
             if o.shape != s.shape or o.stride() != s.stride():
                 raise NotImplementedError(
                     "an in-place op changed the shape or strides of a simulated tensor "
@@ -326,13 +326,13 @@ def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], backend, fresh: l
     if o.device.type != ("cpu" if backend.backed else "meta"):
         return o  # e.g. an op that explicitly produced a meta tensor
     t = backend.place(o, copy)
-    fresh.append((index, t._inner))
+    fresh.append((index, t.sim_inner))
     return t
 
 
 def _base_of(storage: SimStorage, sims: list[SimTensor]) -> SimTensor:
     for s in sims:
-        if s._sim is storage:
+        if s.sim_storage is storage:
             return s
     raise AssertionError("storage not found among the inputs")
 
@@ -341,13 +341,13 @@ def _aliased_storage(o: torch.Tensor, sims: list[SimTensor], backend) -> SimStor
     if backend.backed:
         p = o.data_ptr()
         for s in sims:
-            st = s._sim
+            st = s.sim_storage
             if st is not None and st.host_ptr <= p < st.host_ptr + st.nbytes:
                 return st
         return None
     key = o.untyped_storage()._cdata
     for s in sims:
-        st = s._sim
+        st = s.sim_storage
         if st is not None and st.key == key:
             return st
     return None
@@ -367,7 +367,7 @@ def _override(*funcs):
 
 def to_host(t: SimTensor) -> torch.Tensor:
     """A plain CPU copy of ``t`` (what ``.cpu()`` gives on CUDA)."""
-    backend = t._backend
+    backend = t.sim_backend
     if not backend.backed:
         raise SimLayoutOnlyError(
             "this tensor lives on a layout-only simulated device (backed=False) and has "
@@ -379,7 +379,7 @@ def to_host(t: SimTensor) -> torch.Tensor:
             "CUDA graph; do it after the capture ends"
         )
     with torch._C.DisableTorchFunctionSubclass():
-        return t._inner.clone()
+        return t.sim_inner.clone()
 
 
 @_override(torch.Tensor.cpu)
@@ -449,7 +449,7 @@ def _tolist(self):
 
 @_override(torch.Tensor.data_ptr)
 def _data_ptr(self):
-    return self._backend.data_ptr(self)
+    return self.sim_backend.data_ptr(self)
 
 
 @_override(torch.Tensor.new_tensor)
@@ -457,19 +457,19 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, **kwar
     if device is not None and not _is_cuda(device):
         return torch.tensor(data, dtype=dtype or self.dtype, device=device)
     plain = torch.tensor(data, dtype=dtype or self.dtype, requires_grad=False)
-    return self._backend.from_host(plain)
+    return self.sim_backend.from_host(plain)
 
 
 @_override(torch.Tensor.__repr__)
 def _repr(self, *args, tensor_contents=None):
-    backend = self._backend
+    backend = self.sim_backend
     if not backend.backed:
         return (
             f"tensor(..., size={tuple(self.shape)}, dtype={self.dtype}, device='sim', "
             "layout_only=True)"
         )
     with torch._C.DisableTorchFunctionSubclass():
-        text = repr(self._inner)
+        text = repr(self.sim_inner)
     if text.endswith(")"):
         text = text[:-1] + ", device='sim')"
     return text
@@ -542,7 +542,7 @@ class SimFunctionMode(TorchFunctionMode):
             result = backend.place(out, func not in _UNINITIALISED)
             capture = backend.capture_for_current_stream()
             if capture is not None and backend.backed:
-                capture._record(func, args, kw, [(-1, result._inner)])
+                capture.record_op(func, args, kw, [(-1, result.sim_inner)])
         if requires_grad:
             result.requires_grad_(True)
         return result

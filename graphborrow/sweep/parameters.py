@@ -47,9 +47,14 @@ class Range:
 
 @dataclass(frozen=True)
 class Choice:
-    """One of a fixed set of values."""
+    """One of a fixed set of values; ``options`` may be a function giving them, called when they
+    are first needed (so a set defined next to torch code is named here without importing torch)."""
 
-    values: tuple
+    options: tuple | Callable[[], tuple]
+
+    @property
+    def values(self) -> tuple:
+        return self.options() if callable(self.options) else self.options
 
     def check(self, name: str, value: Any) -> None:
         if not any(type(v) is type(value) and v == value for v in self.values):  # 1 is not True
@@ -104,6 +109,12 @@ class OptionalPath(Text):
 # that checking a parameter never imports torch (a test keeps the two equal).
 MODEL_NAMES = ("synthetic", "llama-3-8b", "qwen2.5-7b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b")
 
+def _verification_modes() -> tuple:
+    from ..eagle.modes import MODES  # imports torch, so only when MODE is checked
+
+    return MODES
+
+
 # Every notebook parameter a sweep may set, in one place (notebooks spell them in upper case).
 # Ranges are what is physically meaningful for one GPU today, and every notebook must hold at
 # every point of them (tests/test_notebook_points.py runs the corners and random points). The
@@ -133,7 +144,7 @@ PARAMETERS: dict[str, Any] = {
     "SNAPSHOT": OptionalPath(),
     "FIT_POLICY": Choice(("best", "first")),
     "RUN_POLICY": Choice(("runs", "whole_segments")),
-    "MODE": Choice(("standard", "lean", "chunked")),
+    "MODE": Choice(_verification_modes),
     "CHUNK_ROWS": Range(1, 1 << 24, none_ok=True),
     "TEMPERATURE": Range(1e-3, 100.0, integer=False),
     "TOP_K": Range(1, 262144, none_ok=True),

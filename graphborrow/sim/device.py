@@ -675,6 +675,10 @@ class SimBackend:
 
         Each call is a critical section: an interrupt cannot stop the allocator halfway
         through a split, a merge or a free-list update (see :mod:`graphborrow.interrupts`).
+        The simulator's tensors, graphs and kernels wrap every allocator call in it.
+
+        Returns:
+            A context manager; frees deferred while it was held run when the outermost exits.
         """
         with CRITICAL, self._lock:
             if (self._pending or self._dead) and not self._depth:
@@ -688,6 +692,17 @@ class SimBackend:
                 self._drain()
 
     def new_storage(self, nbytes: int) -> SimStorage:
+        """A block from the allocator on the current stream, and the storage that frees it.
+
+        The tensors and kernels of the simulator allocate through this: the block and the
+        storage that will free it come into being together, so no interrupt can leak one.
+
+        Args:
+            nbytes: bytes requested (the allocator rounds them as torch does).
+
+        Returns:
+            The storage; its block goes back to the allocator when the last reference dies.
+        """
         self._check_open()
         with CRITICAL:  # the block and the storage that will free it come into being together
             with self._lock:
@@ -730,6 +745,9 @@ class SimBackend:
 
     def release_block(self, block) -> None:
         """Free ``block`` for a storage that died (called from its finalizer).
+
+        Args:
+            block: the allocator block the storage held.
 
         If an interrupt stops the finalizer before this runs, the storage's owner record
         (a weak reference whose callback is ``list.append``, C code no signal can split

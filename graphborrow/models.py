@@ -4,7 +4,8 @@ The synthetic workload (:mod:`graphborrow.workload`) is two Llama-shaped MLP blo
 head. Serving engineers serve whole models, so this module builds the same kind of pool
 from Hugging Face ``transformers`` model code: a configuration written here (Llama-3-8B,
 Qwen2.5-7B, Mistral-7B, Mixtral-8x7B and Qwen3-30B-A3B widths; a layer count keeps it
-small), random weights created directly on the device, never a download.
+small), or any transformers causal-LM configuration a reader brings; random weights
+created directly on the device, never a download.
 
 Capture follows SGLang's CUDA-graph runner:
 
@@ -41,6 +42,7 @@ __all__ = [
     "ModelLadder",
     "ModelSpec",
     "PREFILL_MODES",
+    "config_for_capture",
     "model_config",
     "require_transformers",
 ]
@@ -152,6 +154,28 @@ def model_config(name: str, layers: int = 2, tiny: bool = False):
     return config
 
 
+def config_for_capture(config, layers: int = 2):
+    """A copy of any transformers causal-LM ``config`` set up as :func:`model_config` sets up
+    the named ones: ``layers`` decoder layers, ``sdpa`` attention, and, for a
+    mixture-of-experts model, ``grouped_mm`` experts (capturable)."""
+    if not isinstance(layers, int) or layers < 1:
+        raise ParameterError(f"layers must be a positive integer, got {layers!r}")
+    transformers = require_transformers()
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise ParameterError(f"model must be a name in {sorted(MODELS)} or a transformers configuration, "
+                             f"got {type(config).__name__}")
+    config = config.__class__.from_dict(config.to_dict())
+    config.num_hidden_layers = layers
+    config._attn_implementation = "sdpa"
+    if _is_moe(config):
+        config._experts_implementation = "grouped_mm"
+    return config
+
+
+def _is_moe(config) -> bool:
+    return any((getattr(config, name, 0) or 0) > 1 for name in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
 def _spec(name: str) -> ModelSpec:
     spec = MODELS.get(name)
     if spec is None:
@@ -177,7 +201,9 @@ class ModelLadder:
 
     Args:
         backend: a :mod:`graphborrow.backend` device (CUDA or simulated).
-        model: a name in :data:`MODELS`.
+        model: a name in :data:`MODELS`, or any transformers causal-LM configuration
+            (``transformers.PretrainedConfig``; random weights of its widths, never a
+            download; :func:`config_for_capture` sets its layers and attention).
         layers: decoder layers to build (the pool's shape depends on per-layer
             temporaries, not on depth, beyond a few layers).
         decode_batches: batch sizes of the verify ladder.
@@ -198,7 +224,7 @@ class ModelLadder:
     def __init__(
         self,
         backend,
-        model: str = "llama-3-8b",
+        model="llama-3-8b",
         layers: int = 2,
         decode_batches: Sequence[int] = (64, 32, 16, 8, 4, 2, 1),
         draft_tokens: int = 8,
@@ -226,9 +252,16 @@ class ModelLadder:
         if order not in ("largest_first", "smallest_first"):
             raise ParameterError(f"order must be 'largest_first' or 'smallest_first', got {order!r}")
         self.backend = backend
-        self.name = model
-        self.spec = _spec(model)
-        self.config = model_config(model, layers=layers, tiny=tiny)
+        if isinstance(model, str):
+            self.name, self.spec = model, _spec(model)
+            self.config = model_config(model, layers=layers, tiny=tiny)
+        else:
+            if tiny:
+                raise ParameterError("tiny widths exist for the named models only; give a configuration with "
+                                     "small widths, or capture on a GPU or a layout-only simulated device")
+            self.spec = None
+            self.config = config_for_capture(model, layers=layers)
+            self.name = getattr(model, "name_or_path", "") or self.config.model_type
         self.layers = layers
         self.draft_tokens = draft_tokens
         self.context = context
@@ -257,7 +290,10 @@ class ModelLadder:
         # import the model's modules before the device block: libraries imported on the way
         # (torchaudio, through transformers' audio utilities) would make their module-level
         # tensors on the device, allocations that are not the workload's
-        getattr(transformers, self.spec.model_class)
+        if self.spec is not None:
+            getattr(transformers, self.spec.model_class)
+        else:
+            transformers.AutoModelForCausalLM._model_mapping[type(self.config)]
         with torch.device(self.backend.device):
             model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
         model.eval()

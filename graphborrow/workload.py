@@ -399,8 +399,9 @@ def build_ladder(
     """A ladder (not yet captured) for a notebook's ``MODEL``: ``"synthetic"`` or a config name.
 
     Args:
-        model: ``"synthetic"`` (:class:`GraphLadder`, the teaching baseline) or a name in
-            :data:`graphborrow.models.MODELS` (:class:`graphborrow.models.ModelLadder`).
+        model: ``"synthetic"`` (:class:`GraphLadder`, the teaching baseline), a name in
+            :data:`graphborrow.models.MODELS`, or any ``transformers`` causal-LM
+            configuration object (:class:`graphborrow.models.ModelLadder`).
         backend: the device (see :func:`graphborrow.backend.get_backend`).
         decode_batches: batch sizes of the verify ladder (both workloads).
         draft_tokens: tokens verified per request (both workloads).
@@ -436,10 +437,13 @@ def build_ladder(
         raise ParameterError(f"shape applies to the synthetic workload only; {model!r} has its own widths")
     from .models import MODELS, ModelLadder
 
-    if model not in MODELS:
-        raise ParameterError(f"unknown MODEL {model!r}; choose one of {list(model_names())}")
-    if tiny is None:
-        tiny = backend.name == "sim" and backend.backed
+    if isinstance(model, str):
+        if model not in MODELS:
+            raise ParameterError(f"unknown MODEL {model!r}; choose one of {list(model_names())}")
+        if tiny is None:
+            tiny = backend.name == "sim" and backend.backed
+    elif tiny is None:
+        tiny = False  # a reader's configuration keeps its widths (and ModelLadder refuses tiny=True)
     if prefill is None:
         prefill = "graph" if prefill_tokens else "none"
     return ModelLadder(backend, model, layers=2 if layers is None else layers, decode_batches=decode_batches,

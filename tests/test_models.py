@@ -185,3 +185,45 @@ def test_decode_pads_up_and_refuses_too_large_batches(layout):
     assert ladder.decode(3).shape[0] == 3
     with pytest.raises(ParameterError, match="exceeds the largest captured verify batch 4"):
         ladder.decode(5)
+
+
+def _blocks(segments):
+    return [(s["total_size"], [(b["size"], b["state"]) for b in s["blocks"]]) for s in segments]
+
+
+def test_a_configuration_object_captures_the_same_pool_as_its_name(layout):
+    """The reader's own configuration goes the same way as a named one: the layer count and
+    attention are set on a copy (the original keeps its 5 layers), and the pool is identical."""
+    kw = dict(decode_batches=(8, 2), draft_tokens=4, context=256, layers=1)
+    named = build_ladder("qwen2.5-7b", layout, **kw).capture()
+    config = model_config("qwen2.5-7b", layers=5)
+    other = SimBackend(backed=False)
+    try:
+        mine = build_ladder(config, other, **kw).capture()
+        assert config.num_hidden_layers == 5 and mine.config.num_hidden_layers == 1
+        assert mine.name == "qwen2" and _blocks(mine.snapshot()) == _blocks(named.snapshot())
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("config", [
+    transformers.GemmaConfig(hidden_size=2048, intermediate_size=16384, num_attention_heads=8,
+                             num_key_value_heads=1, head_dim=256, vocab_size=256000),
+    transformers.Phi3Config(hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
+                            num_key_value_heads=32, vocab_size=32064),
+], ids=["gemma", "phi3"])
+def test_families_without_a_name_here_capture_from_their_configuration(layout, config):
+    ladder = build_ladder(config, layout, decode_batches=(8, 2), draft_tokens=4, context=256, layers=1).capture()
+    assert sorted(ladder.graphs) == [("verify", 2), ("verify", 8)]
+    vocab = config.vocab_size
+    assert tuple(ladder.decode(2).shape) == (2, 4, vocab)
+    # every graph's logits stay live in the pool: batch x draft tokens x vocab, bf16
+    live = summarize(ladder.snapshot())["reserved_bytes"] - summarize(ladder.snapshot())["inactive_bytes"]
+    assert live >= (8 + 2) * 4 * vocab * 2
+
+
+def test_a_configuration_has_no_tiny_widths(backed):
+    with pytest.raises(ParameterError, match="tiny widths exist for the named models only"):
+        build_ladder(transformers.LlamaConfig(), backed, tiny=True)
+    with pytest.raises(ParameterError, match="a transformers configuration"):
+        ModelLadder(backed, model=42)

@@ -15,7 +15,8 @@ from .package_data import data_dir as shipped_data_dir
 from .sizes import MB
 
 __all__ = [
-    "capacity_against_measured", "eagle_headline", "largest_fitting_batches", "load", "markdown_table",
+    "FUSED_GOALS", "capacity_against_measured", "eagle_headline", "fused_goals_missed", "fused_kernel_markdown",
+    "fused_kernel_table", "fused_summary", "fused_summary_text", "goals_cell", "largest_fitting_batches", "load", "markdown_table",
     "notebook_results", "planned_capacity", "pool_rows", "savings_table",
 ]
 
@@ -77,11 +78,31 @@ def savings_table(eagle: Mapping[str, Any], mode: str = "chunked+borrow") -> lis
     return rows
 
 
+FUSED_GOALS = ("<= upstream", "<= 3x softmax", "no [bs*D, V] temporaries")
+
+
+def fused_goals_missed(step_us: float, upstream_us: float | None, softmax_us: float,
+                       full_vocab_temporaries: bool = False) -> list[str]:
+    """Which of :data:`FUSED_GOALS` one fused step misses at ``step_us`` (an empty list: all met).
+
+    A point without an upstream measurement misses "<= upstream": it cannot be shown met."""
+    missed = []
+    if upstream_us is None or step_us > upstream_us:
+        missed.append(FUSED_GOALS[0])
+    if step_us > 3 * softmax_us:
+        missed.append(FUSED_GOALS[1])
+    if full_vocab_temporaries:
+        missed.append(FUSED_GOALS[2])
+    return missed
+
+
 def fused_kernel_table(verify: Mapping[str, Any]) -> list[dict]:
-    """Per (batch, draft tokens) of ``verify_kernels_h200``: the fused step's device time
-    (the better of eager and graph-replayed), one softmax pass, the upstream step, and
-    whether the step met the goals (<= upstream, <= 3x softmax); with top-k 50 / top-p 0.9
-    too where it was measured."""
+    """Per (batch, draft tokens) of ``verify_kernels_h200``: the fused step replayed from a CUDA
+    graph and launched eagerly, one softmax pass, the upstream step, and the goals judged
+    for each launch separately (``goals_missed_replayed`` / ``goals_missed_eager``: lists of
+    :data:`FUSED_GOALS` missed). The eager launch pays about 140 us of host time per step, so
+    at small batches it misses goals the replayed step meets. With top-k 50 / top-p 0.9
+    (replayed) too where it was measured."""
     by_point: dict = {}
     for r in verify["rows"]:
         by_point.setdefault((r["bs"], r["draft_tokens"]), {})[r["impl"]] = r
@@ -90,17 +111,82 @@ def fused_kernel_table(verify: Mapping[str, Any]) -> list[dict]:
         fused, upstream = impls.get("fused", {}), impls.get("upstream", {})
         if not fused.get("ok"):
             continue
-        best = min(fused["device_us"], fused["graph_us"])
-        row = {"batch_size": bs, "draft_tokens": d, "fused_us": best, "eager_us": fused["device_us"],
-               "softmax_us": fused["softmax_us"], "upstream_us": upstream.get("device_us"),
-               "vs_softmax": best / fused["softmax_us"], "agrees": fused.get("agrees")}
-        row["meets_goals"] = (row["upstream_us"] is not None and best <= row["upstream_us"]
-                              and best <= 3 * fused["softmax_us"])
+        softmax, upstream_us = fused["softmax_us"], upstream.get("device_us")
+        wide = bool(fused.get("full_vocab_temporaries", False))
+        row = {"batch_size": bs, "draft_tokens": d, "replayed_us": fused["graph_us"], "eager_us": fused["device_us"],
+               "softmax_us": softmax, "upstream_us": upstream_us, "vs_softmax": fused["graph_us"] / softmax,
+               "eager_vs_softmax": fused["device_us"] / softmax, "agrees": fused.get("agrees"),
+               "temporary_bytes": fused.get("temporary_bytes"),
+               "goals_missed_replayed": fused_goals_missed(fused["graph_us"], upstream_us, softmax, wide),
+               "goals_missed_eager": fused_goals_missed(fused["device_us"], upstream_us, softmax, wide)}
         renorm = impls.get("fused_renorm", {})
         if renorm.get("ok"):
-            row["renorm_us"] = min(renorm["device_us"], renorm["graph_us"])
+            row["renorm_us"] = renorm["graph_us"]
         rows.append(row)
     return rows
+
+
+def goals_cell(missed: list[str]) -> str:
+    """'met', or which goals were missed."""
+    return "met" if not missed else "missed " + ", ".join(missed)
+
+
+def fused_kernel_markdown(table: Iterable[Mapping[str, Any]]) -> str:
+    """The README's (and notebook 05's) table of :func:`fused_kernel_table` rows."""
+    def us(v):
+        return "-" if v is None else f"{v:.0f}"
+
+    header = ("bs", "D", "fused, replayed (us)", "fused, eager (us)", "softmax pass (us)", "replayed / softmax",
+              "eager / softmax", "upstream step (us)", "goals (replayed)", "goals (eager)", "same tokens",
+              "top-k 50 + top-p 0.9, replayed (us)")
+    return markdown_table([(r["batch_size"], r["draft_tokens"], us(r["replayed_us"]), us(r["eager_us"]),
+                            us(r["softmax_us"]), f"{r['vs_softmax']:.2f}x", f"{r['eager_vs_softmax']:.2f}x",
+                            us(r["upstream_us"]), goals_cell(r["goals_missed_replayed"]),
+                            goals_cell(r["goals_missed_eager"]), "yes" if r["agrees"] else "NO", us(r.get("renorm_us")))
+                           for r in table], header)
+
+
+def fused_summary(verify: Mapping[str, Any]) -> dict:
+    """The fused path's headline from ``verify_kernels_h200``: goals met per launch kind,
+    the largest temporaries of any point, and the standalone top-p renorm against its goal.
+
+    ``renorm`` is None where the benchmark did not record it; its ``replayed_us`` is judged
+    against ``goal_us`` (2x flashinfer's published class at that width)."""
+    table = fused_kernel_table(verify)
+    renorm = verify.get("top_p_renorm") or {}
+    renorm_out = None
+    if "goal_us" in renorm and "fused_graph_us" in renorm:
+        renorm_out = {"rows": renorm["rows"], "vocab": renorm["vocab"], "top_p": renorm["top_p"],
+                      "replayed_us": renorm["fused_graph_us"], "eager_us": renorm["fused_us"],
+                      "reference_us": renorm["reference_us"], "goal_us": renorm["goal_us"],
+                      "meets_goal": renorm["fused_graph_us"] <= renorm["goal_us"]}
+    return {"points": len(table),
+            "goals_met_replayed": sum(not r["goals_missed_replayed"] for r in table),
+            "goals_met_eager": sum(not r["goals_missed_eager"] for r in table),
+            "max_temporary_bytes": max((r["temporary_bytes"] or 0 for r in table), default=0),
+            "renorm": renorm_out}
+
+
+def fused_summary_text(summary: Mapping[str, Any]) -> str:
+    """Markdown bullets stating :func:`fused_summary`'s result as recorded: the goals per
+    launch kind, the standalone renorm against its goal, and how little the fused path
+    leaves to borrow."""
+    n = summary["points"]
+    lines = [f"- Fused verification on the H200: every goal met at {summary['goals_met_replayed']} of {n} points "
+             f"replayed from a CUDA graph, at {summary['goals_met_eager']} of {n} launched eagerly (at small "
+             "batches the eager step is launch-bound: its host time, not the kernels, sets its time)."]
+    renorm = summary["renorm"]
+    if renorm is None:
+        lines.append("- Standalone top-p renorm: not recorded.")
+    else:
+        verdict = "met" if renorm["meets_goal"] else "missed"
+        lines.append(f"- Standalone top-p renorm of {renorm['rows']} x {renorm['vocab']} (top-p {renorm['top_p']}): "
+                     f"{renorm['replayed_us']:.0f} us replayed against a goal of {renorm['goal_us']:.0f} us "
+                     f"({verdict}); the reference takes {renorm['reference_us']:.0f} us.")
+    lines.append(f"- The fused step needs at most {summary['max_temporary_bytes'] / 1024:.1f} KiB of temporaries: "
+                 "it never builds the [bs·D, V] matrices, so it leaves almost nothing to borrow. Borrowing pays "
+                 "for the reference path, which materialises them.")
+    return "\n".join(lines)
 
 
 def pool_rows(h200_pool: Mapping[str, int], here_pool: Mapping[str, int]) -> list[tuple[str, str, str]]:

@@ -28,8 +28,9 @@ import torch
 from graphborrow.eagle import fused as fv  # first: it selects Triton's interpreter on a CPU-only machine
 from graphborrow.eagle import probs as formula
 from graphborrow.eagle import fused_select as fs
-from graphborrow.draft_tree import build_draft_tree, tree_from_parents
+from graphborrow.draft_tree import build_draft_tree, repeat_tree, tree_from_parents
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only
+from graphborrow.eagle.acceptance import chi_square, emitted_tokens, tokens_after
 from graphborrow.eagle.modes import target_probs
 from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
 
@@ -375,21 +376,33 @@ def test_top_p_is_float32_on_both_paths_standalone():
     assert torch.equal(fv.top_p_renorm(probs.to(DEVICE), 0.9).cpu(), expected)
 
 
-def test_top_p_is_float32_on_both_paths_in_verification():
-    """Inside verification: the root row keeps two tokens (logit 0) whose float64 mass is
-    float32(top_p) exactly, just under top_p, so its candidates (logit -1) get probability 0
-    and are rejected even with a zero coin; a float64 top_p in the kernels would keep them."""
+def float32_top_p_case(vocab=300):
+    """One request (root with children tokens 3 and 5; token 7 under 3) whose root row keeps
+    two tokens (logit 0) with float64 mass float32(top_p) exactly, just under top_p; its
+    candidates and one more token have logit -1, the rest -inf.
+
+    Returns:
+        ``(tree, logits [4, vocab], top_p, kept tokens)`` on the CPU.
+    """
     tree = tree_from_parents([[-1, 0, 0, 1]], [[0, 3, 5, 7]])
-    row = torch.full((300,), -math.inf)
-    row[[100, 280]] = 0.0
-    row[[3, 5, 200]] = -1.0
-    logits = row.repeat(4, 1)
-    p_top = formula.softmax_rows(row[None], torch.ones(1))[0, 100]
+    kept = [100, vocab - 20]
+    row = torch.full((vocab,), -math.inf)
+    row[kept] = 0.0
+    row[[3, 5, 2 * vocab // 3]] = -1.0
+    p_top = formula.softmax_rows(row[None], torch.ones(1))[0, kept[0]]
     top_p = 2 * float(p_top) + 2.0 ** -40  # float32(top_p) == 2 * p_top < top_p
     assert float(torch.tensor(top_p, dtype=torch.float32)) == 2 * float(p_top) < top_p
+    return tree, row.repeat(4, 1), top_p, kept
+
+
+def test_top_p_is_float32_on_both_paths_in_verification():
+    """Inside verification: the root row keeps two tokens whose float64 mass is
+    float32(top_p) exactly, just under top_p, so its candidates (logit -1) get probability 0
+    and are rejected even with a zero coin; a float64 top_p in the kernels would keep them."""
+    tree, logits, top_p, kept = float32_top_p_case()
     coins, final = torch.zeros(1, 4), torch.tensor([0.7])
     expected = eagle_verify(logits, None, tree, 1.0, top_ps=top_p, coins=coins, coins_final=final)
-    assert expected.accept_length.tolist() == [1] and expected.predicts.tolist()[0] in (100, 280)
+    assert expected.accept_length.tolist() == [1] and expected.predicts.tolist()[0] in kept
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, final)
     got = fv.fused_verify(dlogits, None, dtree, 1.0, top_ps=top_p, coins=dcoins, coins_final=dfinal)
     assert_same(expected, got, f"top_p {top_p!r}")
@@ -424,6 +437,87 @@ def test_bad_arguments_name_the_problem():
         fv.fused_verify(dlogits, None, dtree, 1.0, chunk_requests=0)
     with pytest.raises(ValueError, match="threshold_acc"):
         fv.fused_verify(dlogits, None, dtree, 1.0, threshold_acc=1.5)
+
+
+# ---------------------------------------------------------------------------------
+# The emitted distribution (the GPU file runs the same case at 8192 x 40 samples)
+
+
+CHI_SUPPORT = [3, 5, 9, 17, 33, 60]  # the only finite logits of the two sampled rows (V = 64)
+
+
+def chi_square_case(verify, top_k, top_p, bs, reps, device, seed=0):
+    """``bs`` copies of one request (root -> tokens 3, 9; 3 -> 5) verified ``reps`` times
+    with fresh coins by ``verify(logits, tree, coins, coins_final, top_k, top_p)``; the root's
+    and node 1's rows are two orders of the same six logits, the other rows uniform.
+
+    Returns:
+        ``{"first": (statistic, df, critical, samples), "second": ..., "second_vs_root": ...}``:
+        Pearson's chi-square (alpha 1e-4) of the first emitted token against the root's
+        target row, of the second (requests that accepted token 3) against node 1's row,
+        and of the second against the root's row (None where the second emitted a token the
+        root's row cannot, which tells the rows apart already).
+    """
+    vocab, d = 64, 4
+    rows = torch.full((2, vocab), -math.inf)
+    rows[0, CHI_SUPPORT] = torch.tensor([1.0, 0.5, 0.0, -0.3, -1.0, 0.2])
+    rows[1, CHI_SUPPORT] = torch.tensor([-1.0, 0.8, 0.3, 1.2, 0.0, -0.5])
+    tree = repeat_tree(tree_from_parents([[-1, 0, 0, 1]], [[0, 3, 9, 5]]), bs)
+    tree = tree._replace(**{f: getattr(tree, f).to(device) for f in tree._fields[:4]})
+    one = torch.zeros(d, vocab)
+    one[:2] = rows
+    logits = one.repeat(bs, 1).to(device)
+    target = fv.target_probs_reference(rows, 1.0, top_k, top_p)
+    assert int((target[0] > 0).sum()) >= 3 and int((target[1] > 0).sum()) >= 3, "too little support to test"
+    g = torch.Generator(device=device).manual_seed(seed)
+    firsts, seconds = [], []
+    for _ in range(reps):
+        coins = torch.rand(bs, d, device=device, generator=g)
+        final = torch.rand(bs, device=device, generator=g)
+        out = verify(logits, tree, coins, final, top_k, top_p)
+        firsts.append(emitted_tokens(out, 0)[1])
+        seconds.append(tokens_after(out, 3))
+    first, second = torch.cat(firsts), torch.cat(seconds)
+    result = {"first": (*chi_square(first, target[0], z=3.719), len(first)),
+              "second": (*chi_square(second, target[1], z=3.719), len(second)), "second_vs_root": None}
+    if bool((second.bincount(minlength=vocab)[target[0] <= 0] == 0).all()):
+        result["second_vs_root"] = (*chi_square(second, target[0], z=3.719), len(second))
+    return result
+
+
+def assert_follows_the_target(result, min_second):
+    for name in ("first", "second"):
+        stat, df, critical, n = result[name]
+        print(f"{name} token: chi-square {stat:.2f} with {df} degrees of freedom over {n} samples "
+              f"(critical {critical:.2f})")
+        assert stat < critical, f"the {name} emitted token does not follow its target row"
+    assert result["second"][3] >= min_second
+    wrong = result["second_vs_root"]
+    assert wrong is None or wrong[0] > wrong[2], "the second token follows node 1's row, not the root's"
+
+
+CHI_RENORMS = [(None, None), (3, None), (None, 0.8), (5, 0.8)]  # (5, 0.8): top-k and top-p both cut
+
+
+@pytest.mark.parametrize("top_k,top_p", CHI_RENORMS, ids=["plain", "top-k", "top-p", "top-k+top-p"])
+def test_reference_emits_the_target_distribution_at_the_gpu_case(top_k, top_p):
+    """The GPU chi-square's case on the reference path (bitwise the fused path's tokens)."""
+    def verify(logits, tree, coins, final, k, p):
+        return eagle_verify(logits, None, tree, 1.0, top_ks=k, top_ps=p, coins=coins, coins_final=final,
+                            impl="reference")
+
+    assert_follows_the_target(chi_square_case(verify, top_k, top_p, 8192, 3, "cpu"), min_second=5000)
+
+
+@pytest.mark.parametrize("top_k,top_p", cases(CHI_RENORMS, [0]))
+def test_fused_emits_the_target_distribution_in_the_interpreter(top_k, top_p):
+    """The same through the kernels in Triton's interpreter: 64 samples (1024 deep), a weak
+    statistic by default, but a zero-probability token or a wrong row fails it."""
+    def verify(logits, tree, coins, final, k, p):
+        return fv.fused_verify(logits, None, tree, 1.0, top_ks=k, top_ps=p, coins=coins, coins_final=final)
+
+    bs, reps = (512, 2) if DEEP else (64, 1)
+    assert_follows_the_target(chi_square_case(verify, top_k, top_p, bs, reps, DEVICE), min_second=bs * reps // 5)
 
 
 # ---------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """The fused verification on a real GPU: exactness at serving shapes, the emitted
 distribution (chi-square), CUDA-graph capture and replay, and no host synchronisation.
 
-Run on a CUDA machine: ``pytest -m gpu tests/test_fused_verify_gpu.py -rA``.
+Run on a CUDA machine: ``pytest -m gpu tests/test_fused_verify_gpu.py -rA`` (sized to take
+under a minute on an H200, most of it the grid's 128k-wide points and their full-matrix references).
+The float32 top-p row and the chi-square case are built by test_fused_verify's helpers,
+whose interpreter tests run the same cases on CPU.
 The reference is the verification over ``target_probs_reference`` (the kernels' formula
 in torch ops) with upstream's kernel semantics on full matrices: the same tokens, bit for
 bit; and ``eagle_verify(impl="reference")`` (the PyTorch modes, which compute the same
@@ -15,15 +18,20 @@ import pytest
 import torch
 
 from graphborrow.eagle import fused as fv
-from graphborrow.draft_tree import build_draft_tree, tree_from_parents
+from graphborrow.draft_tree import build_draft_tree, repeat_tree
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only
+from graphborrow.eagle.acceptance import emitted_tokens
+from test_fused_verify import CHI_RENORMS, assert_follows_the_target, chi_square_case, float32_top_p_case  # shared cases
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run: pytest -m gpu tests/)"),
 ]
 
-# bs, D, (topk, depth), V, temperature, top_k, top_p, thresholds, ties
+# bs, D, (topk, depth), V, temperature, top_k, top_p, thresholds, ties. Every vocabulary but
+# 8192 is off the kernels' tiles (2048 entries streaming, 1024 in the pivot passes); top-k alone
+# (4, 9, 12), top-p alone (5, 7, 11), both (2, 6, 10); thresholds other than (1, 1) (3, 6, 9,
+# 11); integer-logit ties (4, 7, 9, 10); bs 256 (3, 4, 9, 12); D 32 and 64 (5, 9, 10).
 GRID = [
     (1, 4, (1, 3), 128256, 1.0, None, None, (1.0, 1.0), False),
     (32, 8, (4, 3), 128256, 0.8, None, None, (1.0, 1.0), False),
@@ -34,15 +42,22 @@ GRID = [
     (8, 16, (4, 5), 128256, 0.6, 1000, 0.95, (0.5, 0.9), False),
     (128, 8, (4, 3), 151937, 1.0, None, 0.5, (1.0, 1.0), True),
     (128, 16, (4, 5), 128256, 1.0, None, None, (1.0, 1.0), False),
+    (256, 64, (8, 4), 1031, 0.9, 64, None, (0.7, 0.8), True),
+    (32, 32, (4, 4), 8192, 1.0, 7, 0.6, (1.0, 1.0), True),
+    (64, 8, (4, 3), 50257, 0.8, None, 0.95, (0.6, 0.7), False),
+    (256, 16, (4, 5), 2053, 1.0, 100, None, (1.0, 1.0), False),
 ]
+SEEDS = 3  # independent trees, logits and coins per point
 
 
-def gpu_case(seed, bs, d, shape, vocab, ties, temperature=1.0):
+def gpu_case(seed, bs, d, shape, vocab, ties, temperature=1.0, tree=None):
     """Random logits whose parent rows favour their children: by t*ln(V) + 2/t plus a spread
     of a few nats, so a candidate holds 10-80 % of its row and paths are accepted and
-    rejected alike (random logits over a 128k vocabulary would reject almost every draft)."""
+    rejected alike (random logits over a 128k vocabulary would reject almost every draft).
+    ``tree``: new logits and coins for that tree instead of a new one."""
     g = torch.Generator().manual_seed(seed)
-    tree = build_draft_tree(shape[0], shape[1], d, bs, vocab, generator=g, device="cuda")
+    if tree is None:
+        tree = build_draft_tree(shape[0], shape[1], d, bs, vocab, generator=g, device="cuda")
     gd = torch.Generator(device="cuda").manual_seed(seed)
     if ties:
         logits = torch.randint(-4, 4, (bs * d, vocab), device="cuda", generator=gd).float()
@@ -96,26 +111,51 @@ def diagnose(tree, coins, coins_final, expected, got, bad) -> str:
             f"length {got[2][b].item()}")
 
 
-@pytest.mark.parametrize("point", range(len(GRID)))
-def test_fused_emits_the_reference_tokens(point):
+@pytest.mark.parametrize("point,seed", [(p, s) for p in range(len(GRID)) for s in range(SEEDS)],
+                         ids=[f"{p}-seed{s}" for p in range(len(GRID)) for s in range(SEEDS)])
+def test_fused_emits_the_reference_tokens(point, seed):
     bs, d, shape, vocab, temp, top_k, top_p, thr, ties = GRID[point]
-    tree, logits, coins, coins_final = gpu_case(100 + point, bs, d, shape, vocab, ties, temp)
+    tree, logits, coins, coins_final = gpu_case(100 + point + 1000 * seed, bs, d, shape, vocab, ties, temp)
     expected = reference(logits, tree, temp, top_k, top_p, coins, coins_final, thr)
     got = fv.fused_verify(logits, None, tree, temp, top_ks=top_k, top_ps=top_p, coins=coins, coins_final=coins_final,
                           threshold_single=thr[0], threshold_acc=thr[1])
     bad = differing(expected, got, bs, d)
-    kw = dict(top_ks=top_k, top_ps=top_p, coins=coins, coins_final=coins_final, threshold_single=thr[0],
-              threshold_acc=thr[1])
-    reference_path = eagle_verify(logits, None, tree, temp, impl="reference", **kw)
-    auto = eagle_verify(logits, None, tree, temp, **kw)
     lengths = got.accept_length.float()
-    print(f"point {point}: accept length mean {lengths.mean():.2f} (max {tree.tree_depth})")
+    print(f"point {point} seed {seed}: accept length mean {lengths.mean():.2f} (max {tree.tree_depth})")
     assert not bad, diagnose(tree, coins, coins_final, expected, got, bad)
-    bad_reference = differing(reference_path, got, bs, d)
-    assert not bad_reference, diagnose(tree, coins, coins_final, reference_path, got, bad_reference)
-    assert not differing(auto, got, bs, d)  # auto: the fused path on CUDA
+    if seed == 0:  # the public call's two paths, once per point (its reference modes cost most of the time)
+        kw = dict(top_ks=top_k, top_ps=top_p, coins=coins, coins_final=coins_final, threshold_single=thr[0],
+                  threshold_acc=thr[1])
+        reference_path = eagle_verify(logits, None, tree, temp, impl="reference", **kw)
+        auto = eagle_verify(logits, None, tree, temp, **kw)
+        bad_reference = differing(reference_path, got, bs, d)
+        assert not bad_reference, diagnose(tree, coins, coins_final, reference_path, got, bad_reference)
+        assert not differing(auto, got, bs, d)  # auto: the fused path on CUDA
     if bs >= 8:  # enough requests that some walk deep and some are rejected early
         assert 1.3 < float(lengths.mean()) and float(lengths.min()) < tree.tree_depth
+
+
+@pytest.mark.parametrize("vocab", [300, 128256])
+def test_top_p_is_float32_when_the_kept_mass_lies_just_under_top_p(vocab):
+    """The interpreter test's row (kept mass float32(top_p) exactly, just under top_p; see
+    test_fused_verify.float32_top_p_case) repeated over a batch with random coins: the
+    candidates have probability 0, so every request emits one of the two kept tokens."""
+    one, logits, top_p, kept = float32_top_p_case(vocab)
+    bs = 64
+    tree = repeat_tree(one, bs)
+    tree = tree._replace(**{f: getattr(tree, f).cuda() for f in tree._fields[:4]})
+    logits = logits.repeat(bs, 1).cuda()
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    coins = torch.rand(bs, 4, device="cuda", generator=g)
+    final = torch.rand(bs, device="cuda", generator=g)
+    expected = reference(logits, tree, 1.0, None, top_p, coins, final)
+    got = fv.fused_verify(logits, None, tree, 1.0, top_ps=top_p, coins=coins, coins_final=final)
+    bad = differing(expected, got, bs, 4)
+    assert not bad, diagnose(tree, coins, final, expected, got, bad)
+    assert not differing(eagle_verify(logits, None, tree, 1.0, top_ps=top_p, coins=coins, coins_final=final,
+                                      impl="reference"), got, bs, 4)
+    _, first = emitted_tokens(got, 0)
+    assert got.accept_length.eq(1).all() and sorted(first.unique().tolist()) == kept  # the residual: both, only them
 
 
 def test_kernel_probabilities_are_target_probs_reference_bitwise():
@@ -133,43 +173,17 @@ def test_kernel_probabilities_are_target_probs_reference_bitwise():
     print(f"candidate probabilities bitwise equal to torch.softmax's: {(kernel_p == softmax).float().mean():.4f}")
 
 
-@pytest.mark.parametrize("renorm", [None, (3, None)])
-def test_emitted_first_token_follows_the_target_distribution(renorm):
-    """Chi-square over 6 tokens of the root row: the first emitted token (accepted draft
-    or residual sample) must be distributed as the (renormalised) target."""
-    vocab, reps = 64, 40
-    bs, d = 8192, 4
-    root_logits = torch.full((vocab,), -math.inf)
-    support = [3, 5, 9, 17, 33, 60]
-    root_logits[support] = torch.tensor([1.0, 0.5, 0.0, -0.3, -1.0, 0.2])
-    tree = tree_from_parents([[-1, 0, 0, 1]] * bs, [[0, 3, 9, 5]] * bs, device="cuda")
-    logits = torch.zeros(bs * d, vocab)
-    logits.view(bs, d, vocab)[:, 0] = root_logits
-    logits = logits.cuda()
-    target = torch.softmax(root_logits, dim=0)
-    if renorm is not None:  # top-3 keeps tokens 3, 5 and 60
-        kept = torch.zeros(vocab, dtype=torch.bool)
-        kept[torch.topk(target, renorm[0]).indices] = True
-        target = torch.where(kept, target, 0.0)
-        target = target / target.sum()
-    counts = torch.zeros(vocab, dtype=torch.float64)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for _ in range(reps):
-        coins = torch.rand(bs, d, device="cuda", generator=g)
-        final = torch.rand(bs, device="cuda", generator=g)
-        out = fv.fused_verify(logits, None, tree, 1.0, top_ks=None if renorm is None else renorm[0],
-                              coins=coins, coins_final=final, validate=False)
-        first = out.predicts.view(bs, d)[:, 0].cpu()
-        counts += torch.bincount(first, minlength=vocab).double()
-    n = bs * reps
-    expected = target.double() * n
-    assert counts[expected == 0].sum() == 0, "a token with zero target probability was emitted"
-    live = expected > 0
-    chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
-    df = int(live.sum()) - 1
-    critical = {2: 18.42, 5: 25.74}[df]  # chi-square quantiles at p = 1e-4
-    print(f"chi-square {chi2:.2f} with {df} degrees of freedom over {n} samples (critical {critical})")
-    assert chi2 < critical
+@pytest.mark.parametrize("top_k,top_p", CHI_RENORMS, ids=["plain", "top-k", "top-p", "top-k+top-p"])
+def test_emitted_tokens_follow_the_target_distribution(top_k, top_p):
+    """Chi-square (graphborrow.eagle.acceptance's, as the CPU tests) over 8192 x 40 samples of
+    test_fused_verify.chi_square_case: the first emitted token (accepted draft or residual
+    sample) follows the (renormalised) root row; among the requests that accepted node 1,
+    the second follows node 1's row, and not the root's."""
+    def verify(logits, tree, coins, final, k, p):
+        return fv.fused_verify(logits, None, tree, 1.0, top_ks=k, top_ps=p, coins=coins, coins_final=final,
+                               validate=False)
+
+    assert_follows_the_target(chi_square_case(verify, top_k, top_p, 8192, 40, "cuda"), min_second=10_000)
 
 
 @pytest.mark.parametrize("renorm", [dict(), dict(top_ks=40, top_ps=0.9)])
@@ -208,6 +222,48 @@ def test_a_verification_step_is_captured_in_a_cuda_graph_and_replays(renorm):
 
 
 @pytest.mark.parametrize("renorm", [dict(), dict(top_ks=40, top_ps=0.9)])
+def test_the_public_call_is_captured_in_a_cuda_graph_and_replays(renorm):
+    """eagle_verify(impl="auto", validate=False) as a serving engine captures it: static
+    logits and coins, the outputs allocated inside the capture (in the graph's pool) and
+    rewritten by each replay; after new logits and coins are copied in, a replay gives what
+    an eager call and the reference give for them."""
+    bs, d, vocab, temp = 16, 8, 128256, 0.9
+    tree, logits, coins, coins_final = gpu_case(4, bs, d, (4, 3), vocab, False, temp)
+    static_logits, static_coins, static_final = logits.clone(), coins.clone(), coins_final.clone()
+
+    def step():
+        return eagle_verify(static_logits, None, tree, temp, coins=static_coins, coins_final=static_final,
+                            impl="auto", validate=False, **renorm)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    seen = []
+    for seed in (13, 14):
+        _, new_logits, new_coins, new_final = gpu_case(seed, bs, d, (4, 3), vocab, False, temp, tree=tree)
+        static_logits.copy_(new_logits)
+        static_coins.copy_(new_coins)
+        static_final.copy_(new_final)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.clone() for t in captured]
+        eager = eagle_verify(new_logits, None, tree, temp, coins=new_coins, coins_final=new_final, impl="auto",
+                             **renorm)
+        expected = reference(new_logits, tree, temp, renorm.get("top_ks"), renorm.get("top_ps"), new_coins, new_final)
+        for name, a, b, c in zip(("predicts", "accept_index", "accept_length"), replayed, eager, expected):
+            assert torch.equal(a, b), f"replayed {name} differs from the eager call's"
+            assert torch.equal(b, c), f"eager {name} differs from the reference's"
+        assert int(replayed[2].max()) >= 2  # paths walked, not only residuals
+        seen.append(replayed)
+    assert any(not torch.equal(a, b) for a, b in zip(*seen)), "two replays on other inputs gave the same outputs"
+
+
+@pytest.mark.parametrize("renorm", [dict(), dict(top_ks=40, top_ps=0.9)])
 def test_no_host_synchronisation_with_validate_off(renorm):
     tree, logits, coins, coins_final = gpu_case(5, 8, 8, (4, 3), 32000, False)
     kw = dict(coins=coins, coins_final=coins_final, validate=False, **renorm)
@@ -217,6 +273,7 @@ def test_no_host_synchronisation_with_validate_off(renorm):
     try:
         fv.fused_verify(logits, None, tree, 1.0, **kw)
         fv.fused_verify(logits, None, tree, 1.0, chunk_requests=3, **kw)
+        eagle_verify(logits, None, tree, 1.0, impl="auto", **kw)  # the public call too
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
             ws = fv.fused_workspace(logits, bs, d, vocab, 1.0, renorm.get("top_ks"), renorm.get("top_ps"))
             out = (torch.zeros(bs * d, dtype=torch.int32), torch.zeros(bs, 3, dtype=torch.int32),
                    torch.zeros(bs, dtype=torch.int32))
-            fv._launch(logits, tree.candidates, tree, coins, final, ws, bs, d, vocab, 3, 1.0, 1.0, *out)
+            fv._launch(fv._Launch(logits, tree.candidates, tree, coins, final, bs, d, vocab, 3, 1.0, 1.0, *out), ws)
     fv.fused_token_probs(torch.zeros(bs * d, vocab), 1.0, d, torch.zeros(bs * d, 4, dtype=torch.int64))
     probs = torch.zeros(32, vocab)
     fs.top_p_renorm(probs, 0.9, validate=False)

@@ -595,8 +595,10 @@ def test_a_failing_compiler_raises_with_its_output_and_leaves_nothing(monkeypatc
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
     monkeypatch.setattr(arena_module, "SOURCE", broken)
-    with pytest.raises(RuntimeError, match="building the bump arena failed.*broken.c"):
+    with pytest.raises(RuntimeError, match="building the bump arena failed.*broken.c") as info:
         library_path()
+    compiler_output = str(info.value).split(":\n", 1)[1]
+    assert "error" in compiler_output, "the compiler's own diagnostics are in the message"
     assert list((tmp_path / "cache").iterdir()) == []
 
 

@@ -595,8 +595,10 @@ def test_a_failing_compiler_raises_with_its_output_and_leaves_nothing(monkeypatc
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
     monkeypatch.setattr(arena_module, "SOURCE", broken)
-    with pytest.raises(RuntimeError, match="building the bump arena failed.*broken.c"):
+    with pytest.raises(RuntimeError, match="building the bump arena failed.*broken.c") as info:
         library_path()
+    compiler_output = str(info.value).split(":\n", 1)[1]
+    assert "error" in compiler_output, "the compiler's own diagnostics are in the message"
     assert list((tmp_path / "cache").iterdir()) == []
 
 
@@ -715,3 +717,17 @@ def test_the_c_checks_refuse_overlaps_and_serve_zero_byte_requests(arena):
     malloc.restype = ctypes.c_void_p
     assert malloc(0, 0, None) == 1 << 30  # a zero-byte request still gets its own aligned address
     assert malloc(0, 0, None) == (1 << 30) + 512
+
+
+def test_a_new_arena_has_no_extents_and_no_capacity(arena):
+    assert arena.extents == [] and arena.capacity_bytes == 0 and arena.extent_cursors() == []
+    assert "extents=0" in repr(arena) and "capacity=0" in repr(arena)
+
+
+def test_refused_integers_name_the_argument(arena):
+    with pytest.raises(TypeError, match=r"^extent 0 base must be an integer, got float"):
+        arena.set_extents([(float(1 << 30), MiB)])
+    with pytest.raises(TypeError, match=r"^extent 1 size must be an integer, got str"):
+        arena.set_extents([(1 << 30, MiB), (1 << 31, "4096")])
+    with pytest.raises(TypeError, match=r"^malloc size must be an integer number of bytes, got a bool \(True\)"):
+        arena.malloc(True)

@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import Ladder
 
-from graphborrow.borrow import BorrowState, precarve_bytes
+from graphborrow.borrow import BorrowState, RetireReport, precarve_bytes
 from graphborrow.errors import ArenaIntegrityError, PoolBusyError
+from graphborrow.runs import find_free_runs
 from graphborrow.sizes import MB
 
 
@@ -284,3 +285,67 @@ def test_a_refused_free_is_reported_at_the_start_of_the_next_borrow_which_then_d
     assert state.holder is None and sim.allocator.captures_underway == []
     with state.borrow("verify"):  # reported once: the next one goes ahead
         assert state.holder == "verify"
+
+
+def test_equal_static_runs_come_lowest_address_first_whatever_order_they_are_given_in(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address + 2 * MB, MB), (buf.address + 8 * MB, 2 * MB), (buf.address, MB)])
+    assert state.free_runs() == [(buf.address + 8 * MB, 2 * MB), (buf.address, MB), (buf.address + 2 * MB, MB)]
+
+
+def test_the_whole_segments_policy_reaches_the_runs_a_state_finds(sim):
+    """The seed's rule (only wholly free segments) is what a state built with it borrows."""
+    pool = sim.graph_pool_handle()
+    merged = BorrowState(sim, pool_id=pool)
+    Ladder(sim, merged, sizes_mib=(24, 12))
+    graph = sim.CUDAGraph()
+    with merged.capture_scope(), sim.graph(graph, pool=pool):
+        kept = torch.zeros(4 * MB, dtype=torch.uint8, device="cuda")  # lives in one free segment
+    whole = BorrowState(sim, pool_id=pool, policy="whole_segments")
+    segments = sim.allocator.snapshot(tuple(pool))
+    assert whole.free_runs() == find_free_runs(segments, "whole_segments")
+    assert merged.free_runs() == find_free_runs(segments, "runs")
+    assert whole.free_runs() != merged.free_runs(), "the two rules differ on this pool"
+    del kept
+
+
+def test_retire_reports_what_it_found(external):
+    """No pool: nothing to report and built False. A pool whose borrowed tensor was last used
+    on a side stream: its bytes were pending before the synchronise and none after."""
+    sim, buf = external
+    state = BorrowState(sim)
+    assert state.retire() == RetireReport(0, 0, built=False)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow():
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    assert state.retire() == RetireReport(0, 0, built=True)
+    side = sim.Stream()
+    with state.borrow():
+        t = torch.ones(MB // 4, device="cuda")
+        sim.sleep(side, 1000)
+        side.wait_stream(sim.current_stream())
+        with sim.stream(side):
+            t.mul_(2)
+        sim.record_stream(t, side)
+        del t
+    assert state.retire() == RetireReport(MB, 0, built=True)
+
+
+def test_retire_refuses_to_drop_a_pool_whose_frees_the_device_never_completes(external, monkeypatch):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    side = sim.Stream()
+    with state.borrow():
+        t = torch.ones(MB // 4, device="cuda")
+        sim.sleep(side, 1000)
+        with sim.stream(side):
+            t.mul_(2)
+        sim.record_stream(t, side)
+        del t
+    monkeypatch.setattr(sim, "touch", lambda: None)  # no allocation processes the completed events
+    with pytest.raises(RuntimeError, match=rf"^{MB} bytes of the borrow pool are still pending a cross-stream free"):
+        state.retire()
+    assert state.mem_pool is not None, "the pool is kept while a free is pending"

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from graphborrow.errors import SnapshotFormatError
 from graphborrow.runs import find_free_runs, summarize
-from graphborrow.snapshot import load_snapshot, nested_in
+from graphborrow.snapshot import check_segments, load_snapshot, nested_in
 
 UNIT = 512
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -361,3 +361,34 @@ def test_partial_overlap_names_both_ranges():
     with pytest.raises(SnapshotFormatError) as info:
         load_snapshot([first, second])
     assert "segment 1 [0x40001000, 0x40003000) and segment 0 [0x40000000, 0x40002000) overlap partly" in str(info.value)
+
+
+def test_block_and_size_errors_read_exactly():
+    where = "segment 0 (address 0x40000000)"
+    good = make_segment(1 << 30, [("active_allocated", 512), ("inactive", 1024)])
+    bare = copy.deepcopy(good)
+    for block in bare["blocks"]:
+        del block["address"]
+    with pytest.raises(SnapshotFormatError, match=r"block 0 lacks 'address'"):
+        check_segments([bare])  # block addresses are required unless asked otherwise
+    empty = {**copy.deepcopy(good), "total_size": 0}
+    with pytest.raises(SnapshotFormatError) as info:
+        check_segments([empty])
+    assert str(info.value) == f"{where}: total_size 0 is not positive"
+    fractional = copy.deepcopy(good)
+    fractional["blocks"][1]["size"] = 1024.0
+    with pytest.raises(SnapshotFormatError) as info:
+        check_segments([fractional])
+    assert str(info.value) == f"{where} block 1: 'size' is 1024.0 (float); it must be an integer"
+    gap = copy.deepcopy(good)
+    gap["blocks"][1]["address"] += 512
+    with pytest.raises(SnapshotFormatError) as info:
+        check_segments([gap])
+    assert str(info.value) == (
+        f"{where} block 1 (address 0x40000400) starts 512 bytes after block 0 ends: a gap no block covers"
+    )
+    for key in ("allocated_size", "active_size"):
+        wrong = {**copy.deepcopy(good), key: 1536}
+        with pytest.raises(SnapshotFormatError) as info:
+            check_segments([wrong])
+        assert str(info.value) == f"{where}: {key} is 1536 but its blocks add up to 512"

@@ -100,7 +100,7 @@ def fused_kernel_table(verify: Mapping[str, Any]) -> list[dict]:
     """Per (batch, draft tokens) of ``verify_kernels_h200``: the fused step replayed from a CUDA
     graph and launched eagerly, one softmax pass, the upstream step, and the goals judged
     for each launch separately (``goals_missed_replayed`` / ``goals_missed_eager``: lists of
-    :data:`FUSED_GOALS` missed). The eager launch pays about 140 us of host time per step, so
+    :data:`FUSED_GOALS` missed). The eager launch pays 140-280 us of host time per step on the H200, so
     at small batches it misses goals the replayed step meets. With top-k 50 / top-p 0.9
     (replayed) too where it was measured."""
     by_point: dict = {}

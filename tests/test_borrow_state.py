@@ -46,6 +46,7 @@ def test_disable_needs_a_reason_and_enable_restores(external):
         ([(0x1000, 0)], "positive address and size"),
         ([(0, 4096)], "positive address and size"),
         ([(0x1000 + 100, 4096)], "not 512-byte aligned"),
+        ([(1, 4096)], "not 512-byte aligned"),  # 1 is a positive address, only misaligned
         ([(0x10000, 8192), (0x11000, 8192)], r"static runs \[0x10000, 0x12000\) and \[0x11000, 0x13000\) overlap"),
     ],
 )
@@ -56,6 +57,26 @@ def test_bad_static_runs_are_refused_and_lose_nothing(external, runs, fragment):
     with pytest.raises(ValueError, match=fragment):
         state.set_static_runs(runs)
     assert state.static_runs == [(buf.address, 64 * MB)]
+
+
+def test_a_one_byte_static_run_is_a_positive_size_and_kept(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 1)])
+    assert state.static_runs == [(buf.address, 1)] and state.enabled
+    assert not state.can_fit(1)  # kept, but no 512-byte block fits in it
+
+
+def test_a_replay_scope_holds_the_pool_under_its_own_name(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.replay_scope():
+        assert state.holder == "CUDA graph replay"
+        with pytest.raises(PoolBusyError, match="held by 'CUDA graph replay'; cannot start 'late'"):
+            with state.borrow("late"):
+                pass
+    assert state.holder is None
 
 
 def test_static_runs_may_cover_cached_free_blocks_but_no_live_block_behind_them(sim):

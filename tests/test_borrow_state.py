@@ -354,6 +354,39 @@ def test_retire_reports_what_it_found(external):
     assert state.retire() == RetireReport(MB, 0, built=True)
 
 
+def test_pending_and_live_bytes_count_only_the_borrow_pool(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    assert state.pending_free_bytes() == 0 and state.live_borrowed_bytes() == 0  # no pool yet
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow():
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    side = sim.Stream()
+    plain = torch.ones(MB // 4, device="cuda")  # in the default pool, freed pending the side stream
+    sim.sleep(side, 1000)
+    sim.record_stream(plain, side)
+    del plain
+    everywhere = [b["state"] for seg in sim.memory_snapshot() for b in seg["blocks"]]
+    assert "active_pending_free" in everywhere, "a free is pending outside the borrow pool"
+    assert state.pending_free_bytes() == 0 and state.live_borrowed_bytes() == 0
+    sim.synchronize()
+
+
+def test_a_clean_replay_clears_the_pending_leak_check(external):
+    """The leak check costs a snapshot, so it runs at the first replay after a borrow, not at every one."""
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow():
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    assert state.check_pending
+    with state.replay_scope():
+        pass
+    assert not state.check_pending
+
+
 def test_retire_refuses_to_drop_a_pool_whose_frees_the_device_never_completes(external, monkeypatch):
     sim, buf = external
     state = BorrowState(sim)

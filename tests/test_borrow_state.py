@@ -306,6 +306,11 @@ def test_a_refused_free_is_reported_at_the_start_of_the_next_borrow_which_then_d
     assert state.holder is None and sim.allocator.captures_underway == []
     with state.borrow("verify"):  # reported once: the next one goes ahead
         assert state.holder == "verify"
+    for _ in range(2):
+        state.arena.raw_delete(buf.address + 200 * MB, 4096)
+    with pytest.raises(ArenaIntegrityError, match=r"^at the start of 'again': the borrow pool's arena refused 2 free"):
+        with state.borrow("again"):  # counts only the refusals since the last report
+            pass
 
 
 def test_equal_static_runs_come_lowest_address_first_whatever_order_they_are_given_in(external):

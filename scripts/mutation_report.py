@@ -118,6 +118,10 @@ HARMLESS_PY: dict[str, str] = {
         "nbytes > 2**63 instead of >=: 2**63 itself then reaches the int64 argument, which ctypes "
         "wraps to -2**63, a negative size refused and counted like the -1 it would have been"
     ),
+    "graphborrow.arena.xǁBumpArenaǁ_free__mutmut_22": (
+        "nbytes >= 2**64 instead of >= 2**63: sizes in [2**63, 2**64) then reach the int64 argument, "
+        "which ctypes wraps to negative sizes, refused and counted like the -1 they would have been"
+    ),
     "graphborrow.arena.xǁBumpArenaǁ_free__mutmut_25": (
         "-2 instead of -1 for an oversized free: the C side refuses every negative size alike "
         "(GB_FREE_NEGATIVE) and the message quotes the caller's size"

@@ -317,6 +317,9 @@ def test_segment_and_file_errors_read_exactly():
     with pytest.raises(SnapshotFormatError) as info:
         load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "total_size": 512.0}])
     assert str(info.value) == "segment 0 (address 0x40000000): 'total_size' is 512.0 (float); it must be an integer"
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "address": "0x40000000"}])
+    assert str(info.value) == "segment 0: 'address' is '0x40000000' (str); it must be an integer"
 
 
 def test_a_truncated_pickle_names_the_unpickling_error(tmp_path):

@@ -320,6 +320,12 @@ def test_segment_and_file_errors_read_exactly():
     with pytest.raises(SnapshotFormatError) as info:
         load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "address": "0x40000000"}])
     assert str(info.value) == "segment 0: 'address' is '0x40000000' (str); it must be an integer"
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "address": 0}])
+    assert str(info.value) == "segment 0: address 0 is not a positive device address"
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "blocks": [["inactive", 512]]}])
+    assert str(info.value) == "segment 0 (address 0x40000000) block 0 is a list, not a dict"
 
 
 def test_a_truncated_pickle_names_the_unpickling_error(tmp_path):

@@ -401,3 +401,24 @@ def test_block_and_size_errors_read_exactly():
         with pytest.raises(SnapshotFormatError) as info:
             check_segments([wrong])
         assert str(info.value) == f"{where}: {key} is 1536 but its blocks add up to 512"
+    cases = [  # (change to the good segment, exact message)
+        (lambda g: [g["blocks"][1].pop(k) for k in ("size", "state")],
+         f"{where} block 1 lacks 'size', 'state'; every block needs 'address', 'size', 'state'"),
+        (lambda g: g["blocks"][1].update(address="0x40000200"),
+         f"{where} block 1: 'address' is '0x40000200' (str); it must be an integer"),
+        (lambda g: g["blocks"][1].update(size=0), f"{where} block 1 has size 0; block sizes are positive"),
+        (lambda g: g["blocks"][1].update(state="busy"),
+         f"{where} block 1 has state 'busy'; known states: active_allocated, "
+         "active_pending_free, active_awaiting_free, inactive"),
+        (lambda g: [b.update(address=b["address"] + 512) for b in g["blocks"]],
+         f"{where} block 0 (address 0x40000200) starts at 0x40000200, not at its segment's address"),
+        (lambda g: g["blocks"][1].update(address=g["blocks"][1]["address"] - 256),
+         f"{where} block 1 (address 0x40000100) starts 256 bytes inside block 0: blocks overlap"),
+        (lambda g: g.update(total_size=2048), f"{where}: its blocks cover 1536 bytes but total_size is 2048"),
+    ]
+    for change, message in cases:
+        bad = copy.deepcopy(good)
+        change(bad)
+        with pytest.raises(SnapshotFormatError) as info:
+            check_segments([bad])
+        assert str(info.value) == message

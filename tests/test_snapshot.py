@@ -401,6 +401,8 @@ def test_block_and_size_errors_read_exactly():
         with pytest.raises(SnapshotFormatError) as info:
             check_segments([wrong])
         assert str(info.value) == f"{where}: {key} is 1536 but its blocks add up to 512"
+    one_byte = make_segment(1 << 30, [("inactive", 1), ("active_allocated", 511)])
+    assert check_segments([one_byte]) == [one_byte]  # 1 is a positive size, whatever the allocator rounds to
     cases = [  # (change to the good segment, exact message)
         (lambda g: [g["blocks"][1].pop(k) for k in ("size", "state")],
          f"{where} block 1 lacks 'size', 'state'; every block needs 'address', 'size', 'state'"),

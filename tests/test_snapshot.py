@@ -417,6 +417,7 @@ def test_block_and_size_errors_read_exactly():
         (lambda g: g["blocks"][1].update(address=g["blocks"][1]["address"] - 256),
          f"{where} block 1 (address 0x40000100) starts 256 bytes inside block 0: blocks overlap"),
         (lambda g: g.update(total_size=2048), f"{where}: its blocks cover 1536 bytes but total_size is 2048"),
+        (lambda g: g.update(allocated_size="512"), f"{where}: 'allocated_size' is '512' (str); it must be an integer"),
     ]
     for change, message in cases:
         bad = copy.deepcopy(good)
@@ -424,3 +425,23 @@ def test_block_and_size_errors_read_exactly():
         with pytest.raises(SnapshotFormatError) as info:
             check_segments([bad])
         assert str(info.value) == message
+
+
+def test_what_is_not_a_snapshot_is_named_with_its_origin(tmp_path):
+    keys = {f"k{i}": i for i in range(10)}
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot(keys)
+    assert str(info.value).startswith(
+        "snapshot is a dict with no 'segments' key (keys: ['k0', 'k1', 'k2', 'k3', 'k4', 'k5', 'k6', 'k7']); "
+    )
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot(42)
+    assert str(info.value).startswith("snapshot is a int; expected a list of segment dicts or a dict with 'segments'")
+    path = tmp_path / "other.pickle"
+    path.write_bytes(pickle.dumps({"weights": 1}))
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot(path)
+    assert str(info.value).startswith(f"{path} is a dict with no 'segments' key (keys: ['weights'])")
+    with pytest.raises(SnapshotFormatError) as info:
+        check_segments("not a list")
+    assert str(info.value) == "'segments' is a str; expected a list of segment dicts"

@@ -80,6 +80,14 @@ HARMLESS_PY: dict[str, str] = {
         "count (at most 64, checked before) passes as a C int that the x86-64 and AArch64 calling "
         "conventions widen into the size_t register unchanged"
     ),
+    "graphborrow.arena.x__library__mutmut_[56]": (
+        "gb_arena_acquire / gb_arena_release without argtypes: their arguments are slot numbers and "
+        "flags, Python ints ctypes passes as the C ints they take"
+    ),
+    "graphborrow.arena.x__library__mutmut_8": (
+        "POINTER(None) (a void pointer) for set_extents' bases: the ctypes uint64 array passes as the "
+        "same address either way"
+    ),
     "graphborrow.arena.x__library__mutmut_37": (
         "the slot-only queries (cursor, freed, ...) without argtypes: their one argument is a slot "
         "number, a Python int ctypes passes as the C int they take; restype stays size_t"
@@ -139,7 +147,7 @@ HARMLESS_PY: dict[str, str] = {
     "graphborrow.borrow.xǁBorrowStateǁ_take_slot__mutmut_11": (
         "the weak reference is always made: the one caller always passes its scope, so the None branch never runs"
     ),
-    "graphborrow.borrow.xǁBorrowStateǁ_leave__mutmut_[35]": (
+    "graphborrow.borrow.xǁBorrowStateǁ_leave__mutmut_[345]": (
         "routing.__exit__ with two arguments instead of three: the routing the scope gets on torch >= 2.8 "
         "(graphborrow.backend._PoolRouting, the simulator's) takes *exc; only the fallback for a torch "
         "without the allocator's routing hooks, use_mem_pool's generator, would need all three"

@@ -408,3 +408,18 @@ def test_retire_refuses_to_drop_a_pool_whose_frees_the_device_never_completes(ex
     with pytest.raises(RuntimeError, match=rf"^{MB} bytes of the borrow pool are still pending a cross-stream free"):
         state.retire()
     assert state.mem_pool is not None, "the pool is kept while a free is pending"
+
+
+def test_runs_read_inside_a_capture_are_read_again_after_it(sim):
+    """A capture re-carves the free space: runs a caller read while it ran (a notebook showing
+    the pool mid-capture) must not be what the state lends once it ends."""
+    pool = sim.graph_pool_handle()
+    state = BorrowState(sim, pool_id=pool)
+    Ladder(sim, state, sizes_mib=(24, 12))
+    graph = sim.CUDAGraph()
+    with state.capture_scope(), sim.graph(graph, pool=pool):
+        during = state.free_runs()
+        kept = torch.zeros(4 * MB, dtype=torch.uint8, device="cuda")
+    after = find_free_runs(sim.allocator.snapshot(tuple(pool)), "runs")
+    assert after != during and state.free_runs() == after
+    del kept

@@ -84,9 +84,13 @@ HARMLESS_PY: dict[str, str] = {
         "gb_arena_acquire / gb_arena_release without argtypes: their arguments are slot numbers and "
         "flags, Python ints ctypes passes as the C ints they take"
     ),
-    "graphborrow.arena.x__library__mutmut_8": (
-        "POINTER(None) (a void pointer) for set_extents' bases: the ctypes uint64 array passes as the "
+    "graphborrow.arena.x__library__mutmut_[89]": (
+        "POINTER(None) (a void pointer) for set_extents' bases or sizes: the ctypes array passes as the "
         "same address either way"
+    ),
+    "graphborrow.arena.x__library__mutmut_10": (
+        "gb_arena_set_align without argtypes: the slot and the alignment (a power of two below 2**31, "
+        "checked before) pass as C ints the calling convention widens into the size_t register unchanged"
     ),
     "graphborrow.arena.x__library__mutmut_37": (
         "the slot-only queries (cursor, freed, ...) without argtypes: their one argument is a slot "

@@ -423,3 +423,15 @@ def test_runs_read_inside_a_capture_are_read_again_after_it(sim):
     after = find_free_runs(sim.allocator.snapshot(tuple(pool)), "runs")
     assert after != during and state.free_runs() == after
     del kept
+
+
+def test_stats_report_the_bytes_the_arena_got_back(external):
+    """Retiring hands the pool's segments back to the arena; stats say how many bytes came back."""
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow("step"):
+        t = torch.empty(4 * MB, dtype=torch.uint8, device="cuda")
+        del t
+    state.retire()
+    assert state.arena.freed_bytes > 0 and state.stats()["freed_bytes"] == state.arena.freed_bytes

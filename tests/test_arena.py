@@ -1,5 +1,6 @@
 """The bump arena: semantics, invariants, threads and concurrent builds."""
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -273,8 +274,6 @@ from graphborrow.errors import ArenaFreeError  # noqa: E402
 
 def _c_set_extents(arena, extents):
     """set_extents straight into C, past the Python checks: the C checks must hold alone."""
-    import ctypes
-
     n = len(extents)
     bases = (ctypes.c_uint64 * n)(*[b for b, _ in extents])
     sizes = (ctypes.c_size_t * n)(*[s for _, s in extents])
@@ -292,6 +291,15 @@ def test_an_extent_past_the_end_of_the_address_space_is_refused(arena, base, siz
         arena.set_extents([(base, size)])
     assert _c_set_extents(arena, [(base, size)]) == -7
     assert arena.extents == [(1 << 32, MiB)] and arena.malloc(512) == 1 << 32
+
+
+def test_an_extent_past_the_end_is_refused_naming_its_range(arena):
+    with pytest.raises(ValueError) as info:
+        arena.set_extents([(1 << 30, MiB), (ADDRESS_LIMIT - 4096, 8192)])
+    assert str(info.value) == (
+        "extent 1 [0xfffffffffffff000, 0x10000000000001000) runs past the end of the 64-bit "
+        "address space; an extent must end below 2**64"
+    )
 
 
 def test_extents_that_fit_right_below_the_end_are_accepted(arena):
@@ -575,6 +583,7 @@ def test_library_path_builds_verifies_and_rebuilds_in_process(monkeypatch, tmp_p
     assert built.parent == cache and built.name.startswith("libgbarena-") and built.suffix == ".so"
     assert len(built.name) == len("libgbarena-") + 16 + len(".so")
     assert library_is_intact(built)
+    assert ctypes.CDLL(str(built)).gb_arena_set_extents  # a loadable library, not just a file with a digest
     assert sorted(p.name for p in cache.iterdir()) == [built.name, built.name + ".sha256"]
     tmp_path = cache
     stamp = built.stat().st_mtime_ns
@@ -599,6 +608,7 @@ def test_a_failing_compiler_raises_with_its_output_and_leaves_nothing(monkeypatc
         library_path()
     compiler_output = str(info.value).split(":\n", 1)[1]
     assert "error" in compiler_output, "the compiler's own diagnostics are in the message"
+    assert compiler_output.startswith(str(broken)), "as the compiler printed them (text, not a bytes repr)"
     assert list((tmp_path / "cache").iterdir()) == []
 
 
@@ -641,6 +651,8 @@ def test_host_frees_report_exactly_what_was_passed(arena):
         arena.free(ADDRESS_LIMIT, 512)
     with pytest.raises(ArenaFreeError, match="negative size"):
         arena.free(p, 2**63)  # no allocation is that large: counted like a negative size
+    with pytest.raises(ArenaFreeError, match="negative size"):
+        arena.free(p, 2**64 + 1000)  # not 1000 once ctypes kept the low 64 bits: p stays live
     with pytest.raises(TypeError, match="free pointer must be an integer"):
         arena.free("0x1000", 512)
     with pytest.raises(TypeError, match="free size must be an integer"):

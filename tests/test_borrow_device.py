@@ -89,7 +89,8 @@ def test_a_leaked_tensor_makes_replay_raise_until_released(ladder):
     backend, state = ladder.backend, ladder.state
     with state.borrow("test"):
         leaked = torch.ones(MiB, dtype=torch.uint8, device=backend.device)
-    with pytest.raises(BorrowLeakError, match=r"\d+ bytes .* still referenced"):
+    with pytest.raises(BorrowLeakError, match=r"leak at graph replay: \d+ bytes .* still referenced, "
+                                               r"and graph replay would overwrite them"):
         ladder.replay()
     with pytest.raises(BorrowLeakError):  # stays refused while the tensor lives
         ladder.replay()
@@ -219,6 +220,7 @@ def test_pool_is_rebuilt_when_the_arena_reports_freed_bytes(ladder):
     # what the arena sees when the caching layer releases a segment back to it
     extra = state.arena.malloc(2 * MiB)
     state.arena.free(extra, 2 * MiB)
+    assert state.stats()["freed_bytes"] == 2 * MiB
     with state.borrow("after a release"):
         pass
     assert state.builds == 2 and state.arena.freed_bytes == 0

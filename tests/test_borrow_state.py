@@ -46,6 +46,7 @@ def test_disable_needs_a_reason_and_enable_restores(external):
         ([(0x1000, 0)], "positive address and size"),
         ([(0, 4096)], "positive address and size"),
         ([(0x1000 + 100, 4096)], "not 512-byte aligned"),
+        ([(1, 4096)], "not 512-byte aligned"),  # 1 is a positive address, only misaligned
         ([(0x10000, 8192), (0x11000, 8192)], r"static runs \[0x10000, 0x12000\) and \[0x11000, 0x13000\) overlap"),
     ],
 )
@@ -56,6 +57,26 @@ def test_bad_static_runs_are_refused_and_lose_nothing(external, runs, fragment):
     with pytest.raises(ValueError, match=fragment):
         state.set_static_runs(runs)
     assert state.static_runs == [(buf.address, 64 * MB)]
+
+
+def test_a_one_byte_static_run_is_a_positive_size_and_kept(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 1)])
+    assert state.static_runs == [(buf.address, 1)] and state.enabled
+    assert not state.can_fit(1)  # kept, but no 512-byte block fits in it
+
+
+def test_a_replay_scope_holds_the_pool_under_its_own_name(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.replay_scope():
+        assert state.holder == "CUDA graph replay"
+        with pytest.raises(PoolBusyError, match="held by 'CUDA graph replay'; cannot start 'late'"):
+            with state.borrow("late"):
+                pass
+    assert state.holder is None
 
 
 def test_static_runs_may_cover_cached_free_blocks_but_no_live_block_behind_them(sim):
@@ -285,6 +306,11 @@ def test_a_refused_free_is_reported_at_the_start_of_the_next_borrow_which_then_d
     assert state.holder is None and sim.allocator.captures_underway == []
     with state.borrow("verify"):  # reported once: the next one goes ahead
         assert state.holder == "verify"
+    for _ in range(2):
+        state.arena.raw_delete(buf.address + 200 * MB, 4096)
+    with pytest.raises(ArenaIntegrityError, match=r"^at the start of 'again': the borrow pool's arena refused 2 free"):
+        with state.borrow("again"):  # counts only the refusals since the last report
+            pass
 
 
 def test_equal_static_runs_come_lowest_address_first_whatever_order_they_are_given_in(external):
@@ -333,6 +359,39 @@ def test_retire_reports_what_it_found(external):
     assert state.retire() == RetireReport(MB, 0, built=True)
 
 
+def test_pending_and_live_bytes_count_only_the_borrow_pool(external):
+    sim, buf = external
+    state = BorrowState(sim)
+    assert state.pending_free_bytes() == 0 and state.live_borrowed_bytes() == 0  # no pool yet
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow():
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    side = sim.Stream()
+    plain = torch.ones(MB // 4, device="cuda")  # in the default pool, freed pending the side stream
+    sim.sleep(side, 1000)
+    sim.record_stream(plain, side)
+    del plain
+    everywhere = [b["state"] for seg in sim.memory_snapshot() for b in seg["blocks"]]
+    assert "active_pending_free" in everywhere, "a free is pending outside the borrow pool"
+    assert state.pending_free_bytes() == 0 and state.live_borrowed_bytes() == 0
+    sim.synchronize()
+
+
+def test_a_clean_replay_clears_the_pending_leak_check(external):
+    """The leak check costs a snapshot, so it runs at the first replay after a borrow, not at every one."""
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow():
+        t = torch.empty(MB, dtype=torch.uint8, device="cuda")
+        del t
+    assert state.check_pending
+    with state.replay_scope():
+        pass
+    assert not state.check_pending
+
+
 def test_retire_refuses_to_drop_a_pool_whose_frees_the_device_never_completes(external, monkeypatch):
     sim, buf = external
     state = BorrowState(sim)
@@ -349,3 +408,30 @@ def test_retire_refuses_to_drop_a_pool_whose_frees_the_device_never_completes(ex
     with pytest.raises(RuntimeError, match=rf"^{MB} bytes of the borrow pool are still pending a cross-stream free"):
         state.retire()
     assert state.mem_pool is not None, "the pool is kept while a free is pending"
+
+
+def test_runs_read_inside_a_capture_are_read_again_after_it(sim):
+    """A capture re-carves the free space: runs a caller read while it ran (a notebook showing
+    the pool mid-capture) must not be what the state lends once it ends."""
+    pool = sim.graph_pool_handle()
+    state = BorrowState(sim, pool_id=pool)
+    Ladder(sim, state, sizes_mib=(24, 12))
+    graph = sim.CUDAGraph()
+    with state.capture_scope(), sim.graph(graph, pool=pool):
+        during = state.free_runs()
+        kept = torch.zeros(4 * MB, dtype=torch.uint8, device="cuda")
+    after = find_free_runs(sim.allocator.snapshot(tuple(pool)), "runs")
+    assert after != during and state.free_runs() == after
+    del kept
+
+
+def test_stats_report_the_bytes_the_arena_got_back(external):
+    """Retiring hands the pool's segments back to the arena; stats say how many bytes came back."""
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with state.borrow("step"):
+        t = torch.empty(4 * MB, dtype=torch.uint8, device="cuda")
+        del t
+    state.retire()
+    assert state.arena.freed_bytes > 0 and state.stats()["freed_bytes"] == state.arena.freed_bytes

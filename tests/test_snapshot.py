@@ -317,6 +317,15 @@ def test_segment_and_file_errors_read_exactly():
     with pytest.raises(SnapshotFormatError) as info:
         load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "total_size": 512.0}])
     assert str(info.value) == "segment 0 (address 0x40000000): 'total_size' is 512.0 (float); it must be an integer"
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "address": "0x40000000"}])
+    assert str(info.value) == "segment 0: 'address' is '0x40000000' (str); it must be an integer"
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "address": 0}])
+    assert str(info.value) == "segment 0: address 0 is not a positive device address"
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot([{**make_segment(1 << 30, [("inactive", 512)]), "blocks": [["inactive", 512]]}])
+    assert str(info.value) == "segment 0 (address 0x40000000) block 0 is a list, not a dict"
 
 
 def test_a_truncated_pickle_names_the_unpickling_error(tmp_path):
@@ -392,3 +401,47 @@ def test_block_and_size_errors_read_exactly():
         with pytest.raises(SnapshotFormatError) as info:
             check_segments([wrong])
         assert str(info.value) == f"{where}: {key} is 1536 but its blocks add up to 512"
+    one_byte = make_segment(1 << 30, [("inactive", 1), ("active_allocated", 511)])
+    assert check_segments([one_byte]) == [one_byte]  # 1 is a positive size, whatever the allocator rounds to
+    cases = [  # (change to the good segment, exact message)
+        (lambda g: [g["blocks"][1].pop(k) for k in ("size", "state")],
+         f"{where} block 1 lacks 'size', 'state'; every block needs 'address', 'size', 'state'"),
+        (lambda g: g["blocks"][1].update(address="0x40000200"),
+         f"{where} block 1: 'address' is '0x40000200' (str); it must be an integer"),
+        (lambda g: g["blocks"][1].update(size=0), f"{where} block 1 has size 0; block sizes are positive"),
+        (lambda g: g["blocks"][1].update(state="busy"),
+         f"{where} block 1 has state 'busy'; known states: active_allocated, "
+         "active_pending_free, active_awaiting_free, inactive"),
+        (lambda g: [b.update(address=b["address"] + 512) for b in g["blocks"]],
+         f"{where} block 0 (address 0x40000200) starts at 0x40000200, not at its segment's address"),
+        (lambda g: g["blocks"][1].update(address=g["blocks"][1]["address"] - 256),
+         f"{where} block 1 (address 0x40000100) starts 256 bytes inside block 0: blocks overlap"),
+        (lambda g: g.update(total_size=2048), f"{where}: its blocks cover 1536 bytes but total_size is 2048"),
+        (lambda g: g.update(allocated_size="512"), f"{where}: 'allocated_size' is '512' (str); it must be an integer"),
+    ]
+    for change, message in cases:
+        bad = copy.deepcopy(good)
+        change(bad)
+        with pytest.raises(SnapshotFormatError) as info:
+            check_segments([bad])
+        assert str(info.value) == message
+
+
+def test_what_is_not_a_snapshot_is_named_with_its_origin(tmp_path):
+    keys = {f"k{i}": i for i in range(10)}
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot(keys)
+    assert str(info.value).startswith(
+        "snapshot is a dict with no 'segments' key (keys: ['k0', 'k1', 'k2', 'k3', 'k4', 'k5', 'k6', 'k7']); "
+    )
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot(42)
+    assert str(info.value).startswith("snapshot is a int; expected a list of segment dicts or a dict with 'segments'")
+    path = tmp_path / "other.pickle"
+    path.write_bytes(pickle.dumps({"weights": 1}))
+    with pytest.raises(SnapshotFormatError) as info:
+        load_snapshot(path)
+    assert str(info.value).startswith(f"{path} is a dict with no 'segments' key (keys: ['weights'])")
+    with pytest.raises(SnapshotFormatError) as info:
+        check_segments("not a list")
+    assert str(info.value) == "'segments' is a str; expected a list of segment dicts"

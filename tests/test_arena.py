@@ -583,7 +583,10 @@ def test_library_path_builds_verifies_and_rebuilds_in_process(monkeypatch, tmp_p
     assert built.parent == cache and built.name.startswith("libgbarena-") and built.suffix == ".so"
     assert len(built.name) == len("libgbarena-") + 16 + len(".so")
     assert library_is_intact(built)
-    assert ctypes.CDLL(str(built)).gb_arena_set_extents  # a loadable library, not just a file with a digest
+    # a loadable library, not just a file with a digest; loaded in a child process, since this
+    # test later damages the file, and a damaged library mapped here would crash this one at exit
+    subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(built)!r}).gb_arena_set_extents"],
+                   check=True)
     assert sorted(p.name for p in cache.iterdir()) == [built.name, built.name + ".sha256"]
     tmp_path = cache
     stamp = built.stat().st_mtime_ns

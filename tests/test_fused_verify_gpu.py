@@ -186,6 +186,20 @@ def test_emitted_tokens_follow_the_target_distribution(top_k, top_p):
     assert_follows_the_target(chi_square_case(verify, top_k, top_p, 8192, 40, "cuda"), min_second=10_000)
 
 
+def warmed_up_and_captured(step):
+    """Run ``step`` once on a side stream (compiling and warming up outside the capture), then
+    capture one call of it: the graph, and what the captured call returned."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
 @pytest.mark.parametrize("renorm", [dict(), dict(top_ks=40, top_ps=0.9)])
 def test_a_verification_step_is_captured_in_a_cuda_graph_and_replays(renorm):
     bs, d, vocab = 16, 8, 128256
@@ -199,14 +213,7 @@ def test_a_verification_step_is_captured_in_a_cuda_graph_and_replays(renorm):
         return fv.fused_verify(static_logits, None, tree, 0.9, coins=static_coins, coins_final=static_final,
                                out=out, validate=False, **renorm)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = warmed_up_and_captured(step)
     for seed in (11, 12):
         _, new_logits, new_coins, new_final = gpu_case(seed, bs, d, (4, 3), vocab, False, 0.9)
         static_logits.copy_(new_logits)
@@ -235,14 +242,7 @@ def test_the_public_call_is_captured_in_a_cuda_graph_and_replays(renorm):
         return eagle_verify(static_logits, None, tree, temp, coins=static_coins, coins_final=static_final,
                             impl="auto", validate=False, **renorm)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = warmed_up_and_captured(step)
     seen = []
     for seed in (13, 14):
         _, new_logits, new_coins, new_final = gpu_case(seed, bs, d, (4, 3), vocab, False, temp, tree=tree)

@@ -88,6 +88,20 @@ def _cuda_param():
     )
 
 
+def free_while_a_side_stream_uses(sim, state, nbytes: int, user: str = "t") -> None:
+    """Borrow ``nbytes`` of float32 from ``state``, hand the tensor to a side stream still
+    busy (``sim.sleep``) and free it: its block stays pending until that stream's event."""
+    side = sim.Stream()
+    with state.borrow(user):
+        t = torch.ones(nbytes // 4, device=sim.device)
+        sim.sleep(side, 1000)
+        side.wait_stream(sim.current_stream())
+        with sim.stream(side):
+            t.mul_(2)
+        sim.record_stream(t, side)
+        del t
+
+
 @pytest.fixture
 def sim():
     """A fresh simulated device of 1 GiB, closed after the test."""

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import Ladder
+from conftest import Ladder, free_while_a_side_stream_uses
 
 from graphborrow.borrow import BorrowState, RetireReport, precarve_bytes
 from graphborrow.errors import ArenaIntegrityError, PoolBusyError
@@ -347,15 +347,7 @@ def test_retire_reports_what_it_found(external):
         t = torch.empty(MB, dtype=torch.uint8, device="cuda")
         del t
     assert state.retire() == RetireReport(0, 0, built=True)
-    side = sim.Stream()
-    with state.borrow():
-        t = torch.ones(MB // 4, device="cuda")
-        sim.sleep(side, 1000)
-        side.wait_stream(sim.current_stream())
-        with sim.stream(side):
-            t.mul_(2)
-        sim.record_stream(t, side)
-        del t
+    free_while_a_side_stream_uses(sim, state, MB)
     assert state.retire() == RetireReport(MB, 0, built=True)
 
 

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from conftest import free_while_a_side_stream_uses
+
 from graphborrow.backend import get_backend
 from graphborrow.capacity import largest_borrowable
 from graphborrow.deferred import early_release_hazard
@@ -48,15 +50,7 @@ def test_written_ranges_layout_only_match_backed():
 
 def test_retire_reports_pending_bytes_before_and_after(sim):
     state = _ladder(sim).state
-    side = sim.Stream()
-    with state.borrow("t"):
-        t = torch.ones(MB // 4, device=sim.device)
-        sim.sleep(side, 1000)
-        side.wait_stream(sim.current_stream())
-        with sim.stream(side):
-            t.mul_(2)
-        sim.record_stream(t, side)
-        del t
+    free_while_a_side_stream_uses(sim, state, MB)
     assert state.pending_free_bytes() == MB
     report = state.retire()
     assert (report.pending_before, report.pending_after, report.built) == (MB, 0, True)

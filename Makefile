@@ -75,8 +75,8 @@ deep: setup
 # Python, so the mutated source is what runs), a hand-rolled pass over arena.c, one record of
 # both with the survivors judged harmless in data/mutation.json. For a shorter run, name a
 # deterministic sample once mutants/ exists: scripts/mutation_sample.py.
-MUTATION_PATTERNS = 'graphborrow.arena.*' 'graphborrow.runs.*' 'graphborrow.snapshot.*' 'graphborrow.borrow.*' \
-	'graphborrow.sim.allocator.x*Stat*' 'graphborrow.sim.allocator.x_update_stat_array*' 'graphborrow.sim.allocator.x*_take_over_stats*'
+MUTATION_PATTERNS = 'graphborrow.core.arena.*' 'graphborrow.core.runs.*' 'graphborrow.core.snapshot.*' 'graphborrow.core.borrow.*' \
+	'graphborrow.allocator.caching.x*Stat*' 'graphborrow.allocator.caching.x_update_stat_array*' 'graphborrow.allocator.caching.x*_take_over_stats*'
 mutation: setup
 	$(PY) -m pip install -q -e ".[mutation]"
 	rm -rf mutants
@@ -90,7 +90,7 @@ test-gpu: setup
 
 # CPU: every case of the fused kernels' interpreter tests (several minutes on 2 cores; CI runs one case per rule).
 test-kernels-deep: setup
-	GRAPHBORROW_KERNEL_TESTS=deep $(PY) -m pytest -q tests/test_fused_verify.py tests/test_fused_compile.py
+	GRAPHBORROW_KERNEL_TESTS=deep $(PY) -m pytest -q tests/eagle/test_fused_verify.py tests/eagle/test_fused_compile.py
 
 # On a CUDA machine: the fused verification kernels against the reference and the upstream figures.
 bench-kernels: setup
@@ -128,8 +128,8 @@ model-pools-sim: setup
 mutation-capacity: setup
 	$(PY) -m pip install -q -e ".[mutation]"
 	rm -rf mutants
-	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 'graphborrow.capacity.*' 'graphborrow.planner.*'
-	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py data/mutation_capacity.json 'graphborrow.capacity.*' 'graphborrow.planner.*'
+	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 'graphborrow.planning.capacity.*' 'graphborrow.planning.planner.*' 'graphborrow.eagle.plan.*'
+	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py data/mutation_capacity.json 'graphborrow.planning.capacity.*' 'graphborrow.planning.planner.*' 'graphborrow.eagle.plan.*'
 
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb

@@ -2,7 +2,7 @@
 
 They stay where a reader of the repository expects them, and are installed as the
 subpackages ``graphborrow.notebooks`` and ``graphborrow.data`` (read with
-``importlib.resources`` through :mod:`graphborrow.package_data`). Everything else is
+``importlib.resources`` through :mod:`graphborrow.studies.shipped`). Everything else is
 declared in pyproject.toml; this file only adds the mapping, which pyproject's
 package discovery cannot express next to ``find``.
 """

@@ -41,15 +41,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphborrow.backend import get_backend  # noqa: E402
-from graphborrow.capacity import plan_verify  # noqa: E402
-from graphborrow.draft_tree import build_draft_tree  # noqa: E402
+from graphborrow.core.errors import BorrowCapacityError  # noqa: E402
+from graphborrow.core.sizes import MB  # noqa: E402
+from graphborrow.device import get_backend  # noqa: E402
 from graphborrow.eagle import BORROW_USER, MODES, StepShape, eagle_verify  # noqa: E402
+from graphborrow.eagle.draft_tree import build_draft_tree  # noqa: E402
 from graphborrow.eagle.sequence import verify_sequence  # noqa: E402
-from graphborrow.errors import BorrowCapacityError  # noqa: E402
-from graphborrow.planner import ALLOC  # noqa: E402
-from graphborrow.sizes import MB  # noqa: E402
-from graphborrow.workload import LLAMA3_8B, GraphLadder, ModelShape  # noqa: E402
+from graphborrow.eagle.plan import plan_verify  # noqa: E402
+from graphborrow.planning.planner import ALLOC  # noqa: E402
+from graphborrow.workloads.ladder import LLAMA3_8B, GraphLadder, ModelShape  # noqa: E402
 
 TREES = {1: (1, 1), 2: (1, 2), 4: (1, 3), 8: (4, 3), 16: (4, 5)}  # draft tokens -> (topk, depth)
 SMALL_SHAPE = ModelShape(hidden=256, intermediate=1024, layers=2, vocab=32000, dtype=torch.bfloat16)

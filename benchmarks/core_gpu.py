@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphborrow.backend import get_backend  # noqa: E402
-from graphborrow.runs import find_free_runs, summarize  # noqa: E402
-from graphborrow.sizes import MB  # noqa: E402
-from graphborrow.workload import LLAMA3_8B, GraphLadder  # noqa: E402
+from graphborrow.core.runs import find_free_runs, summarize  # noqa: E402
+from graphborrow.core.sizes import MB  # noqa: E402
+from graphborrow.device import get_backend  # noqa: E402
+from graphborrow.workloads.ladder import LLAMA3_8B, GraphLadder  # noqa: E402
 
 
 def median_us(fn, iters=2000, warmup=200) -> float:

@@ -38,12 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphborrow.backend import get_backend  # noqa: E402
-from graphborrow.draft_tree import build_draft_tree  # noqa: E402
-from graphborrow.capacity import plan_verify  # noqa: E402
+from graphborrow.core.sizes import MB  # noqa: E402
+from graphborrow.device import get_backend  # noqa: E402
 from graphborrow.eagle import BORROW_USER, eagle_verify, verify_bytes  # noqa: E402
-from graphborrow.sizes import MB  # noqa: E402
-from graphborrow.workload import LLAMA3_8B, GraphLadder  # noqa: E402
+from graphborrow.eagle.draft_tree import build_draft_tree  # noqa: E402
+from graphborrow.eagle.plan import plan_verify  # noqa: E402
+from graphborrow.workloads.ladder import LLAMA3_8B, GraphLadder  # noqa: E402
 
 MODES = {  # name: (eagle_verify mode, borrow?)
     "standard": ("standard", False),

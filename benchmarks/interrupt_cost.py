@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from graphborrow import interrupts  # noqa: E402
-from graphborrow.backend import get_backend  # noqa: E402
-from graphborrow.borrow import BorrowState  # noqa: E402
-from graphborrow.interrupts import CRITICAL  # noqa: E402
+from graphborrow.core import interrupts  # noqa: E402
+from graphborrow.core.borrow import BorrowState  # noqa: E402
+from graphborrow.core.interrupts import CRITICAL  # noqa: E402
+from graphborrow.device import get_backend  # noqa: E402
 
 MiB = 1 << 20
 

@@ -3,7 +3,7 @@
     python benchmarks/model_pools.py --out data/models_h200
 
 Workloads: the synthetic baseline (Llama-3-8B-shaped MLP blocks, 8192-token prefill graph,
-as data/core_h200.json), every model of graphborrow.models.MODELS (2 layers, verify
+as data/core_h200.json), every model of graphborrow.workloads.models.MODELS (2 layers, verify
 graphs for batch 64..1 x 8 draft tokens against 1024 cached tokens, no prefill graph),
 and Llama-3-8B again with a 1024-token prefill graph and with piecewise prefill graphs
 (the prompt fills the context, so every workload's KV cache has the same length).
@@ -25,7 +25,7 @@ fresh; a failing workload is recorded with its error and the others go on) and w
 
 ``<out>/summary.json`` collects the table rows and errors; ``scripts/model_pools_table.py``
 turns it into the README table. CI then replays every recording on the simulated device
-and compares the pools block for block (``tests/test_model_pools_recorded.py``).
+and compares the pools block for block (``tests/fidelity/test_model_pools_recorded.py``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def command_line(argv: list[str]) -> str:
 
 def workloads(args) -> dict[str, dict]:
     """Workload name -> (model, build_ladder parameters)."""
-    from graphborrow.models import MODELS
+    from graphborrow.workloads.models import MODELS
 
     batches = [int(b) for b in args.batches.split(",")]
     common = dict(decode_batches=batches, draft_tokens=args.draft_tokens)
@@ -164,10 +164,10 @@ def run_one(name: str, spec: dict, out_dir: Path, command: str, device: str = "c
     import torch
     import transformers
 
-    from graphborrow.backend import get_backend
-    from graphborrow.compare import recording, save_recording
-    from graphborrow.pool_study import study
-    from graphborrow.workload import build_ladder
+    from graphborrow.device import get_backend
+    from graphborrow.fidelity.compare import recording, save_recording
+    from graphborrow.studies.pools import study
+    from graphborrow.workloads.ladder import build_ladder
 
     cuda = device == "cuda"
     backend = get_backend("cuda") if cuda else get_backend("sim", backed=False)

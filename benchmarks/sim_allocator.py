@@ -26,10 +26,10 @@ import subprocess
 import sys
 import time
 
-from graphborrow.sim import compiled
-from graphborrow.sim.allocator import CachingAllocator
-from graphborrow.sim.memory import PhysicalMemory
-from graphborrow.sim.streams import Clockwork
+from graphborrow.allocator import compiled
+from graphborrow.allocator.caching import CachingAllocator
+from graphborrow.allocator.memory import PhysicalMemory
+from graphborrow.allocator.streams import Clockwork
 
 LIVE_COUNTS = (0, 100, 1_000, 10_000, 100_000)
 

@@ -25,8 +25,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from graphborrow.sim import compiled
-from graphborrow.sweep import Grid, run_sweep
+from graphborrow.allocator import compiled
+from graphborrow.run.sweep import Grid, run_sweep
 
 GRID = Grid(
     fixed={"DEVICE": "sim", "LADDER": [16, 8, 4, 2, 1]},

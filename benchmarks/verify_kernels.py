@@ -41,10 +41,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphborrow.eagle import fused as fv  # noqa: E402
-from graphborrow.draft_tree import build_draft_tree  # noqa: E402
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only  # noqa: E402
+from graphborrow.eagle.draft_tree import build_draft_tree  # noqa: E402
 from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs  # noqa: E402
+from graphborrow.eagle.triton import fused as fv  # noqa: E402
 
 TREES = {4: (1, 3), 8: (4, 3), 16: (4, 5)}
 # upstream_kernel_h200.md: (bs, D) -> (softmax us, kernel us, step us)
@@ -253,8 +253,8 @@ def run_point(bs, d, args, rows):
 
 def chunked_rows(args):
     """Fused verification chunked in borrowed memory (a captured graph's idle runs) vs whole."""
-    from graphborrow.backend import get_backend
-    from graphborrow.borrow import BorrowState
+    from graphborrow.core.borrow import BorrowState
+    from graphborrow.device import get_backend
 
     backend = get_backend("cuda")
     state = BorrowState(backend, pool_id=backend.graph_pool_handle())
@@ -334,7 +334,7 @@ def compile_times():
 def goals_table(rows):
     """Print each point's goals, judged for the step replayed from a CUDA graph and for the
     eager launch separately; returns (replayed, eager) verdicts, one bool per point each."""
-    from graphborrow.measured import fused_goals_missed
+    from graphborrow.studies.measured import fused_goals_missed
 
     print(f"\n{'bs':>4} {'D':>3} {'softmax':>8} {'upstream':>9} {'reference':>10} {'fused':>8} {'graph':>8} "
           f"{'x softmax':>9} {'temp MiB':>9} {'accept':>6} {'agrees':>6}  "

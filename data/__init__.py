@@ -1,1 +1,1 @@
-"""Package data: measurements recorded on a real GPU (see graphborrow.package_data)."""
+"""Package data: measurements recorded on a real GPU (see graphborrow.studies.shipped)."""

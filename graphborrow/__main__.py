@@ -1,8 +1,8 @@
 """Command line: ``python -m graphborrow {run,demo,sweep,suite,inspect,build} ...``.
 
-Each command is a thin layer over a public function: :func:`graphborrow.demo.run_demo`,
-:func:`graphborrow.suite.run_suite`, :func:`graphborrow.sweep.run_sweep`,
-:func:`graphborrow.inspection.inspect_snapshot`. Bad arguments
+Each command is a thin layer over a public function: :func:`graphborrow.run.demo.run_demo`,
+:func:`graphborrow.run.suite.run_suite`, :func:`graphborrow.run.sweep.run_sweep`,
+:func:`graphborrow.studies.inspection.inspect_snapshot`. Bad arguments
 exit with status 2 and one line naming the problem; Ctrl-C exits with 130.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import ParameterError
+from graphborrow.core.errors import ParameterError
 
 DEVICES = ("auto", "cuda", "sim")
 DEFAULT_OUT = Path("output")
@@ -49,20 +49,20 @@ def _check_device(device: str) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import main as demo_main
+    from graphborrow.run.demo import main as demo_main
 
     return demo_main(args.rest) or 0
 
 
 def _overrides(pairs) -> dict:
-    from .sweep import parse_value
+    from graphborrow.run.sweep import parse_value
 
     return {name: parse_value(value) for name, value in (pairs or [])}
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from .package_data import example_grid
-    from .sweep import Grid, run_sweep
+    from graphborrow.run.sweep import Grid, run_sweep
+    from graphborrow.studies.shipped import example_grid
 
     if args.scheduler and args.workers is not None:
         raise ParameterError("--workers sizes the local cluster; with --scheduler the cluster's own "
@@ -80,7 +80,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _suite(args: argparse.Namespace) -> int:
-    from .suite import run_suite
+    from graphborrow.run.suite import run_suite
 
     _check_device(args.device)
     report = run_suite(args.out, device=args.device, only=args.only, params=_overrides(args.param),
@@ -91,10 +91,10 @@ def _suite(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """The main job: the core demo, every notebook, and the example sweep."""
-    from .demo import run_demo
-    from .package_data import example_grid
-    from .suite import run_suite
-    from .sweep import Grid, run_sweep
+    from graphborrow.run.demo import run_demo
+    from graphborrow.run.suite import run_suite
+    from graphborrow.run.sweep import Grid, run_sweep
+    from graphborrow.studies.shipped import example_grid
 
     _check_device(args.device)
     out = Path(args.out)
@@ -125,7 +125,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _modes(text: str) -> list[str]:
-    from .eagle.modes import MODES
+    from graphborrow.eagle.modes import MODES
 
     modes = [m.strip() for m in text.split(",")]
     wrong = [m for m in modes if m not in MODES]
@@ -146,8 +146,12 @@ def _inspect(args: argparse.Namespace) -> int:
     """Pools, free runs, fitting verification steps and the memory map of a recorded snapshot."""
     import json
 
-    from .errors import SnapshotFormatError
-    from .inspection import format_report, inspect_snapshot, plot_report
+    from graphborrow.core.errors import SnapshotFormatError
+    from graphborrow.studies.inspection import (
+        format_report,
+        inspect_snapshot,
+        plot_report,
+    )
 
     try:
         report = inspect_snapshot(args.snapshot, batches=args.batches, draft_tokens=args.draft_tokens,
@@ -169,7 +173,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from .sim import compiled
+    from graphborrow.allocator import compiled
 
     existed = compiled.verify(compiled.build_path()) is None
     try:
@@ -249,7 +253,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["demo"]:  # the demo owns its options
-            from .demo import main as demo_main
+            from graphborrow.run.demo import main as demo_main
 
             return demo_main(argv[1:]) or 0
         args = build_parser().parse_args(argv)

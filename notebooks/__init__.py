@@ -1,1 +1,1 @@
-"""Package data: the numbered notebooks and the example sweep grid (see graphborrow.package_data)."""
+"""Package data: the numbered notebooks and the example sweep grid (see graphborrow.studies.shipped)."""

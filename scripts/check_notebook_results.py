@@ -8,11 +8,11 @@ file with ``device_work > 0``. Usage (after running the notebooks):
 
 ``--executed`` also checks the executed notebooks found under DIR (``<name>.ipynb``, at any
 depth, e.g. ``output/suite`` or ``output/points``): every cell tagged ``figure`` must hold an
-image and no figure may show as text (:func:`graphborrow.results.check_figures`).
+image and no figure may show as text (:func:`graphborrow.run.results.check_figures`).
 
 ``--notebooks`` defaults to the notebooks shipped with graphborrow (``notebooks/`` in a
 checkout), ``--results`` to ``<notebooks>/results``. The rule itself is
-``graphborrow.results.check_results``; ``python -m graphborrow suite`` applies it too.
+``graphborrow.run.results.check_results``; ``python -m graphborrow suite`` applies it too.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from graphborrow.package_data import notebooks_dir
-from graphborrow.results import check_figures, check_results
+from graphborrow.run.results import check_figures, check_results
+from graphborrow.studies.shipped import notebooks_dir
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,7 @@
     TRITON_INTERPRET=0 python scripts/compile_kernels.py [--json out.json]
 
 Triton ships ptxas, so its compiler runs without a device: this drives the host code of
-graphborrow.eagle.fused / fused_select with CPU tensors in place of CUDA ones, turning
+graphborrow.eagle.triton.fused / fused_select with CPU tensors in place of CUDA ones, turning
 every kernel launch into a compile-only warmup (a stand-in driver reports an sm_90 target),
 so each variant the step uses is compiled with the argument types it really gets. It
 catches what the interpreter cannot (code that does not compile for CUDA) and reports
@@ -80,9 +80,9 @@ def main(argv=None) -> int:
         return kernel
 
     JITFunction.run = compile_only
-    from graphborrow.eagle import fused_select as fs
-    from graphborrow.eagle import fused as fv
-    from graphborrow.draft_tree import build_draft_tree
+    from graphborrow.eagle.draft_tree import build_draft_tree
+    from graphborrow.eagle.triton import fused as fv
+    from graphborrow.eagle.triton import select as fs
 
     assert not fv.INTERPRETED
     started = time.monotonic()

@@ -1,6 +1,6 @@
 """A small mutation pass over the arena's C source, which mutmut cannot reach.
 
-Each mutant changes one operator or constant in ``graphborrow/arena.c`` (comparisons,
+Each mutant changes one operator or constant in ``graphborrow/core/arena.c`` (comparisons,
 boolean and arithmetic operators, a check's result code, an early return). For each, a
 copy of the package with the mutated C runs the arena's unit tests; the library is
 rebuilt because its name carries the source hash. A mutant is *killed* when the tests
@@ -33,7 +33,7 @@ SOURCE = REPO / "graphborrow" / "arena.c"
 # the arena's unit tests, without the build-cache ones (subprocesses, slow) and without
 # conftest (torch): the arena needs neither
 TESTS = [
-    "-x", "--noconftest", "tests/test_arena.py",
+    "-x", "--noconftest", "tests/core/test_arena.py",
     "-k", "not damaged and not failed_build and not unwritable and not stale and not two_processes",
 ]
 
@@ -78,7 +78,7 @@ def library_tag(source: bytes) -> str:
 
 
 def _imported_from(tmp: str, env: dict) -> str:
-    probe = subprocess.run([sys.executable, "-c", "import graphborrow.arena as a; print(a.__file__)"],
+    probe = subprocess.run([sys.executable, "-c", "import graphborrow.core.arena as a; print(a.__file__)"],
                            cwd=tmp, env=env, capture_output=True, text=True)
     return probe.stdout
 
@@ -153,7 +153,7 @@ def main() -> None:
     counts = {k: sum(r["outcome"] == k for r in results) for k in ("killed", "survived", "build failed")}
     valid = counts["killed"] + counts["survived"]
     record = {
-        "what": "hand-rolled mutation pass over graphborrow/arena.c (mutmut mutates Python only)",
+        "what": "hand-rolled mutation pass over graphborrow/core/arena.c (mutmut mutates Python only)",
         "command": " ".join(["python", *sys.argv]),
         "tests": " ".join(["pytest", *TESTS]),
         "mutants_in_file": len(list(mutants(text))),

@@ -15,24 +15,25 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from collections import Counter
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 # The modules that hold rules, this record's share of [tool.mutmut] only_mutate (the capacity
 # planner's mutants are scored by scripts/mutation_score.py, make mutation-capacity).
 RULE_MODULES = (
-    "graphborrow/arena.py", "graphborrow/runs.py", "graphborrow/snapshot.py", "graphborrow/borrow.py",
-    "graphborrow/sim/allocator.py",
+    "graphborrow/core/arena.py", "graphborrow/core/runs.py", "graphborrow/core/snapshot.py", "graphborrow/core/borrow.py",
+    "graphborrow/allocator/caching.py",
 )
 # Of the simulated allocator only the statistics: Stat, StatArray, DeviceStats (x*Stat*, the class
 # names are capitalised, no other function's is), update_stat_array and restoring stats.
 STAT_MUTANTS = (
-    "graphborrow.sim.allocator.x*Stat*",
-    "graphborrow.sim.allocator.x_update_stat_array*",
-    "graphborrow.sim.allocator.x*_take_over_stats*",
+    "graphborrow.allocator.caching.x*Stat*",
+    "graphborrow.allocator.caching.x_update_stat_array*",
+    "graphborrow.allocator.caching.x*_take_over_stats*",
 )
 RULE_MUTANTS = tuple(m[:-3].replace("/", ".") + ".*" for m in RULE_MODULES[:-1]) + STAT_MUTANTS
 
@@ -40,126 +41,126 @@ RULE_MUTANTS = tuple(m[:-3].replace("/", ".") + ".*" for m in RULE_MODULES[:-1])
 # A survivor not listed here (and not a wording-only change, see _only_wording) is one a
 # test should kill.
 HARMLESS_PY: dict[str, str] = {
-    "graphborrow.arena.x_library_path__mutmut_6": (
+    "graphborrow.core.arena.x_library_path__mutmut_6": (
         "the length of the source hash in the library's name (16 or 17 hex digits): any length names "
         "one build per source"
     ),
     # mkstemp's prefix and suffix (18-27), the digest's .sha256 suffix (35, 36)
     **dict.fromkeys(
-        ("graphborrow.arena.x_library_path__mutmut_1[89]", "graphborrow.arena.x_library_path__mutmut_2[124-7]",
-         "graphborrow.arena.x_library_path__mutmut_3[56]"),
+        ("graphborrow.core.arena.x_library_path__mutmut_1[89]", "graphborrow.core.arena.x_library_path__mutmut_2[124-7]",
+         "graphborrow.core.arena.x_library_path__mutmut_3[56]"),
         "the build's temporary file names: the files still appear by atomic rename under their final "
         "names and are verified by digest",
     ),
-    "graphborrow.arena.x_library_path__mutmut_43": (
+    "graphborrow.core.arena.x_library_path__mutmut_43": (
         "-fpic instead of -fPIC: both give position-independent code; they differ only in the size "
         "limit of the global offset table on some targets, far above this library's few symbols"
     ),
-    "graphborrow.arena.x_library_path__mutmut_39": (
+    "graphborrow.core.arena.x_library_path__mutmut_39": (
         "-o2 instead of -O2: gcc and clang take it as an output name that the later -o overrides, so the "
         "library is built without optimisation; it behaves the same, only its own code runs slower"
     ),
-    "graphborrow.arena.x_library_path__mutmut_44": (
+    "graphborrow.core.arena.x_library_path__mutmut_44": (
         "-FPIC instead of -fPIC: taken as a framework directory (-F PIC); toolchains that build "
         "position-independent code by default give the same library, the others fail the link loudly"
     ),
-    "graphborrow.arena.x__remove_stale_temporaries__mutmut_[18]": "the age boundary (> or >=, 3600 or 3601 s) of a one-hour sweep",
-    "graphborrow.arena.x_describe_free_error__mutmut_1": (
+    "graphborrow.core.arena.x__remove_stale_temporaries__mutmut_[18]": "the age boundary (> or >=, 3600 or 3601 s) of a one-hour sweep",
+    "graphborrow.core.arena.x_describe_free_error__mutmut_1": (
         "the default of live_size, which only the size-mismatch message reads and every caller passes"
     ),
-    "graphborrow.arena.xǁBumpArenaǁset_extents__mutmut_2[78]": (
+    "graphborrow.core.arena.xǁBumpArenaǁset_extents__mutmut_2[78]": (
         "weakens the Python bound check on the end address; the C check refuses the same extent "
         "with the same message (tested by calling C directly)"
     ),
-    "graphborrow.arena.x__check__mutmut_[3-7]": (
+    "graphborrow.core.arena.x__check__mutmut_[3-7]": (
         "the message of C codes the Python checks always pre-empt (and the fallback text for a code "
         "the C side never returns)"
     ),
-    "graphborrow.arena.x__library__mutmut_7": (
+    "graphborrow.core.arena.x__library__mutmut_7": (
         "gb_arena_set_extents without argtypes: the two ctypes arrays still pass as pointers, and the "
         "count (at most 64, checked before) passes as a C int that the x86-64 and AArch64 calling "
         "conventions widen into the size_t register unchanged"
     ),
-    "graphborrow.arena.x__library__mutmut_[56]": (
+    "graphborrow.core.arena.x__library__mutmut_[56]": (
         "gb_arena_acquire / gb_arena_release without argtypes: their arguments are slot numbers and "
         "flags, Python ints ctypes passes as the C ints they take"
     ),
-    "graphborrow.arena.x__library__mutmut_[89]": (
+    "graphborrow.core.arena.x__library__mutmut_[89]": (
         "POINTER(None) (a void pointer) for set_extents' bases or sizes: the ctypes array passes as the "
         "same address either way"
     ),
-    "graphborrow.arena.x__library__mutmut_10": (
+    "graphborrow.core.arena.x__library__mutmut_10": (
         "gb_arena_set_align without argtypes: the slot and the alignment (a power of two below 2**31, "
         "checked before) pass as C ints the calling convention widens into the size_t register unchanged"
     ),
-    "graphborrow.arena.x__library__mutmut_37": (
+    "graphborrow.core.arena.x__library__mutmut_37": (
         "the slot-only queries (cursor, freed, ...) without argtypes: their one argument is a slot "
         "number, a Python int ctypes passes as the C int they take; restype stays size_t"
     ),
-    "graphborrow.runs.x_summarize__mutmut_17": "passes the default policy explicitly or not: the same call",
-    "graphborrow.arena.xǁBumpArenaǁraw_alloc__mutmut_1": "the unused stream argument's default",
-    "graphborrow.arena.xǁBumpArenaǁraw_delete__mutmut_1": "the unused stream argument's default",
-    "graphborrow.runs.x__runs_of__mutmut_2[68]": (
+    "graphborrow.core.runs.x_summarize__mutmut_17": "passes the default policy explicitly or not: the same call",
+    "graphborrow.core.arena.xǁBumpArenaǁraw_alloc__mutmut_1": "the unused stream argument's default",
+    "graphborrow.core.arena.xǁBumpArenaǁraw_delete__mutmut_1": "the unused stream argument's default",
+    "graphborrow.core.runs.x__runs_of__mutmut_2[68]": (
         "a hole that only touches a run (hole_end == a, or a + n == hole_start) then takes the cutting "
         "branch, which keeps the same (a, n) whole: the same runs"
     ),
-    "graphborrow.borrow.xǁBorrowStateǁcan_fit__mutmut_4[24]": (
+    "graphborrow.core.borrow.xǁBorrowStateǁcan_fit__mutmut_4[24]": (
         "the default of a segment's segment_type: torch's and the simulator's snapshots always carry "
         "it, so the default is never read"
     ),
-    "graphborrow.borrow.xǁBorrowStateǁ_pool_snapshot__mutmut_4": (
+    "graphborrow.core.borrow.xǁBorrowStateǁ_pool_snapshot__mutmut_4": (
         "asks for every pool's segments instead of this pool's: the filter on segment_pool_id that "
         "follows (torch and the simulator fill it) keeps the same segments"
     ),
-    "graphborrow.snapshot.x__check_segment__mutmut_130": (
+    "graphborrow.core.snapshot.x__check_segment__mutmut_130": (
         "start >= at instead of start > at inside the branch for start != at: the same test"
     ),
-    "graphborrow.snapshot.x__block_at__mutmut_15": (
+    "graphborrow.core.snapshot.x__block_at__mutmut_15": (
         "the text of an internal assertion no input reaches: callers only look up addresses inside a "
         "segment whose blocks were checked to tile it"
     ),
-    "graphborrow.borrow.xǁBorrowStateǁstats__mutmut_3": "free_runs() of a disabled state is [] already",
-    "graphborrow.sim.allocator.x_update_stat_array__mutmut_5": (
+    "graphborrow.core.borrow.xǁBorrowStateǁstats__mutmut_3": "free_runs() of a disabled state is [] already",
+    "graphborrow.allocator.caching.x_update_stat_array__mutmut_5": (
         "amount >= 1 instead of >= 0: an amount of 0 then goes through decrease(0) instead of "
         "increase(0), and both leave current, peak, allocated and freed as they were"
     ),
-    "graphborrow.sim.allocator.xǁStatǁincrease__mutmut_5": (
+    "graphborrow.allocator.caching.xǁStatǁincrease__mutmut_5": (
         "current >= peak instead of >: when they are equal, peak = current assigns the value it has"
     ),
-    "graphborrow.borrow.xǁBorrowStateǁ_raise_on_live_borrows__mutmut_5": (
+    "graphborrow.core.borrow.xǁBorrowStateǁ_raise_on_live_borrows__mutmut_5": (
         "check_pending = None instead of False: it is only ever tested for truth"
     ),
-    "graphborrow.arena.xǁBumpArenaǁ_free__mutmut_19": (
+    "graphborrow.core.arena.xǁBumpArenaǁ_free__mutmut_19": (
         "nbytes > 2**63 instead of >=: 2**63 itself then reaches the int64 argument, which ctypes "
         "wraps to -2**63, a negative size refused and counted like the -1 it would have been"
     ),
-    "graphborrow.arena.xǁBumpArenaǁ_free__mutmut_22": (
+    "graphborrow.core.arena.xǁBumpArenaǁ_free__mutmut_22": (
         "nbytes >= 2**64 instead of >= 2**63: sizes in [2**63, 2**64) then reach the int64 argument, "
         "which ctypes wraps to negative sizes, refused and counted like the -1 they would have been"
     ),
-    "graphborrow.arena.xǁBumpArenaǁ_free__mutmut_25": (
+    "graphborrow.core.arena.xǁBumpArenaǁ_free__mutmut_25": (
         "-2 instead of -1 for an oversized free: the C side refuses every negative size alike "
         "(GB_FREE_NEGATIVE) and the message quotes the caller's size"
     ),
-    "graphborrow.borrow.xǁBorrowStateǁ_retire__mutmut_31": (
+    "graphborrow.core.borrow.xǁBorrowStateǁ_retire__mutmut_31": (
         "RetireReport(before, after) without built=True: True is the field's default, the same report"
     ),
-    "graphborrow.snapshot.x__check_segment__mutmut_1": (
+    "graphborrow.core.snapshot.x__check_segment__mutmut_1": (
         "the default of block_addresses in the private _check_segment, whose one caller "
         "(check_segments) always passes it; check_segments' own default is tested"
     ),
-    "graphborrow.borrow.xǁBorrowStateǁ_take_slot__mutmut_11": (
+    "graphborrow.core.borrow.xǁBorrowStateǁ_take_slot__mutmut_11": (
         "the weak reference is always made: the one caller always passes its scope, so the None branch never runs"
     ),
-    "graphborrow.borrow.xǁBorrowStateǁ_leave__mutmut_[345]": (
+    "graphborrow.core.borrow.xǁBorrowStateǁ_leave__mutmut_[345]": (
         "routing.__exit__ with two arguments instead of three: the routing the scope gets on torch >= 2.8 "
-        "(graphborrow.backend._PoolRouting, the simulator's) takes *exc; only the fallback for a torch "
+        "(graphborrow.device.cuda._PoolRouting, the simulator's) takes *exc; only the fallback for a torch "
         "without the allocator's routing hooks, use_mem_pool's generator, would need all three"
     ),
     # the CC lookups and their fallback (2-11), the fallback compilers' names (16-21)
     **dict.fromkeys(
-        ("graphborrow.arena.x__compiler__mutmut_[2-9]", "graphborrow.arena.x__compiler__mutmut_1[016-9]",
-         "graphborrow.arena.x__compiler__mutmut_2[01]"),
+        ("graphborrow.core.arena.x__compiler__mutmut_[2-9]", "graphborrow.core.arena.x__compiler__mutmut_1[016-9]",
+         "graphborrow.core.arena.x__compiler__mutmut_2[01]"),
         "the compiler's fallback names and sysconfig lookup: another compiler of the same kind "
         "is found or the same error raised; tested with a stubbed PATH",
     ),
@@ -304,7 +305,7 @@ def main() -> None:
         **({"ran": args.ran} if args.ran else {}),
         "torch": torch_version(),
         "python_modules": [m for m in config["only_mutate"] if m in RULE_MODULES],
-        "python_mutants": list(RULE_MUTANTS),  # of sim/allocator.py only the statistics
+        "python_mutants": list(RULE_MUTANTS),  # of allocator/caching.py only the statistics
         "tests": config["pytest_add_cli_args_test_selection"],
         "pytest_args": config["pytest_add_cli_args"],
         "python": python_results(),

@@ -1,6 +1,6 @@
 """Name a deterministic sample of mutmut's mutants, for a mutation run that must fit a time box.
 
-    python scripts/mutation_sample.py 'graphborrow.borrow.*=2' 'graphborrow.arena.*=6' ...
+    python scripts/mutation_sample.py 'graphborrow.core.borrow.*=2' 'graphborrow.core.arena.*=6' ...
 
 Each argument is a mutant-name pattern (fnmatch, as ``mutmut run`` takes them) and a stride
 k: of every function's mutants it keeps numbers 1, 1+k, 1+2k, ... (so every function keeps at
@@ -59,13 +59,13 @@ def sample(statuses: dict[str, str], strides: dict[str, int], rerun: bool = Fals
 def _stride(text: str) -> tuple[str, int]:
     pattern, sep, k = text.rpartition("=")
     if not sep or not k.isdigit() or int(k) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: write PATTERN=K with K a whole number >= 1, e.g. 'graphborrow.arena.*=4'")
+        raise argparse.ArgumentTypeError(f"{text!r}: write PATTERN=K with K a whole number >= 1, e.g. 'graphborrow.core.arena.*=4'")
     return pattern, int(k)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("strides", nargs="+", type=_stride, help="PATTERN=K, e.g. 'graphborrow.borrow.*=2'")
+    parser.add_argument("strides", nargs="+", type=_stride, help="PATTERN=K, e.g. 'graphborrow.core.borrow.*=2'")
     parser.add_argument("--rerun", action="store_true", help="also name mutants that already have a result")
     args = parser.parse_args()
     names = sample(all_mutants(), dict(args.strides), rerun=args.rerun)

@@ -2,7 +2,7 @@
 
     python scripts/mutation_score.py data/mutation_capacity.json [MUTANT_PATTERN ...]
 
-With patterns (fnmatch over mutant names, e.g. 'graphborrow.capacity.*'), only the mutants
+With patterns (fnmatch over mutant names, e.g. 'graphborrow.planning.capacity.*'), only the mutants
 they match are counted: [tool.mutmut] also lists the rule modules that `make mutation` scores.
 
 Reads `mutmut results --all true` (run from the checkout that holds `mutants/`) and records
@@ -35,57 +35,57 @@ _SEARCH_BOUND = (
 )
 _GPU_ONLY = (
     "reached only with a CUDA backend: impl='auto' plans the fused kernels on a real GPU with Triton, "
-    "and the simulated device always plans the reference; tests/test_capacity.py::"
+    "and the simulated device always plans the reference; tests/planning/test_capacity.py::"
     "test_auto_plans_the_fused_kernels_on_cuda (marked gpu) checks it on the H200"
 )
 HARMLESS: dict[str, str] = {
     # capacity.largest_borrowable / _fits_one / size_class_table
-    "graphborrow.capacity.x_largest_borrowable__mutmut_1[56]": (
+    "graphborrow.planning.capacity.x_largest_borrowable__mutmut_1[56]": (
         "the probe run's address (2**40 or 2**41): any 512-byte-aligned address gives the same replay"),
-    "graphborrow.capacity.x_largest_borrowable__mutmut_19": "the small class's search starts at 2 bytes, not 1: both are one 512-byte block",
-    "graphborrow.capacity.x_largest_borrowable__mutmut_2[1245-9]": _SEARCH_BOUND,
-    "graphborrow.capacity.x_largest_borrowable__mutmut_3[67]": (
+    "graphborrow.planning.capacity.x_largest_borrowable__mutmut_19": "the small class's search starts at 2 bytes, not 1: both are one 512-byte block",
+    "graphborrow.planning.capacity.x_largest_borrowable__mutmut_2[1245-9]": _SEARCH_BOUND,
+    "graphborrow.planning.capacity.x_largest_borrowable__mutmut_3[67]": (
         "the large class's upper bound for runs under 10 or 11 MiB: no size above the run fits, so the "
         "search ends at the same size"),
-    "graphborrow.capacity.x_largest_borrowable__mutmut_47": (
+    "graphborrow.planning.capacity.x_largest_borrowable__mutmut_47": (
         "bisection midpoint (low+high+2)//2 instead of +1: still in (low, high], the same fixed point"),
-    "graphborrow.capacity.x__fits_one__mutmut_[89]": "the probe request's id: a label that only pairs a free with its allocation",
-    "graphborrow.capacity.x__fits_one__mutmut_10": (
+    "graphborrow.planning.capacity.x__fits_one__mutmut_[89]": "the probe request's id: a label that only pairs a free with its allocation",
+    "graphborrow.planning.capacity.x__fits_one__mutmut_10": (
         "the probe request's recorded stream: the replay puts the first recorded stream on the pool's own"),
-    "graphborrow.capacity.x_size_class_table__mutmut_14": "range end 40 MiB + 2 instead of + 1: the same 256 KiB steps",
+    "graphborrow.planning.capacity.x_size_class_table__mutmut_14": "range end 40 MiB + 2 instead of + 1: the same 256 KiB steps",
     # capacity.FitPolicyPool
-    "graphborrow.capacity.xǁFitPolicyPoolǁ__init____mutmut_28": (
+    "graphborrow.planning.capacity.xǁFitPolicyPoolǁ__init____mutmut_28": (
         "the second graph's input 7.2 MiB instead of 9 MiB: any medium tensor up to 12 MiB takes the same "
         "12 MiB block and leaves the same runs (the test checks the runs and the fit-policy contrast)"),
-    "graphborrow.capacity.xǁFitPolicyPoolǁ__init____mutmut_{36,38,45,47,49,51,53}": (
+    "graphborrow.planning.capacity.xǁFitPolicyPoolǁ__init____mutmut_{36,38,45,47,49,51,53}": (
         "the captured graphs' arithmetic (* 2, / 2, + 1, ...): only the tensors' sizes shape the pool"),
     # capacity.plan_verify / _planned_impl
-    "graphborrow.capacity.x_plan_verify__mutmut_{86,89}": (
+    "graphborrow.planning.capacity.x_plan_verify__mutmut_{86,89}": (
         "the mode passed to plan_fused_step, which only labels its ChunkPlan (the fused step runs the "
         "whole batch in every mode); plan_verify does not read that label"),
-    "graphborrow.capacity.x_plan_verify__mutmut_31": _GPU_ONLY,
-    "graphborrow.capacity.x__planned_impl__mutmut_*": _GPU_ONLY,
+    "graphborrow.planning.capacity.x_plan_verify__mutmut_31": _GPU_ONLY,
+    "graphborrow.planning.capacity.x__planned_impl__mutmut_*": _GPU_ONLY,
     # planner
-    "graphborrow.planner.x__layout_device__mutmut_[45]": (
+    "graphborrow.planning.planner.x__layout_device__mutmut_[45]": (
         "backed=None / activate=None for False: both are falsy, the same layout-only, inactive device"),
-    "graphborrow.planner.x__mib__mutmut_4": "'>' instead of '>=' MB/10: a byte count is an int and never equals 104857.6",
-    "graphborrow.planner.x__never__mutmut_5": "float('INF') is float('inf')",
-    "graphborrow.planner.xǁPoolImageǁof__mutmut_55": (
+    "graphborrow.planning.planner.x__mib__mutmut_4": "'>' instead of '>=' MB/10: a byte count is an int and never equals 104857.6",
+    "graphborrow.planning.planner.x__never__mutmut_5": "float('INF') is float('inf')",
+    "graphborrow.planning.planner.xǁPoolImageǁof__mutmut_55": (
         "the stream of a built pool without segments: it has no cached block, so the step's requests "
         "carve the same segments on any stream"),
-    "graphborrow.planner.xǁPoolImageǁof__mutmut_65": (
+    "graphborrow.planning.planner.xǁPoolImageǁof__mutmut_65": (
         "a built pool's arena alignment left at the image's default: borrow states build their arenas "
         "with BumpArena's default alignment, the same 512 bytes"),
-    "graphborrow.planner.x_replay__mutmut_3[2-5]": (
+    "graphborrow.planning.planner.x_replay__mutmut_3[2-5]": (
         "the replay allocator's own device memory (size, backing): never used, every request routes to "
         "the pool, whose segments come from the arena and restored segments belong to it"),
-    "graphborrow.planner.x_replay__mutmut_120": (
+    "graphborrow.planning.planner.x_replay__mutmut_120": (
         "the precarve's stream: seeds exist only in a fresh image, whose stream is the default one"),
-    "graphborrow.planner.x_replay__mutmut_15[789]": (
+    "graphborrow.planning.planner.x_replay__mutmut_15[789]": (
         "the id a second recorded stream gets in the replay (999, -999 or 1002 instead of 1001 for the "
         "pool's stream 0): any id other than the pool's stream keeps its blocks apart, as the "
         "two-stream test checks"),
-    "graphborrow.planner.x_replay__mutmut_74": (
+    "graphborrow.planning.planner.x_replay__mutmut_74": (
         "snapshot(None) instead of the pool's: the replay's allocator holds that one pool only"),
 }
 

@@ -10,12 +10,12 @@ deadline=$(( $(date +%s) + ${1:?usage: scripts/mutation_timeboxed.sh SECONDS [CH
 children=${2:-$(nproc)}
 export GRAPHBORROW_SIM_PURE=1 OMP_NUM_THREADS=1
 mutmut=${MUTMUT:-mutmut}
-patterns=('graphborrow.arena.*' 'graphborrow.runs.*' 'graphborrow.snapshot.*' 'graphborrow.borrow.*'
-  'graphborrow.sim.allocator.x*Stat*' 'graphborrow.sim.allocator.x_update_stat_array*'
-  'graphborrow.sim.allocator.x*_take_over_stats*')
-sample=('graphborrow.runs.*=2' 'graphborrow.borrow.*=2' 'graphborrow.sim.allocator.xǁStat*=2'
-  'graphborrow.sim.allocator.x_update_stat_array*=2' 'graphborrow.sim.allocator.xǁDeviceStatsǁ*=2'
-  'graphborrow.sim.allocator.xǁCachingAllocatorǁ_take_over_stats*=2' 'graphborrow.arena.*=6' 'graphborrow.snapshot.*=6')
+patterns=('graphborrow.core.arena.*' 'graphborrow.core.runs.*' 'graphborrow.core.snapshot.*' 'graphborrow.core.borrow.*'
+  'graphborrow.allocator.caching.x*Stat*' 'graphborrow.allocator.caching.x_update_stat_array*'
+  'graphborrow.allocator.caching.x*_take_over_stats*')
+sample=('graphborrow.core.runs.*=2' 'graphborrow.core.borrow.*=2' 'graphborrow.allocator.caching.xǁStat*=2'
+  'graphborrow.allocator.caching.x_update_stat_array*=2' 'graphborrow.allocator.caching.xǁDeviceStatsǁ*=2'
+  'graphborrow.allocator.caching.xǁCachingAllocatorǁ_take_over_stats*=2' 'graphborrow.core.arena.*=6' 'graphborrow.core.snapshot.*=6')
 
 left() { echo $(( deadline - $(date +%s) )); }
 step() {  # label, mutmut arguments...
@@ -27,7 +27,7 @@ step() {  # label, mutmut arguments...
 }
 
 # mutants and the test statistics, with one mutant (mutmut generates everything on its first run)
-step "generate and collect statistics" 'graphborrow.runs.x_summarize__mutmut_1'
+step "generate and collect statistics" 'graphborrow.core.runs.x_summarize__mutmut_1'
 mapfile -t names < <(python scripts/mutation_sample.py "${sample[@]}")
 echo "sample: ${#names[@]} mutants not yet checked"
 [ ${#names[@]} -gt 0 ] && step "the sample" "${names[@]}"

@@ -8,10 +8,10 @@ the failed assert's message.
 Each point runs with papermill on the simulated device (``DEVICE=sim``; large points
 layout-only where the notebook declares ``LAYOUT_ONLY``), ``--jobs`` at a time. A point passes
 when the notebook ran to the end, wrote its results file with device work
-(:func:`graphborrow.results.check_results`) and every cell tagged ``figure`` holds an image
-(:func:`graphborrow.results.check_figures`). Executed notebooks land in
+(:func:`graphborrow.run.results.check_results`) and every cell tagged ``figure`` holds an image
+(:func:`graphborrow.run.results.check_figures`). Executed notebooks land in
 ``<out>/<notebook>/<label>.ipynb``, the summary in ``<out>/report.json``. Exit status 1 when
-any point failed. The points themselves come from :mod:`graphborrow.sweep.space`.
+any point failed. The points themselves come from :mod:`graphborrow.run.sweep.space`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from graphborrow.package_data import notebooks_dir
-from graphborrow.results import check_figures, check_results
-from graphborrow.sweep.execute import NotebookJob, execute
-from graphborrow.sweep.parameters import declared_parameters, read_notebook
-from graphborrow.sweep.space import notebook_points
+from graphborrow.run.results import check_figures, check_results
+from graphborrow.run.sweep.execute import NotebookJob, execute
+from graphborrow.run.sweep.parameters import declared_parameters, read_notebook
+from graphborrow.run.sweep.space import notebook_points
+from graphborrow.studies.shipped import notebooks_dir
 
 
 def _failure(ran, timeout: float) -> str:

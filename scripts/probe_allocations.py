@@ -66,8 +66,8 @@ def rows_of(snapshot: dict) -> list[list]:
 
 
 def probe_eagle(bs, d, vocab, mode, top_k, top_p) -> dict:
-    from graphborrow.draft_tree import build_draft_tree
     from graphborrow.eagle import eagle_verify
+    from graphborrow.eagle.draft_tree import build_draft_tree
 
     topk, depth = TREES[d]
     g = torch.Generator().manual_seed(0)

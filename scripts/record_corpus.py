@@ -97,7 +97,7 @@ class Program:
         self.next_id = 0
         self.steps = 0
         if device == "sim":
-            from graphborrow.backend import get_backend
+            from graphborrow.device import get_backend
 
             self.backend = get_backend("sim", backed=False)
             self.cuda = None

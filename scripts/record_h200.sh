@@ -40,8 +40,8 @@ if want sweep; then
 fi
 if want gpu-tests; then
   run_step gpu-tests 140 "$py" -m pytest -q -m gpu -rA -p no:cacheprovider --continue-on-collection-errors \
-    tests/test_borrow_device.py tests/test_eagle_device.py tests/test_fused_verify_gpu.py \
-    tests/test_borrow_interrupts.py tests/test_sim_cuda_ops.py tests/test_capacity_study.py tests/test_capacity.py
+    tests/core/test_borrow_device.py tests/eagle/test_eagle_device.py tests/eagle/test_fused_verify_gpu.py \
+    tests/core/test_borrow_interrupts.py tests/sim/test_sim_cuda_ops.py tests/studies/test_capacity_study.py tests/planning/test_capacity.py
   cp "$out/logs/gpu-tests.log" "$out/data/gpu_tests_h200.txt"
 fi
 want capacity && run_step capacity 120 "$py" benchmarks/capacity_gpu.py --out "$out/data/capacity_h200.json" --budget-s 90

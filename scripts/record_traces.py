@@ -97,8 +97,8 @@ def graph_ladder(torch) -> None:
 
 
 def borrow_cycles(torch) -> None:
-    from graphborrow.arena import BumpArena
-    from graphborrow.runs import find_free_runs
+    from graphborrow.core.arena import BumpArena
+    from graphborrow.core.runs import find_free_runs
 
     with torch.inference_mode():
         pool, graphs, weights = _ladder(torch)
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             sys.path.insert(0, repo)
-            from graphborrow.sim.replay import replay_trace
+            from graphborrow.fidelity.replay import replay_trace
 
             report = replay_trace(os.path.join(args.outdir, f"{name}.pickle"))
             print(f"{name}: replay on the simulator -> {report}")

@@ -33,7 +33,7 @@ def load(path: str) -> dict:
 
 
 def replay_one(path: str) -> dict:
-    from graphborrow.sim import replay_trace
+    from graphborrow.fidelity.replay import replay_trace
 
     snapshot = load(path)
     meta = snapshot.get("corpus", {})

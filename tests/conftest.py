@@ -22,8 +22,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from graphborrow.backend import get_backend  # noqa: E402
-from graphborrow.borrow import BorrowState  # noqa: E402
+from graphborrow.core.borrow import BorrowState  # noqa: E402
+from graphborrow.device import get_backend  # noqa: E402
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]

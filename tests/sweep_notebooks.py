@@ -36,7 +36,7 @@ def tiny_notebook(path: Path, *, fail_at: int | None = 2, stall_at: int | None =
             "import matplotlib\nimport matplotlib.pyplot as plt\nBACKEND = matplotlib.get_backend()\n"
             "plt.plot([0, BATCH_SIZE])\nplt.show()"),
         nbformat.v4.new_code_cell(
-            "from graphborrow import results\n"
+            "from graphborrow.run import results\n"
             "results.save('tiny', {'bytes': BATCH_SIZE * DRAFT_TOKENS * 1024, 'backend': BACKEND},"
             " OUTPUT_DIR, device_work=BATCH_SIZE)"),
     ]

@@ -21,23 +21,23 @@ import pytest
 import graphborrow
 
 CORE_MODULES = [
-    "graphborrow.borrow",
-    "graphborrow.arena",
-    "graphborrow.runs",
-    "graphborrow.snapshot",
-    "graphborrow.backend",
-    "graphborrow.capacity",
+    "graphborrow.core.borrow",
+    "graphborrow.core.arena",
+    "graphborrow.core.runs",
+    "graphborrow.core.snapshot",
+    "graphborrow.device.cuda",
+    "graphborrow.planning.capacity",
     "graphborrow.eagle.verify",
-    "graphborrow.draft_tree",
-    "graphborrow.workload",
-    "graphborrow.sim.replay",
+    "graphborrow.eagle.draft_tree",
+    "graphborrow.workloads.ladder",
+    "graphborrow.fidelity.replay",
     "graphborrow.sim.device",
     # beyond the core: the rest of what the README and notebooks call
     "graphborrow.eagle.kernel",
     "graphborrow.eagle.renorm",
     "graphborrow.eagle.sequence",
-    "graphborrow.planner",
-    "graphborrow.sweep",
+    "graphborrow.planning.planner",
+    "graphborrow.run.sweep",
 ]
 
 SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Example|Examples|Note|Notes|Warning|See Also):\s*$")

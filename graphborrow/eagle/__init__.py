@@ -14,7 +14,7 @@ One concept per module:
   only when used: they need triton, and select its interpreter on a machine without CUDA).
 """
 
-from ..draft_tree import DraftTree, build_draft_tree, tree_from_parents
+from .draft_tree import DraftTree, build_draft_tree, tree_from_parents
 from .kernel import tree_speculative_sampling_target_only
 from .modes import MODES, VerifyResult
 from .renorm import top_k_renorm_probs, top_p_renorm_probs

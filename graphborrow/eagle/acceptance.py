@@ -15,9 +15,10 @@ batch of verifications emitted, so notebook 05 can compare the two.
 from __future__ import annotations
 
 import math
+
 import torch
 
-from ..draft_tree import DraftTree
+from .draft_tree import DraftTree
 
 __all__ = ["children_of", "chi_square", "emitted_tokens", "expected_emitted_tokens", "path_probabilities",
            "sample_copies", "tokens_after"]
@@ -141,7 +142,7 @@ def sample_copies(tree: DraftTree, row_logits: torch.Tensor, temperature: float,
         generator: the coins' random source.
         copies_per_batch: copies verified at once.
     """
-    from ..draft_tree import repeat_tree
+    from .draft_tree import repeat_tree
     from .modes import VerifyResult
     from .verify import eagle_verify
 

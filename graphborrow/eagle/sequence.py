@@ -2,13 +2,13 @@
 
 The reference step runs in phases (:mod:`.modes`): ``prepare``, then the mode's work on
 groups of requests, then the release of what ``prepare`` made. Each phase is recorded
-once per shape on the layout-only device (:mod:`graphborrow.planner`) and cached; a
+once per shape on the layout-only device (:mod:`graphborrow.planning.planner`) and cached; a
 mode's sequence is their concatenation, e.g. chunked with 128 requests in groups of 48:
 ``prepare(128) + body(48) * 2 + body(32) + release(128)``. That is exactly what
 :func:`~graphborrow.eagle.modes.run_reference` executes, phase for phase.
 
 The fused step (:mod:`.fused`) has one sequence whatever the mode: its coins and its
-workspace, recorded by running :func:`~graphborrow.eagle.fused.run_step` with
+workspace, recorded by running :func:`~graphborrow.eagle.triton.fused.run_step` with
 ``launch=False`` (the allocations without a kernel) on the same device
 (:func:`fused_sequence`).
 """
@@ -21,9 +21,10 @@ from typing import Optional
 
 import torch
 
-from .. import planner
-from ..sizes import SMALL_SIZE, round_size
-from ..draft_tree import DraftTree
+from graphborrow.core.sizes import SMALL_SIZE, round_size
+from graphborrow.planning import planner
+
+from .draft_tree import DraftTree
 from .modes import MODES, VerifyResult, lean_rows, standard_rows
 from .step import StepShape, VerifyStep, prepare
 
@@ -61,7 +62,7 @@ def verify_sequence(shape: StepShape, mode: str, per_chunk: Optional[int] = None
         per_chunk: chunked mode's requests per group (default: the whole batch).
 
     Returns:
-        The :class:`~graphborrow.planner.AllocationSequence` (phases recorded once per shape).
+        The :class:`~graphborrow.planning.planner.AllocationSequence` (phases recorded once per shape).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -86,7 +87,7 @@ def verify_bytes(batch_size: int, draft_tokens: int, vocab: int, mode: str, top_
     """Most bytes (allocator blocks) the step holds at once, from its recorded sequence.
 
     A size, not a verdict: whether a step fits depends on the pool's layout as much as on
-    this number (see :func:`graphborrow.capacity.plan_verify`). ``chunk_rows`` sizes
+    this number (see :func:`graphborrow.planning.capacity.plan_verify`). ``chunk_rows`` sizes
     chunked mode's groups (default: one request per group).
 
     Args:
@@ -156,8 +157,8 @@ def requests_per_chunk(state, shape: StepShape) -> ChunkPlan:
     When none fits, the returned plan (for one request per group) says why.
 
     Args:
-        state: a :class:`~graphborrow.borrow.BorrowState` or a
-            :class:`~graphborrow.planner.PoolImage`; only read.
+        state: a :class:`~graphborrow.core.borrow.BorrowState` or a
+            :class:`~graphborrow.planning.planner.PoolImage`; only read.
         shape: the step's :class:`~graphborrow.eagle.step.StepShape`.
 
     Returns:
@@ -281,7 +282,7 @@ def _lean_body(shape: StepShape) -> planner.AllocationSequence:
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def fused_sequence(shape: StepShape) -> planner.AllocationSequence:
-    """The fused step's allocation sequence: :func:`~graphborrow.eagle.fused.run_step` with
+    """The fused step's allocation sequence: :func:`~graphborrow.eagle.triton.fused.run_step` with
     ``launch=False``, recorded on the layout-only device (outputs made before, as
     ``eagle_verify`` makes them outside the borrow scope).
 
@@ -289,9 +290,11 @@ def fused_sequence(shape: StepShape) -> planner.AllocationSequence:
         shape: the step's :class:`~graphborrow.eagle.step.StepShape`.
 
     Returns:
-        The :class:`~graphborrow.planner.AllocationSequence` (cached per shape).
+        The :class:`~graphborrow.planning.planner.AllocationSequence` (cached per shape).
     """
-    from . import fused  # imports triton (selecting its interpreter without CUDA): only when planned
+    from .triton import (
+        fused,  # imports triton (selecting its interpreter without CUDA): only when planned
+    )
 
     if shape.batch_size == 0:
         return planner.AllocationSequence()

@@ -18,9 +18,16 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..draft_tree import DraftTree
+from .draft_tree import DraftTree
 from .kernel import TreeTables
-from .validate import LOGIT_DTYPES, check_candidates, check_logits_rows, check_thresholds, check_tree, expect
+from .validate import (
+    LOGIT_DTYPES,
+    check_candidates,
+    check_logits_rows,
+    check_thresholds,
+    check_tree,
+    expect,
+)
 
 __all__ = ["DeviceParams", "StepShape", "VerifyStep", "prepare"]
 

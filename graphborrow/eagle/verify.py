@@ -33,9 +33,10 @@ import traceback
 
 import torch
 
-from ..draft_tree import DraftTree
-from ..errors import BorrowCapacityError
-from ..sim.tensor import is_sim_tensor
+from graphborrow.core.errors import BorrowCapacityError
+from graphborrow.sim.tensor import is_sim_tensor
+
+from .draft_tree import DraftTree
 from .modes import MODES, VerifyResult, run_reference
 from .sequence import requests_per_chunk
 from .step import VerifyStep
@@ -44,7 +45,7 @@ __all__ = ["BORROW_USER", "IMPLS", "eagle_verify", "fused_available", "resolve_i
 
 IMPLS = ("auto", "reference", "fused")
 BORROW_USER = "EAGLE verify"
-FUSED_MODULE = "graphborrow.eagle.fused"
+FUSED_MODULE = "graphborrow.eagle.triton.fused"
 
 
 def eagle_verify(
@@ -70,7 +71,7 @@ def eagle_verify(
     Args:
         logits: [bs*D, V] float32 / float16 / bfloat16, one row per tree node.
         candidates: [bs, D] int64 draft tokens (None: ``tree.candidates``).
-        tree: a :class:`~graphborrow.draft_tree.DraftTree`.
+        tree: a :class:`~graphborrow.eagle.draft_tree.DraftTree`.
         temperatures: sampling temperature (> 0), a number or a per-request tensor [bs].
         top_ks: top-k (>= 1), a number or a per-request tensor [bs]; None skips that renorm.
         top_ps: top-p (in (0, 1]), a number or a per-request tensor [bs]; None skips that renorm.
@@ -193,9 +194,9 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
         if simulated:
             raise ValueError("impl='fused' launches Triton kernels, which the simulated device cannot run; use "
                              "impl='reference' (or 'auto') there, and plan the fused step with "
-                             "graphborrow.capacity.plan_verify(..., impl='fused')")
+                             "graphborrow.planning.capacity.plan_verify(..., impl='fused')")
         if not fused_available():
-            raise ValueError("impl='fused' needs the Triton verification kernels (graphborrow.eagle.fused), and "
+            raise ValueError("impl='fused' needs the Triton verification kernels (graphborrow.eagle.triton.fused), and "
                              "triton is not installed; pip install 'graphborrow[kernels]', or use impl='reference'")
         return impl
     on_gpu = logits.is_cuda and not simulated and torch.cuda.is_available()

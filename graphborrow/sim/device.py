@@ -1,4 +1,4 @@
-"""The simulated CUDA device: ``SimBackend`` implements :class:`graphborrow.device_api.DeviceAPI`.
+"""The simulated CUDA device: ``SimBackend`` implements :class:`graphborrow.core.device_api.DeviceAPI`.
 
 One SimBackend is one device: physical memory, streams with clocks, a caching
 allocator that behaves like PyTorch's, tensors that are views of its bytes and CUDA
@@ -16,15 +16,22 @@ from typing import Any, Iterator
 
 import torch
 
-from ..device_api import ExternalBuffer
-from ..interrupts import CRITICAL, CRITICAL_ENTRY
+from graphborrow.allocator.caching import CachingAllocator
+from graphborrow.allocator.memory import PhysicalMemory
+from graphborrow.allocator.streams import Clockwork, Event, Stream
+from graphborrow.core.device_api import ExternalBuffer
+from graphborrow.core.interrupts import CRITICAL, CRITICAL_ENTRY
+
 from . import graphs
-from .allocator import CachingAllocator
 from .attention import AttentionModel
 from .cuda_ops import KernelModel
-from .memory import PhysicalMemory
-from .streams import Clockwork, Event, Stream
-from .tensor import SimCaptureError, SimFunctionMode, SimStorage, SimTensor, is_sim_tensor
+from .tensor import (
+    SimCaptureError,
+    SimFunctionMode,
+    SimStorage,
+    SimTensor,
+    is_sim_tensor,
+)
 
 __all__ = ["GiB", "MemPool", "SimBackend", "SimEvent"]
 
@@ -79,7 +86,7 @@ class MemPool:
         if allocator is not None and not (hasattr(allocator, "raw_alloc") and hasattr(allocator, "raw_delete")):
             raise TypeError(
                 "MemPool allocator must have raw_alloc(nbytes, stream) and raw_delete(address, nbytes, "
-                f"stream), as graphborrow.arena.BumpArena has; got {type(allocator).__name__}"
+                f"stream), as graphborrow.core.arena.BumpArena has; got {type(allocator).__name__}"
             )
         self._backend = backend
         self.allocator = allocator
@@ -146,7 +153,7 @@ class _StreamContext:
 
 
 class SimBackend:
-    """A simulated CUDA device implementing :class:`~graphborrow.device_api.DeviceAPI`.
+    """A simulated CUDA device implementing :class:`~graphborrow.core.device_api.DeviceAPI`.
 
     ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM).
     ``backed``: real bytes behind every segment; ``False`` is layout-only (META tensors:
@@ -284,7 +291,7 @@ class SimBackend:
         """The calling thread's current stream; a borrow pool is pinned to the one it was built on.
 
         Returns:
-            A simulated :class:`~graphborrow.sim.streams.Stream` (the default stream, id 0,
+            A simulated :class:`~graphborrow.allocator.streams.Stream` (the default stream, id 0,
             unless a :meth:`stream` block chose another).
         """
         return getattr(self._tls, "stream", None) or self.clock.default_stream
@@ -304,7 +311,7 @@ class SimBackend:
             priority: recorded for torch's signature; the simulated streams do not schedule by it.
 
         Returns:
-            A simulated :class:`~graphborrow.sim.streams.Stream` with the next free id.
+            A simulated :class:`~graphborrow.allocator.streams.Stream` with the next free id.
         """
         return self.clock.new_stream(priority=priority)
 
@@ -366,7 +373,7 @@ class SimBackend:
 
         Returns:
             The handle, as ``torch.cuda.graph_pool_handle``; pass it as ``pool=`` and as
-            :class:`~graphborrow.borrow.BorrowState`'s ``pool_id``.
+            :class:`~graphborrow.core.borrow.BorrowState`'s ``pool_id``.
         """
         return self.new_pool_id(graph=False)
 
@@ -396,7 +403,7 @@ class SimBackend:
 
         Args:
             allocator: an object with ``raw_alloc`` / ``raw_delete`` whose memory the pool's
-                segments use (a :class:`~graphborrow.arena.BumpArena`); None for device memory.
+                segments use (a :class:`~graphborrow.core.arena.BumpArena`); None for device memory.
             use_on_oom: let other allocations use this pool's cached memory when the device
                 is out of memory.
             no_split: never split the pool's blocks.
@@ -410,7 +417,7 @@ class SimBackend:
         """A MemPool whose segments come from ``arena`` (host calls into the C bump arena).
 
         Args:
-            arena: the :class:`~graphborrow.arena.BumpArena` whose extents the pool's
+            arena: the :class:`~graphborrow.core.arena.BumpArena` whose extents the pool's
                 segments are carved from.
 
         Returns:
@@ -628,7 +635,7 @@ class SimBackend:
             nbytes: bytes wanted (positive).
 
         Returns:
-            An :class:`~graphborrow.device_api.ExternalBuffer`; call its ``free()`` when no
+            An :class:`~graphborrow.core.device_api.ExternalBuffer`; call its ``free()`` when no
             static run uses it any more.
 
         Raises:
@@ -674,7 +681,7 @@ class SimBackend:
         """Serialise allocator calls; frees arriving meanwhile (GC, other threads) wait.
 
         Each call is a critical section: an interrupt cannot stop the allocator halfway
-        through a split, a merge or a free-list update (see :mod:`graphborrow.interrupts`).
+        through a split, a merge or a free-list update (see :mod:`graphborrow.core.interrupts`).
         The simulator's tensors, graphs and kernels wrap every allocator call in it.
 
         Returns:

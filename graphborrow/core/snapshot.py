@@ -1,0 +1,297 @@
+"""One validated reader for allocator snapshots in torch's format, whatever their source.
+
+A snapshot comes as a path to a pickle (``torch.cuda.memory._dump_snapshot``, or
+:func:`graphborrow.sim.export.dump_snapshot`; gzipped when the name ends in ``.gz``), as the dict of
+``torch.cuda.memory._snapshot()``, or as the segment list of
+``torch.cuda.memory_snapshot()``. :func:`load_snapshot` accepts all three, checks
+every segment and block, and returns ``{"segments": [...], ...}`` with the input's
+other keys kept. Anything that would make later arithmetic silently wrong is refused
+with a :class:`~graphborrow.core.errors.SnapshotFormatError` that names the segment and
+block and says what is wrong:
+
+* a value of the wrong type (a size that is a string, a float, a bool, None);
+* a block of zero or negative size, or with an unknown state;
+* blocks that leave a gap, overlap, or do not start at the segment's address;
+* block sizes that do not add up to ``total_size`` (or to ``allocated_size`` /
+  ``active_size`` where those are given);
+* segments that overlap without one lying wholly inside a free block of the other.
+
+Nested segments are real: a MemPool whose pluggable allocator carves memory out of a
+graph pool's free blocks (a borrow pool) shows up, in a snapshot of every pool, as
+segments inside the graph pool's ``inactive`` blocks. They are kept, and
+:func:`nested_in` tells which segment hosts which, so free-run discovery can leave
+them out.
+
+Pickles can run code when loaded: read only snapshot files you trust.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import SnapshotFormatError
+
+__all__ = ["load_snapshot", "check_segments", "nested_in", "BLOCK_STATES", "FREE_STATE"]
+
+FREE_STATE = "inactive"
+# torch's C++ emits active_pending_free; the _snapshot docstring says active_awaiting_free
+BLOCK_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", FREE_STATE)
+_HOW_TO_TAKE = (
+    "take it with torch.cuda.memory_snapshot() (a list of segments), "
+    "torch.cuda.memory._snapshot() (a dict) or torch.cuda.memory._dump_snapshot(path)"
+)
+
+
+def load_snapshot(source: Any, *, need_traces: bool = False, block_addresses: bool = True) -> dict:
+    """Read and check a snapshot from a path, a ``_snapshot()`` dict or a segment list.
+
+    Args:
+        source: a ``str`` / ``os.PathLike`` naming a pickle, a dict with ``"segments"``
+            (and maybe ``"device_traces"``), or a list of segment dicts.
+        need_traces: also require ``"device_traces"`` (a list per device of trace
+            entries), as recorded after ``torch.cuda.memory._record_memory_history()``.
+        block_addresses: require every block's ``"address"`` (torch writes it; free-run
+            discovery reads it). With ``False`` a block without one is taken to start where
+            the one before it ends, as in hand-built traces the replay reads.
+
+    Returns:
+        A new dict: ``"segments"`` is the checked segment list (the segment dicts
+        themselves are not copied); the source dict's other keys are kept.
+
+    Raises:
+        SnapshotFormatError: naming the segment / block / trace entry and the problem.
+        FileNotFoundError: the path does not exist.
+    """
+    origin = "snapshot"
+    if isinstance(source, (str, os.PathLike)):
+        origin = os.fspath(source)
+        source = _read_pickle(Path(source))
+    if isinstance(source, Mapping):
+        if "segments" not in source:
+            raise SnapshotFormatError(
+                f"{origin} is a dict with no 'segments' key (keys: {sorted(map(str, source))[:8]}); "
+                f"it is not a memory snapshot: {_HOW_TO_TAKE}"
+            )
+        result = dict(source)
+    elif isinstance(source, (list, tuple)):
+        result = {"segments": source}
+    else:
+        raise SnapshotFormatError(
+            f"{origin} is a {type(source).__name__}; expected a list of segment dicts or a dict "
+            f"with 'segments': {_HOW_TO_TAKE}"
+        )
+    result["segments"] = check_segments(result["segments"], block_addresses=block_addresses)
+    if need_traces or "device_traces" in result:
+        _check_traces(result, required=need_traces)
+    return result
+
+
+def _read_pickle(path: Path) -> Any:
+    opener = gzip.open if path.suffix == ".gz" else open  # the trace corpus is stored compressed
+    try:
+        with opener(path, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise SnapshotFormatError(f"{path} is a directory; pass the snapshot pickle inside it") from None
+    except Exception as exc:  # truncated or foreign file: unpickling raises many kinds
+        raise SnapshotFormatError(
+            f"{path} is not a readable snapshot pickle ({type(exc).__name__}: {exc}); "
+            "write it with torch.cuda.memory._dump_snapshot or graphborrow.sim.export.dump_snapshot"
+        ) from exc
+
+
+def _integer(value: Any, where: str, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SnapshotFormatError(
+            f"{where}: {key!r} is {value!r} ({type(value).__name__}); it must be an integer"
+        )
+    return value
+
+
+def check_segments(segments: Any, *, block_addresses: bool = True) -> list:
+    """Check a segment list (see the module docstring); return it as a list.
+
+    Args:
+        segments: a list (or tuple) of segment dicts in torch's snapshot format.
+        block_addresses: require every block's ``"address"``; with False a block without
+            one starts where the one before it ends (see :func:`load_snapshot`).
+
+    Returns:
+        The same segment dicts in a new list (the dicts are not copied).
+
+    Raises:
+        SnapshotFormatError: naming the first segment or block that is wrong.
+    """
+    if isinstance(segments, Mapping) or not isinstance(segments, (list, tuple)):
+        raise SnapshotFormatError(
+            f"'segments' is a {type(segments).__name__}; expected a list of segment dicts"
+        )
+    segments = list(segments)
+    for i, segment in enumerate(segments):
+        _check_segment(i, segment, block_addresses)
+    nested_in(segments)  # refuses partial overlaps and segments nested in live blocks
+    return segments
+
+
+def _check_segment(i: int, segment: Any, block_addresses: bool = True) -> None:
+    where = f"segment {i}"
+    if not isinstance(segment, Mapping):
+        raise SnapshotFormatError(f"{where} is a {type(segment).__name__}, not a dict")
+    for key in ("address", "total_size", "blocks"):
+        if key not in segment:
+            hint = (
+                "; take the snapshot with torch.cuda.memory_snapshot(), which lists blocks per segment"
+                if key == "blocks" else ""
+            )
+            raise SnapshotFormatError(f"{where} has no {key!r}{hint}")
+    address = _integer(segment["address"], where, "address")
+    if address <= 0:
+        raise SnapshotFormatError(f"{where}: address {address} is not a positive device address")
+    where = f"segment {i} (address {address:#x})"
+    total = _integer(segment["total_size"], where, "total_size")
+    if total <= 0:
+        raise SnapshotFormatError(f"{where}: total_size {total} is not positive")
+    blocks = segment["blocks"]
+    if not isinstance(blocks, (list, tuple)) or not blocks:
+        raise SnapshotFormatError(f"{where}: 'blocks' must be a non-empty list, got {blocks!r:.60}")
+    at = address
+    allocated = active = 0
+    for j, block in enumerate(blocks):
+        here = f"{where} block {j}"
+        if not isinstance(block, Mapping):
+            raise SnapshotFormatError(f"{here} is a {type(block).__name__}, not a dict")
+        needed = ("address", "size", "state") if block_addresses else ("size", "state")
+        missing = [k for k in needed if k not in block]
+        if missing:
+            raise SnapshotFormatError(
+                f"{here} lacks {', '.join(repr(k) for k in missing)}; "
+                f"every block needs {', '.join(repr(k) for k in needed)}"
+            )
+        start = _integer(block["address"], here, "address") if "address" in block else at
+        size = _integer(block["size"], here, "size")
+        state = block["state"]
+        if size <= 0:
+            raise SnapshotFormatError(f"{here} has size {size}; block sizes are positive")
+        if state not in BLOCK_STATES:
+            raise SnapshotFormatError(f"{here} has state {state!r}; known states: {', '.join(BLOCK_STATES)}")
+        if start != at:
+            if j == 0:
+                problem = f"starts at {start:#x}, not at its segment's address"
+            elif start > at:
+                problem = f"starts {start - at} bytes after block {j - 1} ends: a gap no block covers"
+            else:
+                problem = f"starts {at - start} bytes inside block {j - 1}: blocks overlap"
+            raise SnapshotFormatError(f"{here} (address {start:#x}) {problem}")
+        at = start + size
+        if state == "active_allocated":
+            allocated += size
+        if state != FREE_STATE:
+            active += size
+    if at - address != total:
+        raise SnapshotFormatError(
+            f"{where}: its blocks cover {at - address} bytes but total_size is {total}"
+        )
+    for key, value in (("allocated_size", allocated), ("active_size", active)):
+        if key in segment and _integer(segment[key], where, key) != value:
+            raise SnapshotFormatError(
+                f"{where}: {key} is {segment[key]} but its blocks add up to {value}"
+            )
+
+
+def nested_in(segments: list) -> dict[int, int]:
+    """``{inner index: host index}`` for segments lying inside another's free block.
+
+    Expects checked segments. Raises SnapshotFormatError for two segments that overlap
+    otherwise: partly, or with the inner one over a block that is not free.
+
+    Args:
+        segments: checked segment dicts (see :func:`check_segments`).
+
+    Returns:
+        For each nested segment's index, the index of the segment whose free block holds
+        it; empty when no segment is nested. Free-run discovery cuts these out of the
+        host's runs so no byte counts twice.
+
+    Raises:
+        SnapshotFormatError: two segments overlap without one nesting in a free block.
+    """
+    def wholly_free(k: int) -> bool:
+        blocks = segments[k]["blocks"]
+        return len(blocks) == 1 and blocks[0]["state"] == FREE_STATE
+
+    # by address, larger first; of two equal ranges, the wholly free one is the host
+    order = sorted(
+        range(len(segments)),
+        key=lambda k: (segments[k]["address"], -segments[k]["total_size"], not wholly_free(k)),
+    )
+    hosts: dict[int, int] = {}
+    open_: list[int] = []  # segments containing the current address, outermost first
+    for k in order:
+        start = segments[k]["address"]
+        end = start + segments[k]["total_size"]
+        while open_ and segments[open_[-1]]["address"] + segments[open_[-1]]["total_size"] <= start:
+            open_.pop()
+        if open_:
+            host = open_[-1]
+            h = segments[host]
+            if end > h["address"] + h["total_size"]:
+                raise SnapshotFormatError(
+                    f"segment {k} [{start:#x}, {end:#x}) and segment {host} "
+                    f"[{h['address']:#x}, {h['address'] + h['total_size']:#x}) overlap partly; "
+                    "segments are disjoint, or one lies inside a free block of the other"
+                )
+            block, at = _block_at(h, start)
+            if block["state"] != FREE_STATE or end > at + block["size"]:
+                raise SnapshotFormatError(
+                    f"segment {k} [{start:#x}, {end:#x}) lies inside segment {host} but not inside "
+                    f"one of its free blocks (block at {at:#x} is {block['state']}, "
+                    f"{block['size']} bytes); memory cannot belong to two live blocks"
+                )
+            hosts[k] = host
+        open_.append(k)
+    return hosts
+
+
+def _block_at(segment: Mapping, address: int) -> tuple[Mapping, int]:
+    """The block of a checked segment that holds ``address``, and the block's start."""
+    at = segment["address"]
+    for block in segment["blocks"]:
+        if at <= address < at + block["size"]:
+            return block, at
+        at += block["size"]
+    raise AssertionError("address outside a checked segment")
+
+
+_TRACE_NEEDS = {"oom": ("device_free", "size"), "annotate": ()}
+
+
+def _check_traces(snapshot: dict, required: bool) -> None:
+    traces = snapshot.get("device_traces")
+    if traces is None:
+        raise SnapshotFormatError(
+            "the snapshot has no 'device_traces'; call torch.cuda.memory._record_memory_history() "
+            "before the work, then take torch.cuda.memory._snapshot() (segments alone hold no history)"
+        )
+    if not isinstance(traces, (list, tuple)) or not all(isinstance(t, (list, tuple)) for t in traces):
+        raise SnapshotFormatError("'device_traces' must be a list (one per device) of lists of trace entries")
+    if required and not any(traces):
+        raise SnapshotFormatError(
+            "'device_traces' is empty: no history was recorded; call "
+            "torch.cuda.memory._record_memory_history() before the work you want traced"
+        )
+    for d, entries in enumerate(traces):
+        for e, entry in enumerate(entries):
+            where = f"device_traces[{d}][{e}]"
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("action"), str):
+                raise SnapshotFormatError(f"{where} is not a trace entry (a dict with an 'action' string)")
+            for key in _TRACE_NEEDS.get(entry["action"], ("addr", "size", "stream")):
+                if key not in entry:
+                    raise SnapshotFormatError(f"{where} ({entry['action']}) lacks {key!r}")
+                _integer(entry[key], f"{where} ({entry['action']})", key)

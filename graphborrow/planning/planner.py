@@ -1,0 +1,470 @@
+"""Step planning: would a step fit the borrow pool as it is now? The allocator model answers.
+
+A step's *allocation sequence* (sizes, order, frees, streams) is recorded by running the
+step on a layout-only simulated device: shapes and allocator decisions, no values, so
+even Llama-3-8B shapes record in milliseconds. The sequence is then replayed against a
+copy of the borrow pool, a :class:`PoolImage`: the cached segments and blocks of a built
+pool, the arena's room left (extents less cursors) and fit policy, and the precarve a
+fresh build would make. The replay runs the simulated caching allocator with the real
+bump arena as the pool's pluggable allocator, so rounding, the small/large pools, the
+20 MiB segments of 1-10 MiB tensors, best fit, splitting and merging, and best- or
+first-fit extent choice all apply exactly as they will when the step runs.
+
+    sequence = record(lambda x: torch.log_softmax(x, -1), inputs=[((64, 128256), torch.float32)])
+    result = plan(state, sequence)      # or plan(state, fn, inputs=...)
+    result.fits, result.peak_bytes, result.reason
+
+Failure reasons name the allocator's size classes (:func:`graphborrow.core.sizes.size_class`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import threading
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import torch
+
+from graphborrow.core.arena import BumpArena
+from graphborrow.core.sizes import MB, MIN_LARGE_ALLOC, SMALL_BUFFER, SMALL_SIZE, SizeClass, round_size, short_size, size_class
+
+__all__ = [
+    "ALLOC",
+    "FREE",
+    "AllocationSequence",
+    "FailedAllocation",
+    "PoolImage",
+    "Recording",
+    "Replay",
+    "plan",
+    "record",
+    "recording",
+    "replay",
+]
+
+ALLOC, FREE = "alloc", "free"
+LAYOUT_CAPACITY = 1 << 50  # the recording device never runs out
+MAX_TRACE = 10_000_000
+
+
+# ----------------------------------------------------------------------------- sequences
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationSequence:
+    """A step's allocator requests in order.
+
+    ``events`` are ``(ALLOC, id, nbytes, stream)`` and ``(FREE, id, 0, stream)``. Ids are
+    unique across every recording of the process, so sequences recorded apart compose by
+    concatenation (``prefix + body * 3 + release``) as long as each repeated part frees
+    what it allocates.
+    """
+
+    events: tuple = ()
+
+    def __add__(self, other: "AllocationSequence") -> "AllocationSequence":
+        return AllocationSequence(self.events + other.events)
+
+    def __mul__(self, times: int) -> "AllocationSequence":
+        return AllocationSequence(self.events * times)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    @property
+    def allocations(self) -> int:
+        return sum(1 for e in self.events if e[0] == ALLOC)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most allocator-rounded bytes the step holds at once (its own allocations only)."""
+        live, held, peak = {}, 0, 0
+        for kind, ident, nbytes, _ in self.events:
+            if kind == ALLOC:
+                live[ident] = round_size(nbytes)
+                held += live[ident]
+                peak = max(peak, held)
+            elif ident in live:
+                held -= live.pop(ident)
+        return peak
+
+
+_IDS = itertools.count()
+_RECORD_LOCK = threading.RLock()
+_DEVICE = None
+
+
+def _layout_device():
+    """The process's layout-only simulated device for recordings (created on first use)."""
+    global _DEVICE
+    if _DEVICE is None:
+        from graphborrow.sim import SimBackend
+
+        _DEVICE = SimBackend(capacity=LAYOUT_CAPACITY, backed=False, activate=False, blas_workspace=0)
+    return _DEVICE
+
+
+class Recording:
+    """Phases recorded on the layout-only device; a free in one phase of a block allocated
+    in an earlier one keeps that allocation's id."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self._ids: dict[int, int] = {}  # live block address -> allocation id
+
+    @contextlib.contextmanager
+    def phase(self) -> Iterator[list]:
+        """Record everything allocated and freed in the block; the yielded list gets the events.
+
+        Yields:
+            A list, filled when the block ends with ``(ALLOC, id, nbytes, stream)`` and
+            ``(FREE, id, 0, stream)`` tuples in the order the allocator saw them.
+
+        Raises:
+            RuntimeError: the phase overflowed the trace buffer (record smaller phases).
+        """
+        events: list = []
+        self.device.record_memory_history(True, max_entries=MAX_TRACE)
+        try:
+            yield events
+        finally:
+            trace = self.device.full_snapshot()["device_traces"][0]
+            self.device.record_memory_history(False)
+        if len(trace) >= MAX_TRACE:
+            raise RuntimeError(f"a recorded phase exceeded {MAX_TRACE} allocator events; record smaller phases")
+        events.extend(self._events(trace))
+
+    def _events(self, trace: list[dict]) -> Iterator[tuple]:
+        for entry in trace:
+            action = entry["action"]
+            if action == "alloc":
+                ident = next(_IDS)
+                self._ids[entry["addr"]] = ident
+                yield (ALLOC, ident, entry["size"], entry["stream"])
+            elif action == "free_completed":
+                ident = self._ids.pop(entry["addr"], None)
+                if ident is not None:  # blocks from before the recording are not the step's
+                    yield (FREE, ident, 0, entry["stream"])
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """The layout-only device, active on this thread under inference mode, for recordings.
+
+    Tensors created with ``device="cuda"`` inside land on it (shapes only). One recording
+    at a time per process; the device's cache is emptied afterwards.
+
+    Yields:
+        A :class:`Recording`; record with its ``phase()``.
+    """
+    with _RECORD_LOCK:
+        device = _layout_device()
+        try:
+            with device.activated(), torch.inference_mode():
+                yield Recording(device)
+        finally:
+            device.empty_cache()
+
+
+def record(step: Callable[..., Any], inputs: Sequence[tuple] = ()) -> AllocationSequence:
+    """The allocation sequence of ``step(*tensors)`` on the layout-only device.
+
+    Args:
+        step: a function of the input tensors; everything it allocates and frees is recorded
+            (what it returns is released after the recording: as a borrowed step's result
+            would have to be).
+        inputs: ``(shape, dtype)`` of each input, created before the recording starts.
+
+    Returns:
+        The :class:`AllocationSequence`.
+    """
+    with recording() as rec:
+        tensors = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in inputs]
+        with rec.phase() as events:
+            result = step(*tensors)
+        del result, tensors
+    return AllocationSequence(tuple(events))
+
+
+# ----------------------------------------------------------------------------- the pool
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolImage:
+    """The borrow pool a step would borrow from now, as data the allocator model rebuilds.
+
+    ``extents``: what the arena can still carve, ``(base, nbytes)`` in arena order;
+    ``seeds``: the precarve a fresh build allocates (and frees) first; ``segments``: the
+    cached segments of a built pool, in torch's snapshot format; ``runs``: the free runs
+    behind it (for reasons); ``disabled``: why the state lends nothing, if it does not.
+    """
+
+    extents: tuple = ()
+    best_fit: bool = True
+    align: int = 512
+    seeds: tuple = ()
+    segments: tuple = ()
+    runs: tuple = ()
+    stream: int = 0
+    config: Any = None
+    disabled: Optional[str] = None
+
+    @classmethod
+    def from_runs(cls, runs: Iterable[Sequence[int]], best_fit: bool = True, seeds: Iterable[int] = (),
+                  align: int = 512) -> "PoolImage":
+        """A fresh borrow pool over ``(address, nbytes)`` runs (largest first, as borrow states keep them).
+
+        Args:
+            runs: ``(address, nbytes)`` pairs, the arena's extents in that order.
+            best_fit: the arena's fit policy (False: first fit).
+            seeds: precarve segment sizes the fresh pool allocates and frees first.
+            align: the arena's alignment in bytes.
+
+        Returns:
+            A :class:`PoolImage` of a pool not yet built, for "what if" questions without a device.
+        """
+        runs = tuple((int(a), int(n)) for a, n in runs)
+        return cls(extents=runs, best_fit=bool(best_fit), align=align, seeds=tuple(seeds), runs=runs)
+
+    @classmethod
+    def of(cls, state) -> "PoolImage":
+        """The pool ``state``'s next borrow would use: the built one, or the one it would build.
+
+        A built pool is read after the one allocator call the borrow makes first (a 4-byte
+        allocation outside any pool, ``backend.touch()``), which completes the frees whose
+        events are done; while the state is held (inside a borrow) nothing is allocated.
+
+        Args:
+            state: a :class:`~graphborrow.core.borrow.BorrowState`.
+
+        Returns:
+            A :class:`PoolImage`: the built pool's cached segments and the arena's room, a
+            fresh build over the current runs, or a disabled image saying why nothing is lent.
+        """
+        if not state.enabled:
+            why = state.disabled_reason or ("no static runs" if state.static_runs is not None else "no graph pool")
+            return cls(disabled=why)
+        config = _allocator_config(state.backend)
+        if state.mem_pool is not None and state.holder is None:
+            # what the next borrow does first: frees waiting on completed events finish, and so do
+            # those deferred while a borrow routed (torch drops the stream uses recorded then)
+            state.backend.touch()
+        arena = state.arena
+        runs = tuple(state.free_runs())
+        if state.mem_pool is None or arena is None or arena.freed_bytes:  # the next borrow builds afresh
+            # (a fresh build's arena has the default alignment, the image's default)
+            return cls(extents=runs, best_fit=state.best_fit, seeds=tuple(state.precarve_sizes(runs)), runs=runs,
+                       config=config)
+        rooms = tuple((base + cursor, n - cursor)
+                      for (base, n), cursor in zip(arena.extents, arena.extent_cursors()) if n > cursor)
+        segments = tuple(state.backend.memory_snapshot(state.backend.pool_id(state.mem_pool)))
+        stream = segments[0]["stream"] if segments else 0
+        return cls(extents=rooms, best_fit=arena.best_fit, align=arena.align, segments=segments, runs=runs,
+                   stream=stream, config=config)
+
+    @property
+    def largest_run(self) -> int:
+        return max((n for _, n in self.runs), default=0)
+
+    @property
+    def largest_room(self) -> int:
+        return max((n for _, n in self.extents), default=0)
+
+
+def _allocator_config(backend):
+    """The device allocator's settings, so the model rounds and splits the same way."""
+    from graphborrow.sim import SimBackend
+
+    if isinstance(backend, SimBackend):
+        return backend.allocator.config
+    return _cuda_allocator_config()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_allocator_config():
+    """The CUDA allocator's settings as its snapshot records them (read once per process)."""
+    import os
+
+    from graphborrow.allocator.config import AllocatorConfig
+
+    settings = torch.cuda.memory._snapshot().get("allocator_settings")
+    if settings:
+        return AllocatorConfig.from_settings(settings)
+    return AllocatorConfig(os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None)
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedAllocation:
+    """The request the pool could not serve, and what the pool had left at that moment."""
+
+    index: int             # its place among the step's allocations (0-based; -1: building the pool)
+    size: SizeClass
+    held_bytes: int        # the step's own blocks alive at that moment
+    largest_cached: int    # largest free cached block of its pool kind
+    largest_room: int      # most bytes any extent could still carve
+    largest_run: int
+    label: str             # what the tensor is, when the caller could tell
+
+    def reason(self) -> str:
+        """Why the request did not fit, in words.
+
+        Returns:
+            Which allocation, which tensor and size class, and the room the pool had left.
+        """
+        s = self.size
+        what = f"{self.label} ({short_size(s.nbytes)})" if self.label else f"a {short_size(s.nbytes)} tensor"
+        where = ("building the borrow pool (its precarve)" if self.index < 0
+                 else f"the step's allocation #{self.index + 1}")
+        need = (f"a new {short_size(s.segment_bytes)} segment" if s.name != "small"
+                else f"a new {short_size(SMALL_BUFFER)} small-pool segment")
+        cached = f"the largest cached free block is {short_size(self.largest_cached)}" if self.largest_cached \
+            else "no cached free block is large enough"
+        return (
+            f"{where}, {what}, does not fit. It is {s.describe()}; {cached}, and {need} does not fit "
+            f"the room the free runs have left (largest {short_size(self.largest_room)}; largest run "
+            f"{short_size(self.largest_run)}, the step already holds {short_size(self.held_bytes)})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """The outcome of replaying a sequence against a :class:`PoolImage`."""
+
+    fits: bool
+    peak_bytes: int                     # most bytes (allocator blocks) the step held at once
+    carved_bytes: int                   # arena bytes carved into new segments (precarve included)
+    allocations: int
+    failed: Optional[FailedAllocation]
+    disabled: Optional[str] = None
+
+    @property
+    def reason(self) -> str:
+        if self.fits:
+            return ""
+        if self.disabled is not None:
+            return f"borrowing is disabled: {self.disabled}"
+        return self.failed.reason()
+
+
+_REPLAY_LOCK = threading.Lock()
+_REPLAY_ARENA: Optional[BumpArena] = None
+
+
+def replay(sequence: AllocationSequence, image: PoolImage,
+           describe: Optional[Callable[[int], str]] = None) -> Replay:
+    """Run ``sequence`` against a copy of the pool ``image`` in the allocator model.
+
+    Args:
+        sequence: the step's requests (see :func:`record`).
+        image: the pool (see :meth:`PoolImage.of`).
+        describe: names a request of n bytes for the reason (e.g. "a [64, 128256] float32 matrix").
+
+    Returns:
+        A :class:`Replay`: fits, peak and carved bytes, and the failed request if any.
+    """
+    if image.disabled is not None:
+        return Replay(False, 0, 0, 0, None, disabled=image.disabled)
+    from graphborrow.allocator.caching import CachingAllocator
+    from graphborrow.allocator.memory import PhysicalMemory
+    from graphborrow.allocator.streams import Clockwork
+
+    global _REPLAY_ARENA
+    with _REPLAY_LOCK:
+        if _REPLAY_ARENA is None:
+            _REPLAY_ARENA = BumpArena()
+        arena = _REPLAY_ARENA
+        arena.set_extents([])
+        arena.align = image.align
+        arena.best_fit = image.best_fit
+        arena.set_extents(image.extents)
+        allocator = CachingAllocator(PhysicalMemory(capacity=SMALL_BUFFER, backed=False), Clockwork(), image.config)
+        stream = image.stream
+        if image.segments:
+            pool_id = _restore(allocator, image, arena)
+        else:
+            pool_id = allocator.new_pool_id("handle")
+            allocator.create_or_incref_pool(pool_id, arena)
+        allocator.begin_allocate_to_pool(pool_id, lambda _stream, _thread: True)
+
+        def failure(index: int, nbytes: int, held: int) -> FailedAllocation:
+            kind = "small" if round_size(nbytes) <= SMALL_SIZE else "large"
+            cached = max((b["size"] for s in allocator.snapshot(pool_id) if s["segment_type"] == kind
+                          for b in s["blocks"] if b["state"] == "inactive"), default=0)
+            rooms = [n - c for (_, n), c in zip(arena.extents, arena.extent_cursors())]
+            return FailedAllocation(index, size_class(nbytes), held, cached, max(rooms, default=0),
+                                    image.largest_run, describe(nbytes) if describe else "")
+
+        try:
+            seeds = [allocator.malloc(s, stream) for s in image.seeds]
+        except torch.OutOfMemoryError:
+            return Replay(False, 0, arena.cursor_bytes, 0, failure(-1, max(image.seeds), 0))
+        for block in seeds:
+            allocator.free(block)
+        del seeds
+        streams = {}
+        live: dict[int, Any] = {}
+        held = peak = index = 0
+        for kind, ident, nbytes, recorded_stream in sequence.events:
+            on = streams.setdefault(recorded_stream, stream if not streams else stream + 1000 + len(streams))
+            if kind == ALLOC:
+                try:
+                    block = allocator.malloc(nbytes, on)
+                except torch.OutOfMemoryError:
+                    return Replay(False, peak, arena.cursor_bytes, index, failure(index, nbytes, held))
+                live[ident] = block
+                held += block.size
+                peak = max(peak, held)
+                index += 1
+            else:
+                block = live.pop(ident, None)
+                if block is None:
+                    raise ValueError(
+                        f"the sequence frees id {ident}, which it has not allocated (or has freed already); "
+                        "a composed sequence must free only what its own parts allocate")
+                held -= block.size
+                allocator.free(block)
+        return Replay(True, peak, arena.cursor_bytes, index, None)
+
+
+def _restore(allocator, image: PoolImage, arena: BumpArena) -> tuple[int, int]:
+    """Rebuild a built borrow pool's cached segments in ``allocator``; new segments come from ``arena``."""
+    pool_id = tuple(image.segments[0]["segment_pool_id"])
+    # frees still waiting on another stream's work stay pending for the whole step: a borrow
+    # routes to its pool, and the allocator processes no events while a pool routes
+    allocator.restore(list(image.segments), allocators={pool_id: arena}, pending=_never(allocator))
+    return pool_id
+
+
+def _never(allocator):
+    """An event on a stream whose work never ends, for blocks whose frees are still pending."""
+    from graphborrow.allocator.streams import Event
+
+    stream = allocator.clockwork.new_stream()
+    stream.enqueue(float("inf"))
+    event = Event()
+    event.record(stream)
+    return event
+
+
+def plan(state, step, inputs: Sequence[tuple] = (), describe: Optional[Callable[[int], str]] = None) -> Replay:
+    """Would ``step``, run inside ``state.borrow()`` right now, fit the borrowed runs?
+
+    Args:
+        state: a :class:`~graphborrow.core.borrow.BorrowState` (or a :class:`PoolImage`).
+        step: an :class:`AllocationSequence`, or a function recorded by :func:`record`
+            (with ``inputs``): everything it allocates counts as borrowed.
+        inputs: ``(shape, dtype)`` of the function's inputs, made outside the borrow.
+        describe: names a request for the reason.
+
+    Returns:
+        The :class:`Replay`.
+    """
+    image = state if isinstance(state, PoolImage) else PoolImage.of(state)
+    sequence = step if isinstance(step, AllocationSequence) else record(step, inputs)
+    return replay(sequence, image, describe)

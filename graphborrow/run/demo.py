@@ -1,0 +1,138 @@
+"""The core demo: free runs of a captured graph ladder, one borrow and what it cost, and whether
+the whole verification step fits (the capacity planner's answer, then the step itself).
+
+    python -m graphborrow demo [--device auto|cuda|sim]
+
+On a GPU it uses Llama-3-8B shapes; on the simulated device a tiny model with the same
+structure, so the story and the numbers' meaning are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from graphborrow.core.runs import find_free_runs, summarize
+from graphborrow.core.sizes import MB
+from graphborrow.device import get_backend
+from graphborrow.eagle import eagle_verify
+from graphborrow.eagle.plan import describe_plan, plan_verify
+from graphborrow.workloads.ladder import LLAMA3_8B, GraphLadder, ModelShape
+
+__all__ = ["main", "run_demo"]
+
+# Small enough for a CPU, large enough that the probabilities need 20 MiB segments.
+SIM_SHAPE = ModelShape(hidden=256, intermediate=1024, layers=2, vocab=32000, dtype=torch.float32)
+
+
+def run_demo(device: str = "auto", batch: int = 16, draft_tokens: int = 4, out=print) -> dict:
+    """Capture, borrow, measure, plan and verify; returns the numbers it printed.
+
+    Args:
+        device: "auto", "cuda" or "sim".
+        batch, draft_tokens: the verification step (batch at most the largest captured one).
+        out: where lines go.
+
+    Returns:
+        A dict: device, pool summary, where the borrow landed, device bytes borrowed and
+        plain, and the verification step's plan and outcome.
+    """
+    backend = get_backend(device)
+    cuda = backend.name == "cuda"
+    shape = LLAMA3_8B if cuda else SIM_SHAPE
+    prefill = 8192 if cuda else 4096
+    batches = (64, 32, 16, 8, 4, 2, 1) if cuda else (16, 8, 4, 2, 1)
+    out(f"device: {backend.describe()}")
+    out(f"capturing a prefill graph ({prefill} tokens) and decode graphs for batch {list(batches)} "
+        f"x {draft_tokens} draft tokens into one pool (hidden {shape.hidden}, vocab {shape.vocab})")
+    ladder = GraphLadder(backend, shape, prefill_tokens=prefill, decode_batches=batches,
+                         draft_tokens=draft_tokens).capture()
+    segments = ladder.snapshot()
+    s = summarize(segments)
+    out(f"pool: {s['reserved_bytes'] / MB:.1f} MiB reserved in {s['segments']} segments")
+    out(f"free runs (per-run rule): {s['runs']} runs, {s['run_bytes'] / MB:.1f} MiB, "
+        f"largest {s['largest_run'] / MB:.1f} MiB")
+    out(f"free runs (whole-segment rule): {s['whole_segment_runs']} runs, {s['whole_segment_bytes'] / MB:.1f} MiB")
+    for address, nbytes in find_free_runs(segments)[:8]:
+        out(f"  run at {address:#x}: {nbytes / MB:8.2f} MiB")
+
+    state = ladder.state
+    logits = ladder.decode(batch)
+    rows, vocab = logits.shape
+    probs_bytes = 2 * rows * vocab * 4
+    out(f"verification probabilities for batch {batch} x {draft_tokens} drafts x vocab {vocab}: "
+        f"{probs_bytes / MB:.2f} MiB (target + draft)")
+
+    def probability_set():
+        target = torch.softmax(logits / 0.7, dim=-1)
+        return target, torch.zeros_like(target)
+
+    backend.synchronize()
+    free0, _ = backend.mem_get_info()
+    with state.borrow("demo"):
+        held = probability_set()
+        inside_runs = all(
+            any(a <= backend.data_ptr(t) < a + n for a, n in state.free_runs()) for t in held
+        )
+        backend.synchronize()
+        free_borrowed, _ = backend.mem_get_info()
+        del held
+    backend.empty_cache()  # cached blocks would hide what a plain allocation costs
+    backend.synchronize()
+    free0, _ = backend.mem_get_info()
+    plain = probability_set()
+    backend.synchronize()
+    free_plain, _ = backend.mem_get_info()
+    del plain
+    borrowed_cost, plain_cost = free0 - free_borrowed, free0 - free_plain
+    out(f"borrowed: tensors inside free runs = {inside_runs}; device memory used {borrowed_cost / MB:.2f} MiB")
+    out(f"plain allocation: device memory used {plain_cost / MB:.2f} MiB")
+    out(f"saved by borrowing: {(plain_cost - borrowed_cost) / MB:.2f} MiB")
+
+    plan = plan_verify(state, batch, draft_tokens, vocab, "standard")
+    out(f"capacity planner: {describe_plan(plan)}")
+    step = _verify_step(ladder, logits, batch, draft_tokens, state) if plan.fits else None
+    if step is not None:
+        out(f"the verification step ran in the borrowed runs, as planned: {step} tokens emitted")
+    return {
+        "device": backend.name,
+        "pool": s,
+        "borrowed_inside_runs": inside_runs,
+        "borrowed_device_bytes": borrowed_cost,
+        "plain_device_bytes": plain_cost,
+        "verify_plan_fits": plan.fits,
+        "verify_plan_peak_bytes": plan.peak_bytes,
+        "verify_tokens_emitted": step,
+    }
+
+
+def _verify_step(ladder, logits, batch, draft_tokens, state) -> int:
+    """Run one borrowed verification step over the decode logits; tokens it emitted."""
+    from graphborrow.eagle.draft_tree import build_draft_tree
+
+    tree = build_draft_tree(min(2, draft_tokens), max(draft_tokens, 1), draft_tokens, batch, logits.shape[1],
+                            generator=torch.Generator().manual_seed(0), device=ladder.backend.device)
+    result = eagle_verify(logits.contiguous(), None, tree, 0.8, borrow=state,
+                          generator=torch.Generator().manual_seed(1))
+    return int(result.accept_length.sum())
+
+
+def main(argv=None) -> int:
+    from graphborrow.core.errors import ParameterError
+
+    from .sweep.parameters import argument_type
+
+    p = argparse.ArgumentParser(prog="python -m graphborrow demo", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "sim"])
+    p.add_argument("--batch", type=argument_type("BATCH_SIZE"), default=16,
+                   help="requests in the verified batch (at most the largest captured batch)")
+    p.add_argument("--draft-tokens", type=argument_type("DRAFT_TOKENS"), default=4)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here; use --device sim or auto")
+    try:
+        run_demo(args.device, args.batch, args.draft_tokens)
+    except ParameterError as exc:  # e.g. a batch larger than the captured ladder
+        p.error(str(exc))
+    return 0

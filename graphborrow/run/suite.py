@@ -1,0 +1,128 @@
+"""The notebook suite: every numbered notebook once, headless, on one device.
+
+    python -m graphborrow suite --device sim --out output/suite
+
+Each notebook runs in its own papermill process (the same runner as a sweep point, here
+on this machine) and is written executed to ``<out>/<notebook>.ipynb``, its results to
+``<out>/results/<notebook>.json``. A notebook counts as passed only if papermill finished
+*and* its results file shows device work (:func:`graphborrow.run.results.check_results`), so
+none can pass by skipping its cells.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from graphborrow.core.atomicfile import write_atomic
+from graphborrow.core.errors import ParameterError
+from graphborrow.studies.shipped import numbered_notebooks
+
+from .results import check_results
+from .sweep.execute import NotebookJob, count_images, execute
+from .sweep.parameters import declared_parameters, read_notebook, validate
+
+__all__ = ["run_suite", "SuiteReport", "NotebookRun"]
+
+
+@dataclass
+class NotebookRun:
+    """One notebook of the suite: how it went and where its executed copy is."""
+
+    name: str
+    status: str          # "ok" or "failed"
+    seconds: float
+    notebook: Path
+    error: str | None = None
+    figures: int = 0     # image outputs in the executed notebook
+
+
+@dataclass
+class SuiteReport:
+    out: Path
+    results_dir: Path
+    notebooks: list[NotebookRun] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[NotebookRun]:
+        return [n for n in self.notebooks if n.status != "ok"]
+
+    def summary(self) -> str:
+        lines = [f"{len(self.notebooks) - len(self.failed)} of {len(self.notebooks)} notebooks passed",
+                 f"executed notebooks: {self.out}", f"results (JSON):     {self.results_dir}"]
+        return "\n".join(lines + [f"FAILED {n.name}: {n.error}" for n in self.failed])
+
+
+def select_notebooks(only: Sequence[str] | None = None) -> list[Path]:
+    """The shipped numbered notebooks, or those whose names start with one of ``only``."""
+    notebooks = numbered_notebooks()
+    if not notebooks:
+        raise FileNotFoundError("graphborrow's package data holds no numbered notebooks; reinstall graphborrow")
+    if not only:
+        return notebooks
+    unmatched = [o for o in only if not any(nb.stem.startswith(o) for nb in notebooks)]
+    if unmatched:
+        raise ParameterError(f"--only {' '.join(unmatched)} matches no notebook; the notebooks are "
+                             f"{', '.join(nb.stem for nb in notebooks)}")
+    return [nb for nb in notebooks if any(nb.stem.startswith(o) for o in only)]
+
+
+def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto",
+              only: Sequence[str] | None = None, params: Mapping[str, Any] | None = None,
+              timeout: float | None = None, echo: Callable[[str], None] = print) -> SuiteReport:
+    """Run the numbered notebooks one after another.
+
+    Args:
+        out: folder for the executed notebooks (``results/`` inside holds their JSON).
+        device: ``auto``, ``cuda`` or ``sim`` for every notebook.
+        only: notebook name prefixes (``["01", "02"]``); None runs all.
+        params: overrides, each given to every notebook that declares it.
+        timeout: papermill's per-cell timeout in seconds.
+        echo: gets one line per notebook as it finishes.
+
+    Returns:
+        A :class:`SuiteReport`; failed notebooks are in it, not raised.
+    """
+    if timeout is not None and not timeout > 0:
+        raise ParameterError(f"timeout={timeout!r} must be a positive number of seconds per cell")
+    base = validate({"DEVICE": device})
+    extra = validate(dict(params or {}))
+    notebooks = select_notebooks(only)
+    declared = {nb: declared_parameters(read_notebook(nb)) for nb in notebooks}
+    unused = [k for k in extra if not any(k in names for names in declared.values())]
+    if unused:
+        raise ParameterError(f"{', '.join(unused)}: declared by none of the notebooks run "
+                             f"({', '.join(nb.stem for nb in notebooks)})")
+    out = Path(out).resolve()
+    results_dir = out / "results"
+    report = SuiteReport(out, results_dir)
+    for nb in notebooks:
+        names = declared[nb]
+        nb_params = {k: v for k, v in {**base, **extra}.items() if k in names}
+        job = NotebookJob(nb.name, nb.read_bytes(), nb_params, nb.stem, timeout,
+                          set_data_dir="DATA_DIR" in names and "DATA_DIR" not in nb_params)
+        started = time.time()
+        execution = execute(job)
+        executed = out / nb.name
+        if execution.notebook:
+            write_atomic(executed, execution.notebook)
+        write_atomic(out / f"{nb.stem}.log", execution.log)
+        stale = results_dir / f"{nb.stem}.json"
+        if stale.exists():
+            stale.unlink()  # a file from an earlier run must not pass for this one
+        for rel, data in execution.results.items():
+            write_atomic(out / rel, data)
+        error = execution.error
+        if execution.returncode == 0:
+            problems = check_results([nb.stem], results_dir, since=started)
+            error = "; ".join(problems) or None
+        run = NotebookRun(nb.stem, "ok" if error is None else "failed", execution.seconds, executed, error,
+                          count_images(execution.notebook))
+        report.notebooks.append(run)
+        echo(f"{'ok' if run.status == 'ok' else 'FAILED':6} {nb.stem:28} {run.seconds:6.1f} s  "
+             f"{run.figures:2} figures  {executed}")
+        if error:
+            echo(f"       {error}")
+    return report

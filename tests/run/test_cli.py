@@ -1,0 +1,93 @@
+"""The command line: bad arguments exit 2 with one line naming the problem, never a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from sweep_notebooks import executions, tiny_notebook
+
+from graphborrow.__main__ import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "graphborrow", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_demo_refuses_a_negative_batch():
+    proc = run_cli("demo", "--batch", "-3")
+    assert proc.returncode == 2
+    assert "BATCH_SIZE=-3 is out of range; allowed: 1 to 256" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_run_refuses_an_unknown_device():
+    proc = run_cli("run", "--device", "tpu")
+    assert proc.returncode == 2
+    assert "invalid choice: 'tpu'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def exit_code(args, capsys):
+    """main()'s status, argparse's own exits included, and what it printed to stderr."""
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_is_refused_before_anything_runs(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = exit_code(["suite", "--device", "cuda", "--out", str(tmp_path / "s")], capsys)
+    assert code == 2 and "torch sees no CUDA device here" in err
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sweep", "--workers", "0", "x"], "must be 1 or more"),
+    (["sweep", "x", "--timeout", "-1"], "must be a positive number of seconds"),
+    (["sweep", "--runs-dir", "r", "x"], "unrecognized arguments: --runs-dir"),
+    (["sweep", "-p", "batch_size", "1"], "name a notebook"),
+    (["sweep", "01", "--scheduler", "tcp://127.0.0.1:1", "--workers", "2"], "--workers sizes the local cluster"),
+    (["sweep", "99", "-p", "batch_size", "1"], "no shipped notebook matches '99'"),
+    (["suite", "--only", "99"], "--only 99 matches no notebook"),
+    (["suite", "--only", "01", "-p", "VOCABB", "3"], "unknown parameter 'VOCABB'"),
+    (["suite", "--only", "01", "-p", "TOP_P", "0.9"], "TOP_P: declared by none of the notebooks run"),
+])
+def test_bad_arguments_exit_2_with_the_reason(capsys, args, message):
+    code, err = exit_code(args, capsys)
+    assert code == 2 and message in err
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return tiny_notebook(tmp_path / "tiny.ipynb")
+
+
+def test_out_of_range_value_runs_nothing(tmp_path, tiny, capsys):
+    code, err = exit_code(["sweep", str(tiny), "-p", "batch_size", "1,0", "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "BATCH_SIZE=0 is out of range; allowed: 1 to 256" in err
+    assert not (tmp_path / "out").exists() and executions(tiny) == []
+
+
+@pytest.mark.parametrize("grid_text, message", [
+    ("grid:\n  batch_size: []\n", "axis BATCH_SIZE has no values"),
+    ("grid: {batch_size: [1, 2}\n", "is not valid YAML"),
+    ("- batch_size\n", "must be a mapping"),
+])
+def test_bad_grid_exits_2_and_leaves_the_old_table(tmp_path, tiny, capsys, grid_text, message):
+    table = tmp_path / "out" / "tiny" / "results.csv"
+    table.parent.mkdir(parents=True)
+    table.write_text("point_id,status\nbatch_size=1,ok\n")
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(grid_text)
+    code, err = exit_code(["sweep", str(tiny), "--grid", str(grid), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and message in err
+    assert table.read_text() == "point_id,status\nbatch_size=1,ok\n", "the existing table is untouched"
+    assert executions(tiny) == []
+
+
+def test_empty_cli_values_exit_2(tmp_path, tiny, capsys):
+    code, err = exit_code(["sweep", str(tiny), "-p", "batch_size", "", "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "no values" in err

@@ -1,0 +1,60 @@
+"""The package's layers import only downwards, and nothing imports in a circle.
+
+The order is the architecture (README, "Layout"): ``core`` knows nothing of the others; the
+allocator model sits on it; the simulated device on the model; the real device and the choice
+between the two above both; then the planner, EAGLE, the workloads, the fidelity checks, the
+studies the notebooks show, and what runs them. A module may import its own layer and any
+layer below it. Function-level imports count: a lazy import is still an edge.
+"""
+
+import grimp
+
+import graphborrow
+
+LAYERS = ["core", "allocator", "sim", "device", "planning", "eagle", "workloads", "fidelity", "studies", "run"]
+
+
+def _graph():
+    return grimp.build_graph("graphborrow", cache_dir=None)
+
+
+def upward_imports(graph, layers=LAYERS) -> list[str]:
+    """Every import from a layer to one above it, as "importer -> imported"."""
+    rank = {name: i for i, name in enumerate(layers)}
+    found = []
+    for module in sorted(graph.modules):
+        here = module.split(".")[1] if module.count(".") else None
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            there = imported.split(".")[1] if imported.count(".") else None
+            if here in rank and there in rank and rank[there] > rank[here]:
+                found.append(f"{module} -> {imported}")
+    return found
+
+
+def test_every_subpackage_is_a_named_layer():
+    graph = _graph()
+    top = {m.split(".")[1] for m in graph.modules if m.count(".") >= 1}
+    assert top - {"__main__"} == set(LAYERS)
+
+
+def test_layers_import_only_downwards():
+    assert upward_imports(_graph()) == []
+
+
+def test_the_root_names_are_loaded_lazily_and_resolve():
+    assert graphborrow.__all__ == sorted(graphborrow._EXPORTS)
+    for name in graphborrow.__all__:
+        assert getattr(graphborrow, name).__name__ == name
+
+
+def test_the_check_finds_an_upward_import(tmp_path, monkeypatch):
+    package = tmp_path / "layered"
+    (package / "low").mkdir(parents=True)
+    (package / "high").mkdir()
+    for folder in (package, package / "low", package / "high"):
+        (folder / "__init__.py").write_text("")
+    (package / "high" / "user.py").write_text("from ..low import base\n")
+    (package / "low" / "base.py").write_text("def f():\n    from ..high import user\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("layered", cache_dir=None)
+    assert upward_imports(graph, ["low", "high"]) == ["layered.low.base -> layered.high.user"]

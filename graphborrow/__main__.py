@@ -175,13 +175,15 @@ def _inspect(args: argparse.Namespace) -> int:
 def _build(args: argparse.Namespace) -> int:
     from graphborrow.allocator import compiled
 
-    existed = compiled.verify(compiled.build_path()) is None
+    existed = compiled.problem() is None
     try:
-        path = compiled.build(force=args.force, quiet=not args.verbose)
+        paths = compiled.build(force=args.force, quiet=not args.verbose)
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"compiled allocator model: {path}" + (" (already built)" if existed and not args.force else ""))
+    names = ", ".join(path.name for path in paths.values())
+    folder = next(iter(paths.values())).parent
+    print(f"compiled allocator model: {names} in {folder}" + (" (already built)" if existed and not args.force else ""))
     return 0
 
 

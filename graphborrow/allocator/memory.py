@@ -23,6 +23,8 @@ from typing import Iterable
 import torch
 from sortedcontainers import SortedDict
 
+from .errors import AddressInUseError
+
 __all__ = ["GRANULE", "PhysicalMemory"]
 
 GRANULE = 2 * 2**20  # cudaMalloc's address and size granularity
@@ -241,10 +243,7 @@ class PhysicalMemory:
 
     def _check_free(self, address: int, nbytes: int) -> None:
         if self.overlaps(address, nbytes):
-            raise ValueError(
-                f"dictated address {address:#x} (+{nbytes} bytes) overlaps a live device range; "
-                "free that range first or dictate another address"
-            )
+            raise AddressInUseError(address, nbytes)
 
     def _lowest_fit(self, nbytes: int) -> int:
         """The lowest address >= base with ``nbytes`` free: the first free gap that is big enough."""

@@ -4,32 +4,27 @@ One compiled library serves three callers: torch's pluggable allocator on CUDA (
 ``BumpArena.allocator``), the simulated device's MemPool, and direct host calls in tests.
 Each ``BumpArena`` owns a slot of the library, i.e. its own extents, cursors, lock,
 freed counter and record of live allocations; a process may hold up to ``MAX_SLOTS``
-at once. The library is loaded only after its digest checks out (see
-:func:`library_is_intact`): a damaged cached build is rebuilt, never loaded.
+at once. The library is built and verified by the native-build cache
+(:mod:`graphborrow.core.native`): a damaged cached build is rebuilt, never loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import operator
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
-import time
 import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from . import native
 from .errors import ArenaFreeError
 
-__all__ = [
-    "BumpArena", "cache_dir", "library_path", "library_is_intact", "digest_path",
-    "first_overlap", "describe_free_error", "ADDRESS_LIMIT",
-]
+__all__ = ["BumpArena", "library_path", "first_overlap", "describe_free_error", "ADDRESS_LIMIT"]
 
 SOURCE = Path(__file__).with_name("arena.c")
 ADDRESS_LIMIT = 1 << 64  # extents must end below this; sizes must be below it
@@ -48,21 +43,6 @@ FREE_NEGATIVE, FREE_UNKNOWN, FREE_TWICE, FREE_SIZE = -10, -11, -12, -13
 NO_MEMORY = -9
 
 
-def cache_dir() -> Path:
-    """Where built libraries live: $GRAPHBORROW_CACHE_DIR, else ~/.cache/graphborrow.
-
-    Per user, not per checkout, so every process of one user shares one verified build.
-
-    Returns:
-        The directory (not created here); ``$XDG_CACHE_HOME/graphborrow`` when that is set.
-    """
-    env = os.environ.get("GRAPHBORROW_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "graphborrow"
-
-
 def _compiler() -> str:
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     cc = cc.split()[0]
@@ -76,100 +56,34 @@ def _compiler() -> str:
     return cc
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def digest_path(library: Path) -> Path:
-    """The file beside a built library that holds the library's SHA-256.
-
-    Args:
-        library: path of a built arena library.
-
-    Returns:
-        The digest file's path, ``<library>.sha256`` (it may not exist).
-    """
-    return library.with_name(library.name + ".sha256")
-
-
-def library_is_intact(library: Path) -> bool:
-    """True when ``library`` exists and matches the digest recorded when it was built.
-
-    A truncated or overwritten shared library can crash the interpreter when loaded
-    (SIGBUS on a page past the end of the file), so nothing is loaded unchecked.
-
-    Args:
-        library: path of a built arena library.
-
-    Returns:
-        False when the library or its digest file is missing or unreadable, or the two
-        disagree.
-    """
-    try:
-        recorded = digest_path(library).read_text().strip()
-        return recorded == _digest(library)
-    except OSError:
-        return False
-
-
-def _remove_stale_temporaries(directory: Path, max_age_s: float = 3600.0) -> None:
-    """Delete build temporaries left by builds that died (a kill -9, a full disk)."""
-    now = time.time()
-    for leftover in directory.glob(".build-*"):
-        try:
-            if leftover.is_file() and now - leftover.stat().st_mtime > max_age_s:
-                leftover.unlink()
-        except OSError:
-            pass
-
-
 def library_path() -> Path:
     """Build the arena library if no intact build of this source exists; return its path.
 
-    The name carries a hash of the source and the platform; a digest file beside it
-    records the library's own hash. Both appear by atomic renames, library first, so a
-    concurrent process either finds a complete, verified library or builds its own
-    private copy and races harmlessly on the renames. A library that fails its check
-    (truncated, overwritten, digest missing) is rebuilt.
+    The name carries a hash of the source and the platform; the build cache
+    (:mod:`graphborrow.core.native`) verifies it before use and publishes a new build
+    atomically, so a damaged build is rebuilt, never loaded.
 
     Returns:
-        Path of the verified library in :func:`cache_dir`.
+        Path of the verified library in the cache directory.
 
     Raises:
         RuntimeError: no C compiler was found, the cache is not writable, or the build
             failed.
     """
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + sys.platform.encode() + os.uname().machine.encode()).hexdigest()[:16]
-    target = cache_dir() / f"libgbarena-{tag}.so"
-    if library_is_intact(target):
+    tag = native.content_tag(SOURCE.read_bytes(), sys.platform.encode(), os.uname().machine.encode())
+    target = native.cache_dir() / f"libgbarena-{tag}.so"
+    if native.is_intact(target):
         return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(target.parent)
-        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    except OSError as exc:
-        raise RuntimeError(
-            f"cannot write the arena build cache {target.parent} ({exc}); "
-            "set GRAPHBORROW_CACHE_DIR to a writable directory"
-        ) from None
-    os.close(fd)
-    tmp_digest = tmp + ".sha256"
-    try:
-        cmd = [_compiler(), "-O2", "-shared", "-fPIC", "-pthread", "-o", tmp, str(SOURCE)]
+    native.prepare(target.parent, "the arena build cache")
+    with native.temporary_dir(target.parent) as build:
+        library = build / target.name
+        cmd = [_compiler(), "-O2", "-shared", "-fPIC", "-pthread", "-o", str(library), str(SOURCE)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(
                 f"building the bump arena failed ({' '.join(cmd)}):\n{result.stderr}"
             )
-        Path(tmp_digest).write_text(_digest(Path(tmp)) + "\n")
-        os.replace(tmp, target)
-        os.replace(tmp_digest, digest_path(target))
-    finally:
-        for leftover in (tmp, tmp_digest):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    return target
+        return native.publish(library, target)
 
 
 _lib = None

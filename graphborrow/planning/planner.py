@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from graphborrow.allocator.restore import restore
 from graphborrow.core.arena import BumpArena
 from graphborrow.core.sizes import MB, MIN_LARGE_ALLOC, SMALL_BUFFER, SMALL_SIZE, SizeClass, round_size, short_size, size_class
 
@@ -437,7 +438,7 @@ def _restore(allocator, image: PoolImage, arena: BumpArena) -> tuple[int, int]:
     pool_id = tuple(image.segments[0]["segment_pool_id"])
     # frees still waiting on another stream's work stay pending for the whole step: a borrow
     # routes to its pool, and the allocator processes no events while a pool routes
-    allocator.restore(list(image.segments), allocators={pool_id: arena}, pending=_never(allocator))
+    restore(allocator, list(image.segments), allocators={pool_id: arena}, pending=_never(allocator))
     return pool_id
 
 

@@ -1,10 +1,12 @@
 """The compiled allocator model against the pure-Python one, and how the build is found.
 
-Each check runs in a fresh interpreter: a process holds one ``graphborrow.allocator.caching``,
-and which one it is gets decided when ``graphborrow.sim`` is first imported.
+Each check runs in a fresh interpreter: a process holds one build of the allocator modules
+(``stats``, ``blocks``, ``caching``), and which one it is gets decided when
+``graphborrow.allocator`` is first imported.
 """
 
 import ast
+import importlib
 import importlib.util
 import inspect
 import os
@@ -18,24 +20,35 @@ from pathlib import Path
 import pytest
 
 from graphborrow.allocator import compiled
+from graphborrow.core import native
 
 REPO = Path(__file__).resolve().parents[2]
 
 # Drives a compiled and a pure-Python allocator with the same random operations and
-# compares snapshots and stats after every one, then the full trace history.
+# compares snapshots and stats after every one, then the full trace history. The pure one
+# is a copy of the allocator package's sources under another name, so that its caching
+# module imports pure blocks and statistics (not the compiled ones this process loaded).
 LOCKSTEP = textwrap.dedent(
     """
-    import importlib.util, random, sys
+    import importlib, random, shutil, sys, tempfile
+    from pathlib import Path
     import torch
     from graphborrow.allocator import compiled
-    from graphborrow.allocator.memory import PhysicalMemory
-    from graphborrow.allocator.streams import Clockwork
     import graphborrow.allocator.caching as fast
+    import graphborrow.allocator.memory as fast_memory
+    import graphborrow.allocator.streams as fast_streams
 
     assert compiled.implementation() == "compiled", compiled.implementation()
-    spec = importlib.util.spec_from_file_location("graphborrow.allocator.caching_reference", compiled.SOURCES[0])
-    pure = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pure)
+    copy = Path(tempfile.mkdtemp()) / "allocator_reference"
+    copy.mkdir()
+    for source in compiled.HERE.glob("*.py"):
+        shutil.copy(source, copy / source.name)
+    (copy / "__init__.py").write_text("")  # no install(): this copy stays pure Python
+    sys.path.insert(0, str(copy.parent))
+    pure = importlib.import_module("allocator_reference.caching")
+    pure_memory = importlib.import_module("allocator_reference.memory")
+    pure_streams = importlib.import_module("allocator_reference.streams")
+    assert pure.__file__.endswith(".py") and importlib.import_module("allocator_reference.blocks").__file__.endswith(".py")
     MiB = 2**20
 
     class BumpPool:  # a pluggable pool's raw allocator: a bump pointer over its own range
@@ -47,8 +60,8 @@ LOCKSTEP = textwrap.dedent(
         def raw_delete(self, ptr, nbytes, stream):
             pass
 
-    def make(module, config, fraction):
-        a = module.CachingAllocator(PhysicalMemory(capacity=768 * MiB, backed=False), Clockwork(), config)
+    def make(module, memory, streams, config, fraction):
+        a = module.CachingAllocator(memory.PhysicalMemory(capacity=768 * MiB, backed=False), streams.Clockwork(), config)
         a.set_memory_fraction(fraction)
         a.record_history(True)
         return a
@@ -94,7 +107,8 @@ LOCKSTEP = textwrap.dedent(
 
     def run(config, fraction, seed, steps):
         rng_f, rng_p = random.Random(seed), random.Random(seed)
-        f, p = make(fast, config, fraction), make(pure, config, fraction)
+        f = make(fast, fast_memory, fast_streams, config, fraction)
+        p = make(pure, pure_memory, pure_streams, config, fraction)
         live_f, live_p, routes_f, routes_p = [], [], [], []
         for i in range(steps):
             out_f, out_p = step(f, rng_f, live_f, routes_f), step(p, rng_p, live_p, routes_p)
@@ -162,22 +176,24 @@ def test_the_environment_variable_selects_pure_python(built):
     assert pure.stdout.startswith("pure Python") and pure.stdout.strip().endswith("caching.py")
     fast = python(code, **{compiled.PURE_ENV: ""})
     assert fast.returncode == 0, fast.stderr
-    assert fast.stdout.startswith("compiled") and str(built) in fast.stdout
+    assert fast.stdout.startswith("compiled") and str(built["caching"]) in fast.stdout
 
 
-def _copy_build(built: Path, cache: Path) -> Path:
-    """The intact build and its checksum, copied into another cache directory."""
-    target = cache / built.name
-    shutil.copy(built, target)
-    shutil.copy(built.with_name(built.name + ".sha256"), cache / (built.name + ".sha256"))
-    return target
+def _copy_build(built: dict[str, Path], cache: Path) -> dict[str, Path]:
+    """The intact build (every module and its checksum), copied into another cache directory."""
+    targets = {}
+    for module, path in built.items():
+        targets[module] = cache / path.name
+        shutil.copy(path, targets[module])
+        shutil.copy(path.with_name(path.name + ".sha256"), cache / (path.name + ".sha256"))
+    return targets
 
 
 IMPORT = "from graphborrow.allocator import compiled; from graphborrow.sim import SimBackend; import torch; print(compiled.implementation())"
 
 
 def test_a_truncated_build_is_never_loaded(built, tmp_path):
-    target = _copy_build(built, tmp_path)
+    target = _copy_build(built, tmp_path)["caching"]
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])  # a build cut off mid-copy
     result = python(IMPORT, GRAPHBORROW_CACHE_DIR=str(tmp_path), **{compiled.PURE_ENV: ""})
     assert result.returncode == 0, result.stderr  # no crash: the damaged library was not loaded
@@ -186,7 +202,8 @@ def test_a_truncated_build_is_never_loaded(built, tmp_path):
 
 
 def test_a_library_without_its_checksum_is_not_loaded(tmp_path):
-    (tmp_path / compiled.build_path().name).write_bytes(b"not a shared library")
+    for path in compiled.build_paths().values():
+        (tmp_path / path.name).write_bytes(b"not a shared library")
     result = python(IMPORT, GRAPHBORROW_CACHE_DIR=str(tmp_path), **{compiled.PURE_ENV: ""})
     assert result.returncode == 0 and result.stdout.strip() == "pure Python"
     assert "no checksum file" in result.stderr
@@ -201,15 +218,17 @@ def test_running_without_a_build_is_announced_unless_chosen(tmp_path):
 
 @pytest.mark.slow
 def test_build_force_replaces_a_damaged_build(built, tmp_path):
-    target = _copy_build(built, tmp_path)
+    targets = _copy_build(built, tmp_path)
+    target = targets["blocks"]
     target.write_bytes(b"\x7fELF" + b"\0" * 100)  # damaged, with the old checksum beside it
     rebuilt = subprocess.run([sys.executable, "-m", "graphborrow", "build", "--force"], cwd=REPO, capture_output=True,
                              text=True, timeout=600, env={**os.environ, "GRAPHBORROW_CACHE_DIR": str(tmp_path)})
     assert rebuilt.returncode == 0, rebuilt.stderr
-    assert compiled.verify(target) is None
+    assert native.problem(target) is None
     after = python(IMPORT, GRAPHBORROW_CACHE_DIR=str(tmp_path), **{compiled.PURE_ENV: ""})
     assert after.stdout.strip() == "compiled", after.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, target.name + ".sha256"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        name for path in targets.values() for name in (path.name, path.name + ".sha256"))
 
 
 def test_a_failed_build_says_why_and_leaves_nothing_behind(tmp_path):
@@ -225,9 +244,10 @@ def test_a_cython_failure_is_not_blamed_on_the_compiler(tmp_path, monkeypatch):
     """Cython 3.3.0 once crashed on this source; the message must send the reader to Cython, not to gcc."""
     broken = tmp_path / "src"
     broken.mkdir()
-    (broken / "caching.py").write_text("def restore(:\n    pass\n")  # no Cython translates this
-    shutil.copy(compiled.SOURCES[1], broken / "caching.pxd")
-    monkeypatch.setattr(compiled, "SOURCES", (broken / "caching.py", broken / "caching.pxd"))
+    for source in compiled.SOURCES:
+        shutil.copy(source, broken / source.name)
+    (broken / "caching.py").write_text("def malloc(:\n    pass\n")  # no Cython translates this
+    monkeypatch.setattr(compiled, "SOURCES", tuple(broken / source.name for source in compiled.SOURCES))
     monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"Cython .* could not translate .* not a missing compiler") as failed:
         compiled.build(force=True)
@@ -264,16 +284,15 @@ def test_a_build_is_named_by_its_sources_cython_and_directives(tmp_path, monkeyp
 # ----------------------------------------------------------------------------- the .pxd and the .py agree
 
 
-def _pxd_declarations(text: str | None = None) -> tuple[dict, dict]:
-    """From caching.pxd: class -> (fields, {method: parameters}) and function -> parameters."""
+def _pxd_declarations(text: str) -> tuple[dict, dict]:
+    """From a .pxd: class -> (fields, {method: parameters}) and function -> parameters."""
     classes, functions, current = {}, {}, None
-    text = (compiled.HERE / "caching.pxd").read_text() if text is None else text
     for line in text.splitlines():
         stripped = line.strip()
         if stripped.startswith("cdef class "):
             current = re.match(r"cdef class (\w+)", stripped).group(1)
             classes[current] = (set(), {})
-        elif not line.startswith((" ", "\t")) and stripped and not stripped.startswith(("@", "#", "cimport")):
+        elif not line.startswith((" ", "\t")) and stripped and not stripped.startswith(("@", "#", "cimport", "from ")):
             current = None
             match = re.match(r"cpdef \w+ (\w+)\((.*)\)", stripped)
             if match:
@@ -287,6 +306,11 @@ def _pxd_declarations(text: str | None = None) -> tuple[dict, dict]:
     return classes, functions
 
 
+def _module_sources() -> dict[str, tuple[Path, Path]]:
+    """Compiled module -> (its .py, its .pxd)."""
+    return {module: (compiled.HERE / f"{module}.py", compiled.HERE / f"{module}.pxd") for module in compiled.MODULES}
+
+
 def _parameters(text: str) -> list[str]:
     names = []
     for part in text.split(","):
@@ -298,38 +322,47 @@ def _parameters(text: str) -> list[str]:
 
 def test_the_pxd_declares_exactly_what_the_py_defines():
     """A field or argument added to one file and not the other fails here, not at run time."""
-    spec = importlib.util.spec_from_file_location("graphborrow.allocator._caching_source", compiled.SOURCES[0])
-    source = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(source)
-    classes, functions = _pxd_declarations()
-    assert {"Stat", "StatArray", "DeviceStats", "Segment", "Block", "FreeList", "BlockPool", "CachingAllocator"} <= set(classes)
-    for name, (fields, methods) in classes.items():
-        cls = getattr(source, name)
-        if "__slots__" in cls.__dict__:
-            assert fields == set(cls.__slots__), f"{name}: .pxd fields {sorted(fields)} != __slots__ {sorted(cls.__slots__)}"
-        else:  # the allocator keeps no __slots__: every declared field is set in __init__
-            init = inspect.getsource(cls.__init__)
-            missing = [f for f in fields if not re.search(rf"self\.{f}\s*[:=]", init)]
-            assert missing == [], f"{name}: declared in the .pxd, never set in __init__: {missing}"
-        for method, parameters in methods.items():
-            defined = list(inspect.signature(getattr(cls, method)).parameters)
-            assert defined == parameters, f"{name}.{method}: .pxd {parameters} != .py {defined}"
-    for function, parameters in functions.items():
-        assert list(inspect.signature(getattr(source, function)).parameters) == parameters, function
+    seen = set()
+    for module, (py, pxd) in _module_sources().items():
+        source = importlib.import_module(f"graphborrow.allocator.{module}")
+        if not str(source.__file__).endswith(".py"):  # this process runs the build: read the source itself
+            spec = importlib.util.spec_from_file_location(f"graphborrow.allocator._{module}_source", py)
+            source = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(source)
+        classes, functions = _pxd_declarations(pxd.read_text())
+        seen |= set(classes)
+        for name, (fields, methods) in classes.items():
+            cls = getattr(source, name)
+            if "__slots__" in cls.__dict__:
+                assert fields == set(cls.__slots__), f"{name}: .pxd fields {sorted(fields)} != __slots__ {sorted(cls.__slots__)}"
+            else:  # the allocator keeps no __slots__: every declared field is set in __init__
+                init = inspect.getsource(cls.__init__)
+                missing = [f for f in fields if not re.search(rf"self\.{f}\s*[:=]", init)]
+                assert missing == [], f"{name}: declared in the .pxd, never set in __init__: {missing}"
+            for method, parameters in methods.items():
+                defined = list(inspect.signature(getattr(cls, method)).parameters)
+                assert defined == parameters, f"{name}.{method}: .pxd {parameters} != .py {defined}"
+        for function, parameters in functions.items():
+            assert list(inspect.signature(getattr(source, function)).parameters) == parameters, function
+    assert {"Stat", "StatArray", "DeviceStats", "Segment", "Block", "FreeList", "BlockPool", "CachingAllocator"} <= seen
 
 
 def fields_out_of_step(source: str, pxd: str) -> dict[str, tuple[list, list]]:
     """Class -> (set on ``self`` in its methods but not declared, declared but never set on ``self``).
 
-    Only classes the .pxd declares are compared; an attribute set on ``self`` anywhere in a
-    method of such a class (``self.x = ...``, ``self.x += ...``, ``self.x: T = ...``) counts.
-    A compiled extension type has no ``__dict__``: an undeclared one raises AttributeError at
-    run time, in the compiled build only.
+    Only classes the .pxd declares and that keep no ``__slots__`` are compared (a class with
+    ``__slots__`` refuses an undeclared attribute in pure Python too, and its slots are checked
+    against the .pxd above); an attribute set on ``self`` anywhere in a method of such a class
+    (``self.x = ...``, ``self.x += ...``, ``self.x: T = ...``) counts. A compiled extension
+    type has no ``__dict__``: an undeclared one raises AttributeError at run time, in the
+    compiled build only.
     """
     declared = {name: fields for name, (fields, _) in _pxd_declarations(pxd)[0].items()}
     result = {}
     for cls in ast.parse(source).body:
-        if isinstance(cls, ast.ClassDef) and cls.name in declared:
+        slots = any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__slots__" for t in node.targets)
+                    for node in getattr(cls, "body", ()))
+        if isinstance(cls, ast.ClassDef) and cls.name in declared and not slots:
             assigned = {
                 node.attr for node in ast.walk(cls)
                 if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
@@ -342,16 +375,17 @@ def fields_out_of_step(source: str, pxd: str) -> dict[str, tuple[list, list]]:
 
 
 def test_every_attribute_set_on_self_is_declared_in_the_pxd_and_back():
-    source, pxd = (path.read_text() for path in compiled.SOURCES)
-    assert fields_out_of_step(source, pxd) == {}
+    for module, (py, pxd) in _module_sources().items():
+        assert fields_out_of_step(py.read_text(), pxd.read_text()) == {}, module
 
 
 def test_the_field_check_finds_an_undeclared_attribute_and_an_unused_declaration():
-    source, pxd = (path.read_text() for path in compiled.SOURCES)
+    sources = _module_sources()
+    source, pxd = (path.read_text() for path in sources["caching"])
     anchor = "    def segments(self) -> list[Segment]:\n"
     assert anchor in source
     extra = source.replace(anchor, "    def audit(self) -> None:\n        self.audit_extra = 0\n\n" + anchor)
     assert fields_out_of_step(extra, pxd) == {"CachingAllocator": (["audit_extra"], [])}
-    stale = pxd.replace("cdef public long long page_size", "cdef public long long page_size, retired")
+    stale = pxd.replace("cdef public bint expandable, gc_enabled, _fast", "cdef public bint expandable, gc_enabled, _fast, retired")
     assert stale != pxd
-    assert fields_out_of_step(source, stale) == {"Segment": ([], ["retired"])}
+    assert fields_out_of_step(source, stale) == {"CachingAllocator": ([], ["retired"])}

@@ -1,4 +1,4 @@
-"""CachingAllocator.restore: state rebuilt from snapshot segments behaves like the allocator it came from.
+"""restore(): allocator state rebuilt from snapshot segments behaves like the allocator it came from.
 
 The oracle is the allocator itself: a random workload runs on one allocator, its snapshot
 is restored into a fresh one, and from then on both get the same operations; their
@@ -15,6 +15,7 @@ import torch
 
 from graphborrow.allocator.caching import CachingAllocator
 from graphborrow.allocator.memory import PhysicalMemory
+from graphborrow.allocator.restore import restore
 from graphborrow.allocator.streams import Clockwork, Event
 
 KiB, MiB = 2**10, 2**20
@@ -100,13 +101,14 @@ def restore_copy(original: CachingAllocator, live: list, config) -> tuple[Cachin
         mine.clock, mine.queued_until = stream.clock, stream.queued_until
     copy_.clockwork._host_us = original.clockwork.now_us
     markers = {}  # address -> the event the original's pending block waits on, rebuilt on the copy's streams
-    for stream_id, queue in original._cuda_events.items():
+    for stream_id, queue in original.cuda_events.items():
         for event, block in queue:
             mirrored = Event()
             mirrored.stream, mirrored.marker = copy_.clockwork.stream(stream_id), event.marker
             markers[block.ptr] = mirrored
     plug = original.graph_pools[POOLS["pluggable"]].allocator
-    restored = copy_.restore(
+    restored = restore(
+        copy_,
         original.snapshot(), allocators={POOLS["pluggable"]: copy.deepcopy(plug)},
         pending=markers.__getitem__, stats=original.memory_stats(),
     )
@@ -159,7 +161,7 @@ def test_round_trip_of_a_hand_made_state():
     side.enqueue(10.0)
     event = Event()
     event.record(side)
-    restored = alloc.restore(segments, pending=event)
+    restored = restore(alloc, segments, pending=event)
     assert sorted(restored.allocated) == [base, base + 12 * KiB] and list(restored.pending) == [base + 2 * MiB]
     snap = alloc.snapshot()
     assert [(s["address"], s["total_size"], s["stream"], s["segment_pool_id"], s["segment_type"]) for s in snap] == [
@@ -200,9 +202,9 @@ def test_new_segments_of_a_restored_pluggable_pool_come_from_its_allocator():
     ]
     alloc = fresh()
     with pytest.raises(ValueError, match="overlap.*allocators="):
-        fresh().restore(segments)
+        restore(fresh(), segments)
     arena = BumpPool(host + 20 * MiB)
-    alloc.restore(segments, allocators={(0, 2): arena})
+    restore(alloc, segments, allocators={(0, 2): arena})
     assert alloc.memory.used == 40 * MiB  # the nested segment is the arena's memory, not the device's
     alloc.begin_allocate_to_pool((0, 2), lambda stream, thread: True)
     block = alloc.malloc(2 * MiB, 0)
@@ -227,7 +229,7 @@ def test_new_segments_of_a_restored_pluggable_pool_come_from_its_allocator():
 ])
 def test_inconsistent_segments_are_refused_with_the_reason(segment, message):
     with pytest.raises(ValueError, match=message):
-        CachingAllocator(PhysicalMemory(capacity=CAPACITY, backed=False, base=2**21), Clockwork()).restore([segment])
+        restore(CachingAllocator(PhysicalMemory(capacity=CAPACITY, backed=False, base=2**21), Clockwork()), [segment])
 
 
 def test_stats_that_do_not_match_the_segments_are_refused():
@@ -236,9 +238,9 @@ def test_stats_that_do_not_match_the_segments_are_refused():
     stats = source.memory_stats()
     stats["allocated_bytes.all.current"] += 512
     with pytest.raises(ValueError, match="allocated_bytes.all.current"):
-        fresh().restore(source.snapshot(), stats=stats)
+        restore(fresh(), source.snapshot(), stats=stats)
     with pytest.raises(RuntimeError, match="empty allocator"):
-        source.restore(source.snapshot())
+        restore(source, source.snapshot())
 
 
 def test_stats_missing_some_keys_take_over_the_rest_and_keep_the_recount_for_those():
@@ -249,10 +251,10 @@ def test_stats_missing_some_keys_take_over_the_rest_and_keep_the_recount_for_tho
     source.free(source.malloc(3 * MiB, 0))
     stats = {k: v for k, v in source.memory_stats().items() if not k.startswith("requested_bytes.")}
     copy_alloc = fresh()
-    copy_alloc.restore(source.snapshot(), stats=stats)
+    restore(copy_alloc, source.snapshot(), stats=stats)
     restored = copy_alloc.memory_stats()
     recount = fresh()
-    recount.restore(source.snapshot())
+    restore(recount, source.snapshot())
     for key, value in recount.memory_stats().items():
         assert restored[key] == stats.get(key, value), key
     assert restored["allocated_bytes.all.peak"] == 5120 + 3 * MiB  # taken over, not the restored peak
@@ -288,7 +290,7 @@ def test_an_expandable_reservation_restored_with_its_start_grows_like_the_origin
     if told:
         segments = [{**s, "reservation_address": start} for s in segments]
     copy_ = fresh("expandable_segments:True")
-    restored = copy_.restore(segments, stats=original.memory_stats())
+    restored = restore(copy_, segments, stats=original.memory_stats())
     assert _layout(copy_) == _layout(original)
     live = [(kept, restored.allocated[kept.ptr])]
     rng = random.Random(3)
@@ -319,7 +321,7 @@ def test_a_reservation_start_that_cannot_hold_the_range_is_refused(change, messa
     original, start, _ = _expandable_with_its_lowest_pages_unmapped()
     segments = [change(s, start) for s in original.snapshot()]
     with pytest.raises(ValueError, match=message):
-        fresh("expandable_segments:True").restore(segments)
+        restore(fresh("expandable_segments:True"), segments)
 
 
 def test_ranges_of_one_reservation_must_name_one_start():
@@ -329,4 +331,4 @@ def test_ranges_of_one_reservation_must_name_one_start():
     first = {**segment, "total_size": half, "blocks": [{"size": half, "state": "inactive"}], "reservation_address": start}
     second = {**first, "address": segment["address"] + half, "reservation_address": start + 32 * MiB}
     with pytest.raises(ValueError, match="reservation starts"):
-        fresh("expandable_segments:True").restore([first, second])
+        restore(fresh("expandable_segments:True"), [first, second])

@@ -13,9 +13,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from graphborrow.allocator.caching import ARRAY_STATS, CachingAllocator
+from graphborrow.allocator.caching import CachingAllocator
 from graphborrow.allocator.config import SIZE_MAX
 from graphborrow.allocator.memory import PhysicalMemory
+from graphborrow.allocator.stats import ARRAY_STATS
 from graphborrow.allocator.streams import Clockwork
 
 KiB, MiB = 2**10, 2**20

@@ -11,12 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphborrow.core.arena import (
-    BumpArena,
-    digest_path,
-    library_is_intact,
-    library_path,
-)
+from graphborrow.core.arena import BumpArena, library_path
+from graphborrow.core.native import digest_path
+from graphborrow.core.native import is_intact as library_is_intact
 
 MiB = 1 << 20
 
@@ -510,17 +507,7 @@ def test_c_entry_points_refuse_slots_not_acquired():
 # ---------------------------------------------------------------- build helpers, in process
 
 from graphborrow.core import arena as arena_module  # noqa: E402
-
-
-def test_cache_dir_prefers_its_own_setting_then_xdg_then_home(monkeypatch, tmp_path):
-    monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(tmp_path / "own"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert arena_module.cache_dir() == tmp_path / "own"
-    monkeypatch.delenv("GRAPHBORROW_CACHE_DIR")
-    assert arena_module.cache_dir() == tmp_path / "xdg" / "graphborrow"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert arena_module.cache_dir() == tmp_path / "home" / ".cache" / "graphborrow"
+from graphborrow.core import native  # noqa: E402
 
 
 def test_the_compiler_comes_from_cc_then_the_usual_names(monkeypatch):
@@ -535,32 +522,6 @@ def test_the_compiler_comes_from_cc_then_the_usual_names(monkeypatch):
     del found["clang"]
     with pytest.raises(RuntimeError, match="no C compiler found.*set CC"):
         arena_module._compiler()
-
-
-def test_a_library_is_intact_only_with_a_matching_digest(tmp_path):
-    library = tmp_path / "libx.so"
-    assert not library_is_intact(library)  # missing
-    library.write_bytes(b"\x7fELF library bytes")
-    assert not library_is_intact(library)  # no digest
-    digest = arena_module._digest(library)
-    assert digest == __import__("hashlib").sha256(b"\x7fELF library bytes").hexdigest()
-    digest_path(library).write_text(digest + "\n")
-    assert digest_path(library) == tmp_path / "libx.so.sha256"
-    assert library_is_intact(library)
-    library.write_bytes(b"\x7fELF library byte")
-    assert not library_is_intact(library)
-
-
-def test_only_old_build_temporaries_are_removed(tmp_path):
-    old, young, other = tmp_path / ".build-a.so", tmp_path / ".build-b.so", tmp_path / "keep.so"
-    for path in (old, young, other):
-        path.write_bytes(b"")
-    os.utime(old, (0, 0))
-    os.utime(other, (0, 0))
-    arena_module._remove_stale_temporaries(tmp_path, max_age_s=3600.0)
-    assert not old.exists() and young.exists() and other.exists()
-    arena_module._remove_stale_temporaries(tmp_path, max_age_s=-1.0)
-    assert not young.exists() and other.exists()
 
 
 def test_repr_and_describe_report_the_state(arena):
@@ -583,7 +544,7 @@ def test_library_path_builds_verifies_and_rebuilds_in_process(monkeypatch, tmp_p
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != tmp_path.stat().st_dev:
         # temporaries in another file system could not be renamed into place: build beside the target
-        monkeypatch.setattr(arena_module.tempfile, "tempdir", str(shm))
+        monkeypatch.setattr(native.tempfile, "tempdir", str(shm))
     built = library_path()
     assert built.parent == cache and built.name.startswith("libgbarena-") and built.suffix == ".so"
     assert len(built.name) == len("libgbarena-") + 16 + len(".so")

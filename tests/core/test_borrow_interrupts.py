@@ -22,6 +22,7 @@ import torch
 from conftest import deep_factor
 
 from graphborrow.allocator import compiled
+from graphborrow.allocator.replay_support import block_at
 from graphborrow.core import interrupts
 from graphborrow.core.borrow import BorrowState
 from graphborrow.core.errors import EmptyGraphPoolError, PoolBusyError
@@ -441,7 +442,7 @@ def test_borrowing_from_a_pool_with_no_captured_graph_is_refused(sim):
     graphs, keep = capture_ladder(sim, state)  # after a capture, borrowing works
     with state.borrow("now"):
         t = torch.empty(MiB, dtype=torch.uint8, device="cuda")
-        owner = sim.allocator.block_at(sim.data_ptr(t)).pool.owner
+        owner = block_at(sim.allocator, sim.data_ptr(t)).pool.owner
         assert owner is not None and owner.id == state.backend.pool_id(state.mem_pool)
         del t
 

@@ -10,6 +10,7 @@ import pytest
 
 from graphborrow.allocator.caching import CachingAllocator
 from graphborrow.allocator.memory import PhysicalMemory
+from graphborrow.allocator.replay_support import garbage_collection_victims
 from graphborrow.allocator.streams import Clockwork
 from graphborrow.core.errors import SnapshotFormatError
 from graphborrow.fidelity.replay import ReplayReport, load_trace, replay_trace
@@ -376,7 +377,7 @@ def test_an_empty_cache_before_an_allocation_over_the_cap_is_not_its_retry():
     alloc.record_stream(small, side.id)
     alloc.free(small)  # pending until the side stream is done
     alloc.free(big)  # a whole free segment above the threshold: garbage collection's victim
-    assert alloc.garbage_collection_victims()
+    assert garbage_collection_victims(alloc)
     alloc.empty_cache()
     alloc.malloc(4096, side.id)  # a new small segment, for which the empty_cache made room
     snapshot = alloc.full_snapshot()

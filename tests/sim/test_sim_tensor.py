@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from graphborrow.allocator.replay_support import block_at
 from graphborrow.sim import SimBackend, SimLayoutOnlyError, is_sim_tensor
 
 MiB = 2**20
@@ -19,7 +20,7 @@ def test_factory_lands_at_the_address_the_allocator_chose(sim):
     x = torch.empty(1000, device="cuda")
     assert is_sim_tensor(x) and x.shape == (1000,)
     address = sim.data_ptr(x)
-    block = sim.allocator.block_at(address)
+    block = block_at(sim.allocator, address)
     assert block is not None and block.ptr == address and block.requested_size == 4000
     assert block_states(sim)[address] == ("active_allocated", 4096)
     y = torch.zeros(10, device="cuda")

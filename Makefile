@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-nbval test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep gpu-wheels model-pools model-pools-sim strip clean deep mutation mutation-capacity
+.PHONY: setup run demo test test-core test-notebooks test-nbval test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep gpu-wheels model-pools model-pools-sim record-wrapped replay-corpus strip clean deep mutation mutation-capacity
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -71,12 +71,12 @@ deep: setup
 	GRAPHBORROW_HYPOTHESIS=deep $(PY) -m pytest -q -p no:cacheprovider -m "property and not gpu" tests
 
 # Mutation testing (not in CI; about three hours on 2 cores): mutmut 3 over the modules that
-# hold rules ([tool.mutmut] in pyproject.toml) and the simulated allocator's statistics (pure
-# Python, so the mutated source is what runs), a hand-rolled pass over arena.c, one record of
+# hold rules ([tool.mutmut] in pyproject.toml) and the simulated allocator's statistics
+# (allocator/stats.py and restore's take_over_stats, run as pure Python so the mutated source is what runs), a hand-rolled pass over arena.c, one record of
 # both with the survivors judged harmless in data/mutation.json. For a shorter run, name a
 # deterministic sample once mutants/ exists: scripts/mutation_sample.py.
 MUTATION_PATTERNS = 'graphborrow.core.arena.*' 'graphborrow.core.runs.*' 'graphborrow.core.snapshot.*' 'graphborrow.core.borrow.*' \
-	'graphborrow.allocator.caching.x*Stat*' 'graphborrow.allocator.caching.x_update_stat_array*' 'graphborrow.allocator.caching.x*_take_over_stats*'
+	'graphborrow.allocator.stats.*' 'graphborrow.allocator.restore.x_take_over_stats*'
 mutation: setup
 	$(PY) -m pip install -q -e ".[mutation]"
 	rm -rf mutants
@@ -130,6 +130,18 @@ mutation-capacity: setup
 	rm -rf mutants
 	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 'graphborrow.planning.capacity.*' 'graphborrow.planning.planner.*' 'graphborrow.eagle.plan.*'
 	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py data/mutation_capacity.json 'graphborrow.planning.capacity.*' 'graphborrow.planning.planner.*' 'graphborrow.eagle.plan.*'
+
+# On a CUDA machine: traces whose ring buffer wrapped (long runs of the suite's serving workload, model
+# code and the corpus's random program, rings of 100 to 10 000 entries, cut at several points) into
+# data/traces/wrapped/; tests/fidelity/test_wrapped_traces.py replays them all.
+record-wrapped: setup
+	$(PY) scripts/record_wrapped.py data/traces/wrapped --jobs 6
+
+# CPU: replay a folder of traces on the simulated allocator and print the agreement of each
+# (CORPUS=data/traces/wrapped for the wrapped traces; add ARGS='--json FILE --label NAME' to record the run).
+CORPUS ?= data/traces/corpus
+replay-corpus: setup
+	$(PY) -m graphborrow replay-corpus --corpus $(CORPUS) $(ARGS)
 
 strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb

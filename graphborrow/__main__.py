@@ -1,14 +1,16 @@
-"""Command line: ``python -m graphborrow {run,demo,sweep,suite,inspect,build} ...``.
+"""Command line: ``python -m graphborrow {run,demo,sweep,suite,inspect,build,replay-corpus} ...``.
 
 Each command is a thin layer over a public function: :func:`graphborrow.run.demo.run_demo`,
 :func:`graphborrow.run.suite.run_suite`, :func:`graphborrow.run.sweep.run_sweep`,
-:func:`graphborrow.studies.inspection.inspect_snapshot`. Bad arguments
+:func:`graphborrow.studies.inspection.inspect_snapshot`,
+:func:`graphborrow.fidelity.corpus.replay_corpus`. Bad arguments
 exit with status 2 and one line naming the problem; Ctrl-C exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -187,6 +189,27 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_corpus(args: argparse.Namespace) -> int:
+    """Replay every trace of a corpus folder on the simulated allocator; print and record the agreement."""
+    from graphborrow.fidelity import corpus
+
+    paths = corpus.trace_files(Path(args.corpus), args.only.split(",") if args.only else None)
+
+    def show(row: dict) -> None:
+        result = row.get("refused") or (f"{row['agreement']:.4f} ({row['checks']} checks, "
+                                         f"{row['unverifiable']} not made)")
+        print(f"{row['name']:<24} {row['variant'] or '':<14} {result}", flush=True)
+
+    rows = corpus.replay_corpus(paths, progress=show)
+    print(json.dumps(corpus.summarize(rows)))
+    if args.json:
+        command = "python -m graphborrow replay-corpus " + " ".join(args.argv)
+        commit = args.commit or corpus.current_commit(Path.cwd())
+        corpus.record_run(Path(args.json), args.label, commit, command, rows)
+        print(f"wrote {args.json} (run {args.label!r})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m graphborrow",
                                      description="graphborrow: borrow idle CUDA-graph pool memory")
@@ -248,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")
     build.add_argument("--verbose", action="store_true", help="show Cython's and the compiler's output")
     build.set_defaults(func=_build)
+
+    replay = sub.add_parser("replay-corpus", help="replay a folder of recorded traces on the simulated allocator")
+    replay.add_argument("--corpus", default="data/traces/corpus", help="the folder of traces (default data/traces/corpus)")
+    replay.add_argument("--json", help="add this run to a JSON file of labelled runs (e.g. data/traces/corpus_agreement.json)")
+    replay.add_argument("--label", default="current", help="the run's name in that file (replaces a run of that name)")
+    replay.add_argument("--commit", help="the simulator's commit, when it is not this checkout's HEAD")
+    replay.add_argument("--only", help="comma-separated trace names, e.g. seed001,seed002_late")
+    replay.set_defaults(func=_replay_corpus)
     return parser
 
 
@@ -259,6 +290,7 @@ def main(argv=None) -> int:
 
             return demo_main(argv[1:]) or 0
         args = build_parser().parse_args(argv)
+        args.argv = argv[1:]
         return args.func(args)
     except (ParameterError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -26,16 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 # planner's mutants are scored by scripts/mutation_score.py, make mutation-capacity).
 RULE_MODULES = (
     "graphborrow/core/arena.py", "graphborrow/core/runs.py", "graphborrow/core/snapshot.py", "graphborrow/core/borrow.py",
-    "graphborrow/allocator/caching.py",
+    "graphborrow/allocator/stats.py", "graphborrow/allocator/restore.py",
 )
-# Of the simulated allocator only the statistics: Stat, StatArray, DeviceStats (x*Stat*, the class
-# names are capitalised, no other function's is), update_stat_array and restoring stats.
+# Of the simulated allocator only the statistics: all of allocator/stats.py (Stat, StatArray,
+# DeviceStats, update_stat_array) and restoring them (restore's take_over_stats).
 STAT_MUTANTS = (
-    "graphborrow.allocator.caching.x*Stat*",
-    "graphborrow.allocator.caching.x_update_stat_array*",
-    "graphborrow.allocator.caching.x*_take_over_stats*",
+    "graphborrow.allocator.stats.*",
+    "graphborrow.allocator.restore.x_take_over_stats*",
 )
-RULE_MUTANTS = tuple(m[:-3].replace("/", ".") + ".*" for m in RULE_MODULES[:-1]) + STAT_MUTANTS
+RULE_MUTANTS = tuple(m[:-3].replace("/", ".") + ".*" for m in RULE_MODULES[:-2]) + STAT_MUTANTS
 
 # Survivors looked at and judged harmless: mutant name (fnmatch pattern) -> why.
 # A survivor not listed here (and not a wording-only change, see _only_wording) is one a
@@ -120,11 +119,11 @@ HARMLESS_PY: dict[str, str] = {
         "segment whose blocks were checked to tile it"
     ),
     "graphborrow.core.borrow.xǁBorrowStateǁstats__mutmut_3": "free_runs() of a disabled state is [] already",
-    "graphborrow.allocator.caching.x_update_stat_array__mutmut_5": (
+    "graphborrow.allocator.stats.x_update_stat_array__mutmut_5": (
         "amount >= 1 instead of >= 0: an amount of 0 then goes through decrease(0) instead of "
         "increase(0), and both leave current, peak, allocated and freed as they were"
     ),
-    "graphborrow.allocator.caching.xǁStatǁincrease__mutmut_5": (
+    "graphborrow.allocator.stats.xǁStatǁincrease__mutmut_5": (
         "current >= peak instead of >: when they are equal, peak = current assigns the value it has"
     ),
     "graphborrow.core.borrow.xǁBorrowStateǁ_raise_on_live_borrows__mutmut_5": (
@@ -305,7 +304,7 @@ def main() -> None:
         **({"ran": args.ran} if args.ran else {}),
         "torch": torch_version(),
         "python_modules": [m for m in config["only_mutate"] if m in RULE_MODULES],
-        "python_mutants": list(RULE_MUTANTS),  # of allocator/caching.py only the statistics
+        "python_mutants": list(RULE_MUTANTS),  # of the allocator model only the statistics
         "tests": config["pytest_add_cli_args_test_selection"],
         "pytest_args": config["pytest_add_cli_args"],
         "python": python_results(),

@@ -11,11 +11,10 @@ children=${2:-$(nproc)}
 export GRAPHBORROW_SIM_PURE=1 OMP_NUM_THREADS=1
 mutmut=${MUTMUT:-mutmut}
 patterns=('graphborrow.core.arena.*' 'graphborrow.core.runs.*' 'graphborrow.core.snapshot.*' 'graphborrow.core.borrow.*'
-  'graphborrow.allocator.caching.x*Stat*' 'graphborrow.allocator.caching.x_update_stat_array*'
-  'graphborrow.allocator.caching.x*_take_over_stats*')
-sample=('graphborrow.core.runs.*=2' 'graphborrow.core.borrow.*=2' 'graphborrow.allocator.caching.xǁStat*=2'
-  'graphborrow.allocator.caching.x_update_stat_array*=2' 'graphborrow.allocator.caching.xǁDeviceStatsǁ*=2'
-  'graphborrow.allocator.caching.xǁCachingAllocatorǁ_take_over_stats*=2' 'graphborrow.core.arena.*=6' 'graphborrow.core.snapshot.*=6')
+  'graphborrow.allocator.stats.*' 'graphborrow.allocator.restore.x_take_over_stats*')
+sample=('graphborrow.core.runs.*=2' 'graphborrow.core.borrow.*=2' 'graphborrow.allocator.stats.xǁStat*=2'
+  'graphborrow.allocator.stats.x_update_stat_array*=2' 'graphborrow.allocator.stats.xǁDeviceStatsǁ*=2'
+  'graphborrow.allocator.restore.x_take_over_stats*=2' 'graphborrow.core.arena.*=6' 'graphborrow.core.snapshot.*=6')
 
 left() { echo $(( deadline - $(date +%s) )); }
 step() {  # label, mutmut arguments...

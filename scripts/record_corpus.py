@@ -43,6 +43,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from graphborrow.fidelity.corpus import strip_frames
+
 MiB = 2**20
 MAX_ENTRIES = 200_000
 OVERFLOW_ENTRIES = 1_000
@@ -355,17 +357,6 @@ class Program:
                 self.release_mempool()
         self._op("end")
         self._synchronize()
-
-
-def strip_frames(snapshot: dict) -> dict:
-    for segment in snapshot.get("segments", []):
-        segment["frames"] = []
-        for block in segment.get("blocks", []):
-            block["frames"] = []
-    for trace in snapshot.get("device_traces", []):
-        for entry in trace:
-            entry.pop("frames", None)
-    return snapshot
 
 
 def record_one(spec: dict, outdir: str, command: str) -> dict:

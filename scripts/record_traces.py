@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from graphborrow.fidelity.corpus import strip_frames
+
 SCENARIOS = ("default_churn", "graph_ladder", "borrow_cycles")
 MAX_ENTRIES = 100_000
 MiB = 2**20
@@ -130,17 +132,6 @@ def borrow_cycles(torch) -> None:
 
 
 _write_snapshot_hook: dict = {}
-
-
-def strip_frames(snapshot: dict) -> dict:
-    for segment in snapshot.get("segments", []):
-        segment["frames"] = []
-        for block in segment.get("blocks", []):
-            block["frames"] = []
-    for trace in snapshot.get("device_traces", []):
-        for entry in trace:
-            entry.pop("frames", None)
-    return snapshot
 
 
 def record(name: str, outdir: str, command: str) -> None:

@@ -23,6 +23,7 @@ import platform
 import shutil
 import sys
 import sysconfig
+import types
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -30,10 +31,11 @@ from pathlib import Path
 from graphborrow.core import native
 
 __all__ = ["MODULES", "PURE_ENV", "SOURCES", "build", "build_paths", "build_tag", "implementation", "install",
-           "problem"]
+           "problem", "pure_model"]
 
 PACKAGE = "graphborrow.allocator"
 MODULES = ("stats", "blocks", "caching")  # in load order: each cimports those before it
+SHARED = ("config", "memory", "streams", "errors")  # modules of the package that import none of MODULES
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / f"{module}.{ext}" for module in MODULES for ext in ("py", "pxd"))
 PURE_ENV = "GRAPHBORROW_SIM_PURE"
@@ -190,3 +192,24 @@ def implementation() -> str:
     if module is None:
         return "pure Python"
     return "compiled" if str(getattr(module, "__file__", "")).endswith(EXT_SUFFIX) else "pure Python"
+
+
+def pure_model() -> types.ModuleType:
+    """The allocator model run from its Python source, whatever build this process loaded.
+
+    Returns ``caching`` as a module of its own (``graphborrow.allocator.pure_source``), with
+    pure ``stats`` and ``blocks`` and the modules built on them, sharing the rest (memory,
+    streams, configuration, errors) with the package. For checking the build against its
+    source in one process.
+
+    Returns:
+        The pure-Python ``caching`` module.
+    """
+    name = f"{PACKAGE}.pure_source"
+    if f"{name}.caching" not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(HERE)]
+        sys.modules[name] = package
+        for module in SHARED:
+            sys.modules[f"{name}.{module}"] = importlib.import_module(f"{PACKAGE}.{module}")
+    return importlib.import_module(f"{name}.caching")

@@ -294,4 +294,6 @@ def _check_traces(snapshot: dict, required: bool) -> None:
             for key in _TRACE_NEEDS.get(entry["action"], ("addr", "size", "stream")):
                 if key not in entry:
                     raise SnapshotFormatError(f"{where} ({entry['action']}) lacks {key!r}")
-                _integer(entry[key], f"{where} ({entry['action']})", key)
+                if _integer(entry[key], f"{where} ({entry['action']})", key) < 0:
+                    raise SnapshotFormatError(f"{where} ({entry['action']}) has {key} {entry[key]}; addresses, "
+                                              "sizes and streams in a trace are never negative")

@@ -19,14 +19,14 @@ from typing import Any
 from graphborrow.allocator import replay_support as queries
 from graphborrow.allocator.blocks import DEFAULT_POOL
 from graphborrow.allocator.errors import AllocatorOutOfMemoryError, PoolReleasedError
-from graphborrow.core.sizes import SMALL_SIZE, round_size
+from graphborrow.core.sizes import SMALL_SIZE, allocation_size, round_size
 
 from . import prestate
-from .passes import Malloc, Outcome, ReplayPass, TraceInput, fmt_calls
-from .plan import SegmentId, SegmentLife
+from .passes import DIVERGED, GUESSED, NOT_REBUILT, Malloc, Outcome, ReplayPass, TraceInput, fmt_calls
+from .plan import Reservation, SegmentId, SegmentLife
 from .pools import DEFAULT_LABEL, Choice, Decision, PoolLabel
 
-__all__ = ["CheckingPass", "Refuted"]
+__all__ = ["CheckingPass", "Learned", "Refuted"]
 
 NEW_POOL = PoolLabel("new", None)  # the likeliest pool of a failed allocation is one not made yet
 
@@ -39,6 +39,21 @@ class Refuted(Exception):  # noqa: N818 (a signal, not an error)
         self.decision, self.reason = decision, reason
 
 
+class Learned(Exception):  # noqa: N818 (a signal, not an error)
+    """The trace showed the size of a block from before it: rebuild the start with it and replay again.
+
+    An allocation the model placed elsewhere than the trace, in a segment whose blocks from before
+    the trace are guesses, at an address right after such a block, where a free block began: that
+    block ended there. Sizes from a free (its request) are exact when the allocator split the free
+    block it came from; when it handed the block out whole, it is larger by less than the split
+    threshold, and the next allocation in the space after it shows by how much.
+    """
+
+    def __init__(self, address: int, size: int) -> None:
+        super().__init__(f"the block at {address:#x} from before the trace is {size} B")
+        self.address, self.size = address, size
+
+
 class CheckingPass(ReplayPass):
     """Replays a trace with the pools inferred for it and makes the reported checks.
 
@@ -49,10 +64,11 @@ class CheckingPass(ReplayPass):
         refuted: decisions refuted by earlier replays (not made again).
         blaming: raise :class:`Refuted` on a contradiction (False in the last replay, when the
             patience for refutations has run out).
+        learning: raise :class:`Learned` when the trace shows the size of a guessed block.
     """
 
     def __init__(self, trace: TraceInput, assignment: dict, evidence, refuted: set[Decision],
-                 blaming: bool = True) -> None:
+                 blaming: bool = True, learning: bool = True) -> None:
         super().__init__(trace)
         self.assignment = assignment
         self.conflicts = evidence.conflicts
@@ -60,6 +76,7 @@ class CheckingPass(ReplayPass):
         self.released_alone = evidence.released_alone()
         self.refuted = refuted
         self.blaming = blaming
+        self.learning = learning
         self.choice_keys: dict[int, Decision] = {}  # sim segment address -> the decision of its pool
         self.release_cause: dict[PoolLabel, Decision | None] = {}  # pool -> decision of the segment whose release released it
         self._pending: Decision | None = None  # the decision the current malloc rests on
@@ -71,7 +88,7 @@ class CheckingPass(ReplayPass):
 
     # --------------------------------------------------------------- choosing pools
 
-    def choose(self, choice: Choice, known: tuple | None, nbytes: int, stream: int, pluggable: bool,
+    def choose(self, choice: Choice, known: tuple | None, nbytes: int, stream: int, pluggable: bool | None,
                expandable: bool) -> PoolLabel:
         """The pool label for a new segment (or an allocation that failed): known, or the first consistent one.
 
@@ -79,6 +96,8 @@ class CheckingPass(ReplayPass):
         expandable reservation, no reservation of that kind on that stream).
         """
         identity = choice.segment if choice.kind == "segment" else None
+        if pluggable is None:  # an allocation failed: with no cap, and device memory to spare, a pluggable allocator's
+            pluggable = self.sim.allowed_memory_maximum is None and self._had_room(choice, nbytes)
         if known is not None:
             label = PoolLabel.of(known)
             self.pool(label, pluggable)
@@ -93,7 +112,7 @@ class CheckingPass(ReplayPass):
             if self._consistent(choice, label, identity, nbytes, stream, pluggable, expandable):
                 return self._take(choice, label, identity)
         label = PoolLabel("inferred", SegmentId(choice.at))
-        self.pool(label, pluggable)
+        self.pool(label, bool(pluggable))
         self._take(choice, label, identity)
         if Decision(choice, label) in self.refuted:
             self._pending = None  # a pool of its own was refuted too: the evidence blames another choice
@@ -111,9 +130,11 @@ class CheckingPass(ReplayPass):
         return ranked
 
     def _consistent(self, choice: Choice, label: PoolLabel, identity: SegmentId | None, nbytes: int, stream: int,
-                    pluggable: bool, expandable: bool) -> bool:
+                    pluggable: bool | None, expandable: bool) -> bool:
         pool = self.pools.get(label)
-        if pool is None or pool.released or pool.pluggable != pluggable or Decision(choice, label) in self.refuted:
+        if pool is None or pool.released or Decision(choice, label) in self.refuted:
+            return False
+        if pluggable is not None and pool.pluggable != pluggable:
             return False
         if pool.id != DEFAULT_POOL and pool.id not in self.sim.graph_pools:
             return False
@@ -127,6 +148,13 @@ class CheckingPass(ReplayPass):
         if identity is not None and pool.id != DEFAULT_POOL and self.private_conflicts.get(identity, set()) & members:
             return False  # a private pool whose memory went back takes no allocation afterwards
         return True
+
+    def _had_room(self, choice: Choice, nbytes: int) -> bool:
+        """Whether the device had room for a new segment for ``nbytes`` when the allocation of ``choice``
+        failed (the ``device_free`` its oom entry recorded, cudaMemGetInfo's)."""
+        size = allocation_size(round_size(nbytes, self.sim.divisions), self.sim.large_segment_size)
+        failed = next(e for e in self.entries[choice.at:] if e.get("action") == "oom")
+        return failed.get("device_free", 0) >= size
 
     def _take(self, choice: Choice, label: PoolLabel, identity: SegmentId | None) -> PoolLabel:
         self._decide(choice, label)
@@ -167,16 +195,18 @@ class CheckingPass(ReplayPass):
 
     def pre_segment_pool(self, life: SegmentLife) -> tuple[int, int]:
         if life.pool is not None:
-            return self.pool(PoolLabel.of(life.pool)).id
+            return self.pool(PoolLabel.of(life.pool), life.pluggable).id
+        if life.pluggable:  # a pluggable pool's memory the snapshot does not name: a pool of its own
+            return self.pool(PoolLabel("pre-trace", life.identity), pluggable=True).id
         return self._pre_pool(life)
 
-    def reservation_pools(self, groups: list[prestate.Reservation]) -> list[tuple[int, int]]:
+    def reservation_pools(self, groups: list[Reservation]) -> list[tuple[int, int]]:
         named = {(group.stream, group.small, group.pool) for group in groups if group.pool is not None}
         used = {(stream, small, self.pool(PoolLabel.of(pool)).id) for stream, small, pool in named}
         pools = []
         for group in groups:
             if group.pool is None:
-                life = SegmentLife(group.first.address, 0, group.stream, -1, expandable=True, pre_trace=True)
+                life = group.life(self.trace.geometry)
                 taken = {p for s, k, p in used if (s, k) == (group.stream, group.small)}
                 pool_id = self._pre_pool(life, taken)
             else:
@@ -190,14 +220,14 @@ class CheckingPass(ReplayPass):
         the pool inferred for it (from the allocations in it and the releases it took part in),
         else a pool of its own, skipping refuted choices. A segment one private pool's emptyCache
         gave back takes the inferred pool first."""
-        choice = Choice("pre-trace segment", life.address)
+        choice = Choice("pre-trace segment", life.address, life.size, life.end)
         order = (DEFAULT_LABEL, self.assignment.get(life.identity))
         if life.identity in self.released_alone:
             order = order[::-1]
         taken = taken or set()
         label = next((c for c in order if c is not None and Decision(choice, c) not in self.refuted
                       and (c not in self.pools or self.pools[c].id not in taken)
-                      and not (c.names_a_pool and c.key in taken)), PoolLabel("pre-trace", life.address))
+                      and not (c.names_a_pool and c.key in taken)), PoolLabel("pre-trace", life.identity))
         pool = self.pool(label)
         self._decide(choice, label)
         self.choice_keys[life.address] = Decision(choice, label)
@@ -263,6 +293,12 @@ class CheckingPass(ReplayPass):
 
     def on_landing(self, m: Malloc, outcome: Outcome, context: Any) -> None:
         block, addr = outcome.block, m.entry["addr"]
+        if block.ptr != addr and outcome.short is not None and self.learning:
+            self._learn(outcome.short, addr)
+        if block.ptr != addr and outcome.after_guess and outcome.uncertain == GUESSED and \
+                block.segment.address in self.choice_keys:  # or the guessed block's segment is in another pool
+            self._refute(self.choice_keys[block.segment.address], f"{outcome.where}: took the space after a guessed "
+                                                                  f"block of the segment at {block.segment.address:#x}")
         if block.ptr != addr and not outcome.uncertain:
             self._blame(block.ptr, addr, outcome.where)
         if not outcome.calls_ok and not outcome.uncertain:
@@ -275,6 +311,14 @@ class CheckingPass(ReplayPass):
         if self._pending is not None and (m.new_segment is not None or m.maps):
             self.choice_keys.setdefault(block.segment.address, self._pending)
         self._pending = None
+
+    def _learn(self, guessed: Any, address: int) -> None:
+        """The trace put a block at ``address``, in the free space after the ``guessed`` block from before
+        it: the guessed block ends there, when the allocator's rules allow a block of that size."""
+        size = address - guessed.ptr
+        slack = size - round_size(max(guessed.requested_size, 1), self.sim.divisions)
+        if 0 < slack <= SMALL_SIZE or self.sim.max_split <= size:  # handed out whole, unsplit
+            raise Learned(guessed.ptr, size)
 
     # --------------------------------------------------------------- blame
 
@@ -360,7 +404,8 @@ class CheckingPass(ReplayPass):
         expected = sorted((e["action"], e["addr"], e["size"]) for e in run)
         where = f"events {i}..{i + len(run) - 1} empty_cache"
         segments = [self.segment_at(e["addr"]) for e in run]
-        uncertain = any(self.is_uncertain(s) for s in segments) or (self.plan.mid_run and None in segments)
+        uncertain = next((reason for reason in map(self.doubt, segments) if reason), None) or (
+            NOT_REBUILT if self.plan.mid_run and None in segments else None)
         owners = {s.pool.owner.id for s in segments if s is not None and s.pool.owner is not None}
         default = any(s is not None and s.pool.owner is None for s in segments)
         before = {s.address: (self.label_of(s), s) for s in self.sim.segments()}
@@ -383,7 +428,8 @@ class CheckingPass(ReplayPass):
         self.settle(emitted, [], where)
         got = sorted((e["action"], e["addr"], e["size"]) for e in emitted if e["action"] in ("segment_free", "segment_unmap"))
         differ = {addr for _, addr, _ in set(got) ^ set(expected)}
-        uncertain = uncertain or any(s.address <= a < s.address + s.size for s in diverged for a in differ)
+        uncertain = uncertain or (DIVERGED if any(s.address <= a < s.address + s.size for s in diverged for a in differ)
+                                  else None)
         if got != expected and uncertain:  # memory one side kept and the other gave back: not comparable from here on
             self.diverge(sorted(differ))
         if got != expected and not uncertain:
@@ -391,7 +437,7 @@ class CheckingPass(ReplayPass):
         self.check(got == expected, f"{where}: expected to release {fmt_calls(expected)}, simulated {fmt_calls(got)}",
                    uncertain)
 
-    def _blame_synchronised(self, emitted: list, segments: list, uncertain: bool, where: str) -> None:
+    def _blame_synchronised(self, emitted: list, segments: list, uncertain: str | None, where: str) -> None:
         """It completed frees the real one left pending: another pool's, or no empty_cache at all."""
         synced = [e["addr"] for e in emitted if e["action"] == "free_completed"]
         if not synced or uncertain:

@@ -24,7 +24,7 @@ from graphborrow.core.sizes import SMALL_BUFFER, SMALL_SIZE, round_size
 
 from . import prestate
 from .passes import STOP, Malloc, ReplayPass, TraceInput, releasable
-from .plan import SegmentId, SegmentLife
+from .plan import Reservation, SegmentId, SegmentLife
 from .pools import DEFAULT_LABEL, Choice, PoolEvidence, PoolLabel
 
 __all__ = ["LayoutPass"]
@@ -66,22 +66,20 @@ class LayoutPass(ReplayPass):
 
     # --------------------------------------------------------------- pools
 
-    def choose(self, choice: Choice, known: tuple | None, nbytes: int, stream: int, pluggable: bool,
+    def choose(self, choice: Choice, known: tuple | None, nbytes: int, stream: int, pluggable: bool | None,
                expandable: bool) -> PoolLabel:
         identity = choice.segment if choice.kind == "segment" else None
         if identity is None:
             return DEFAULT_LABEL
-        return self._own(identity, pluggable)
+        return self._own(identity, bool(pluggable))
 
     def pre_segment_pool(self, life: SegmentLife) -> tuple[int, int]:
-        return self.pools[self._own(life.identity)].id
+        return self.pools[self._own(life.identity, life.pluggable)].id
 
-    def reservation_pools(self, groups: list[prestate.Reservation]) -> list[tuple[int, int]]:
+    def reservation_pools(self, groups: list[Reservation]) -> list[tuple[int, int]]:
         pools = []
         for group in groups:
-            life = SegmentLife(group.first.address, self.trace.geometry.virtual_size(
-                SMALL_BUFFER if group.small else self.config.large_segment_size), group.stream, -1,
-                expandable=True, pre_trace=True)
+            life = group.life(self.trace.geometry)
             pools.append(self.pools[self._own(life.identity)].id)
             if group.pool is not None:  # what the snapshot says of it, as for any named segment
                 self.evidence.known[life.identity] = group.pool

@@ -18,7 +18,7 @@ Checks that depend on state guessed before a mid-run trace are not made but coun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sortedcontainers import SortedDict
@@ -35,13 +35,20 @@ from graphborrow.core.errors import SnapshotFormatError
 from graphborrow.core.sizes import SMALL_BUFFER, allocation_size, round_size
 
 from . import prestate
-from .plan import RELEASES, Geometry, SegmentLife, TracePlan, reserved_before
+from .plan import RELEASES, Geometry, Reservation, SegmentLife, TracePlan, reserved_before
 from .pools import DEFAULT_LABEL, Choice, PoolLabel, ReplayPool
 
 __all__ = ["STOP", "Malloc", "Outcome", "ReplayPass", "TraceInput", "fmt_calls", "releasable"]
 
 SKIPPED = frozenset({"snapshot", "annotate", "user_defined"})
 DEVICE_CALLS = frozenset({"segment_alloc", "segment_map", "segment_free", "segment_unmap"})
+# why a check could not be made (ReplayReport.unverifiable_reasons counts them by these)
+NOT_REBUILT = "memory from before the trace that could not be rebuilt"
+GUESSED = "a segment whose blocks before the trace are a guess (a free says a block existed, not its size)"
+DIVERGED = "memory that went another way than the trace after a check that could not be made"
+EXPANDABLE = "expandable memory from before the trace that could not be rebuilt"
+CAP = "a decision of the memory fraction's cap while the model holds other memory than the trace did"
+PLACED = "the trace places memory where the state rebuilt before it differs"
 REPLAY_BASE = 1 << 60  # memory the trace does not place lands far above any traced address
 INFERRED_BASE = 1 << 20  # synthetic ids (0, n) of pools the trace does not name
 STOP = object()  # before_route's answer: the malloc ends there (nothing more to replay of it)
@@ -51,7 +58,8 @@ STOP = object()  # before_route's answer: the malloc ends there (nothing more to
 class TraceInput:
     """A trace to replay: its entries, the snapshot's segments at its end, and how it was recorded.
 
-    ``snapshot_pools`` are the pools the snapshot was taken of (None: every pool of the device).
+    ``snapshot_pools`` are the pools the snapshot was taken of (None: every pool of the device);
+    ``starts_empty`` says that the trace begins at an empty allocator.
     """
 
     entries: list[dict]
@@ -60,6 +68,8 @@ class TraceInput:
     device_memory: int
     fraction: float | None
     snapshot_pools: frozenset | None
+    starts_empty: bool = False
+    learned: dict = field(default_factory=dict)  # address -> size of blocks from before the trace, as the trace taught
 
     @property
     def geometry(self) -> Geometry:
@@ -110,8 +120,10 @@ class Outcome:
     failure: Exception | None
     got: list[tuple]
     expected: list[tuple]
-    uncertain: bool
+    uncertain: str | None  # why its checks cannot be made, or None
     where: str
+    short: Any = None  # a guessed block the trace placed this allocation after, not where the guess ends
+    after_guess: bool = False  # the model placed it right after a guessed block
 
     @property
     def calls_ok(self) -> bool:
@@ -126,9 +138,12 @@ class _TracedAddresses:
 
     def __init__(self) -> None:
         self.expected: int | None = None
+        self.refuse = False  # the trace says this allocation ran out of memory
         self._spare = REPLAY_BASE * 2
 
     def raw_alloc(self, nbytes: int, stream: int) -> int:
+        if self.refuse:
+            return 0
         if self.expected is not None:
             address, self.expected = self.expected, None
             return address
@@ -172,7 +187,7 @@ class ReplayPass:
         self.decisions: dict[str, str] = {}
         self.blocks: dict[int, list] = {}  # traced address -> simulated blocks alive there
         self.pending: dict[int, list] = {}  # traced address -> [(block, phantom stream)] awaiting completion
-        self.uncertain: set = set()  # sim segments whose layout before the trace is a guess
+        self.uncertain: dict = {}  # sim segment -> its blocks from before the trace whose sizes are guesses
         self.skipped: set = set()  # traced addresses of allocations that could not be replayed (mid-run)
         self.diverged: set = set()  # sim segments that went their own way after an unverifiable decision
         self.diverged_elsewhere: list[int] = []  # traced addresses such a decision left without a sim segment
@@ -185,20 +200,21 @@ class ReplayPass:
         self.last_label: PoolLabel = DEFAULT_LABEL
         self.checks = 0
         self.unverifiable = 0
+        self.unverifiable_reasons: dict[str, int] = {}
         self.mismatches: list[str] = []
 
     # --------------------------------------------------------------- what subclasses decide
 
-    def choose(self, choice: Choice, known: tuple | None, nbytes: int, stream: int, pluggable: bool,
+    def choose(self, choice: Choice, known: tuple | None, nbytes: int, stream: int, pluggable: bool | None,
                expandable: bool) -> PoolLabel:
-        """The pool of a new segment (or of an allocation that failed)."""
+        """The pool of a new segment (or of an allocation that failed; ``pluggable`` None: either kind)."""
         raise NotImplementedError
 
     def pre_segment_pool(self, life: SegmentLife) -> tuple[int, int]:
         """The pool id of a segment from before the trace."""
         raise NotImplementedError
 
-    def reservation_pools(self, groups: list[prestate.Reservation]) -> list[tuple[int, int]]:
+    def reservation_pools(self, groups: list[Reservation]) -> list[tuple[int, int]]:
         """The pool ids of the expandable reservations from before the trace, in order."""
         raise NotImplementedError
 
@@ -235,13 +251,19 @@ class ReplayPass:
 
     # --------------------------------------------------------------- bookkeeping
 
-    def check(self, ok: bool, message: str, uncertain: bool = False) -> None:
+    def check(self, ok: bool, message: str, uncertain: str | None = None) -> None:
+        """Count a check: made (a mismatch when not ``ok``), or not made for the reason ``uncertain``."""
         if uncertain:
-            self.unverifiable += 1
+            self.not_made(uncertain)
             return
         self.checks += 1
         if not ok:
             self.mismatches.append(message)
+
+    def not_made(self, reason: str, count: int = 1) -> None:
+        """Count checks that cannot be made, and why."""
+        self.unverifiable += count
+        self.unverifiable_reasons[reason] = self.unverifiable_reasons.get(reason, 0) + count
 
     def segment_at(self, address: int):
         """The innermost simulated segment containing ``address``."""
@@ -269,16 +291,40 @@ class ReplayPass:
                 return label
         return PoolLabel.of(owner.id)
 
-    def is_uncertain(self, segment) -> bool:
+    def doubt(self, segment) -> str | None:
+        """Why checks involving this model segment cannot be made, or None when they can."""
         if segment is not None and segment in self.diverged:
-            return True
-        if segment is None or segment not in self.uncertain:
-            return False
-        head = segment.head
-        if head is not None and head.next is None and head.state == "inactive":
-            self.uncertain.discard(segment)  # wholly free again: its layout is exact from here on
-            return False
-        return True
+            return DIVERGED
+        return None
+
+    def after_a_guess(self, address: int) -> tuple[str | None, Any]:
+        """GUESSED when ``address`` lies in a free block right after a block from before the trace whose
+        size is a guess and which is still allocated (that free block's size is the guess's complement),
+        with that block: placed there, the next block shows where it ends.
+
+        Only such a free block's size is in doubt (a block freed again merges with the space after it,
+        whatever its size), so only a placement that uses one, in the model or in the trace, rests on
+        the guess; best fit between blocks of known sizes does not. A placement the trace makes at the
+        very start of that free block (best fit takes a free block from its start) shows the guess
+        right: the block is known from then on.
+        """
+        segment = self.segment_at(address)
+        guessed = self.uncertain.get(segment) if segment is not None else None
+        if not guessed:
+            return None, None
+        for block in guessed:
+            following = block.next
+            if block.allocated and following is not None and following.key is not None \
+                    and following.ptr <= address < following.ptr + following.size:
+                if following.ptr == address:
+                    guessed.remove(block)  # the trace placed the next block where the guessed one ends
+                    return None, None
+                return GUESSED, block
+        return None, None
+
+    def doubt_at(self, addresses) -> str | None:
+        """The first doubt about the model segments at these addresses (0 stands for none)."""
+        return next((reason for reason in (self.doubt(self.segment_at(a)) for a in addresses if a) if reason), None)
 
     def pool(self, label: PoolLabel, pluggable: bool = False) -> ReplayPool:
         """The replay's pool of ``label``, created (in the model too) when new."""
@@ -343,9 +389,14 @@ class ReplayPass:
         if self.plan.mid_run:
             self.rebuild_start()
         for problem in self.plan.problems:  # memory from before the trace that nothing places
-            self.check(False, problem, uncertain=self.plan.mid_run)
+            self.check(False, problem, uncertain=NOT_REBUILT if self.plan.mid_run else None)
         for problem in self.plan.contradictions:
             self.check(False, problem)
+        if self.trace.starts_empty:
+            for life in self.plan.pre:
+                what = "expandable reservation" if life.expandable else "segment"
+                self.check(False, f"a {what} at {life.address:#x} existed before the first entry of a trace that starts "
+                                  "at an empty allocator: the trace and its snapshot disagree")
         entries = self.entries
         i = 0
         while i < len(entries):
@@ -409,13 +460,13 @@ class ReplayPass:
         if isinstance(m, int):
             return m
         if not m.oom and m.first is None and self.segment_at(m.entry["addr"]) is None and self.plan.mid_run:
-            self.unverifiable += 2  # memory from before the trace that could not be rebuilt
+            self.not_made(NOT_REBUILT, 2)  # (the device calls and the block)
             self.skipped.add(m.entry["addr"])
             return m.index + 1
         context = self.before_route(m, released, completed)
         if context is STOP:
             return m.index + 1
-        label, pluggable = self.route(m, {e["addr"] for e in released})
+        label, pluggable = self.route(m)
         self.after_route(label, m)
         outcome = self._run_malloc(m, label, pluggable, released, completed)
         if m.oom:
@@ -433,6 +484,8 @@ class ReplayPass:
         where = f"event {m.index} {'oom' if m.oom else 'alloc'} {m.nbytes} B on stream {m.stream} in pool {self.name(label)}"
         block, failure = None, None
         reserve_unsure = self.reserve_unsure(m.start - len(released))  # (the releases run inside the malloc)
+        guessed, short = self.after_a_guess(m.entry["addr"]) if not m.oom and m.first is None else (None, None)
+        self.traced_addresses.refuse = m.oom  # a pluggable pool's allocator failed where the trace says
         try:
             block = self.malloc(label, m.nbytes, m.stream)
         except Exception as error:  # OutOfMemoryError is a RuntimeError; a released pool raises too
@@ -440,13 +493,18 @@ class ReplayPass:
         finally:
             self.memory.expect_next_address(None)
             self.traced_addresses.expected = None
+            self.traced_addresses.refuse = False
         emitted = queries.drain_trace(self.sim)
         self.settle(emitted, completed, where)
         got = [(e["action"], e.get("addr", 0), e["size"]) for e in emitted if e["action"] in DEVICE_CALLS]
-        uncertain = any(self.is_uncertain(self.segment_at(a)) for _, a, _ in got + expected if a)
+        uncertain = self.doubt_at(a for _, a, _ in got + expected) or guessed
+        after_guess = block is not None and block.prev is not None and any(
+            block.prev is b for b in self.uncertain.get(block.segment, ()))
+        if after_guess:
+            uncertain = uncertain or GUESSED  # the model placed it right after a guessed block
         if (m.oom or released or failure is not None or got != expected) and reserve_unsure:
-            uncertain = True  # the cap decided it, and what was reserved before it is not what the trace had
-        return Outcome(block, failure, got, expected, uncertain, where)
+            uncertain = CAP  # the cap decided it, and what was reserved before it is not what the trace had
+        return Outcome(block, failure, got, expected, uncertain, where, short, after_guess)
 
     def _failed_as_recorded(self, m: Malloc, outcome: Outcome, context: Any) -> None:
         """An allocation the trace records as out of memory."""
@@ -468,7 +526,7 @@ class ReplayPass:
         """The model raised where the trace's allocation succeeded."""
         failure = outcome.failure
         if self.plan.mid_run and isinstance(failure, AddressInUseError):
-            outcome.uncertain = True  # the trace places memory where the unrebuilt state before it differs
+            outcome.uncertain = PLACED
         self.on_failure(m, outcome, label)
         if outcome.uncertain:  # the memory the trace placed here never came to be: what it held is not comparable
             self.diverge([m.entry["addr"]] + [a for _, a, _ in outcome.expected if a])
@@ -479,8 +537,9 @@ class ReplayPass:
         """The allocation succeeded in the model: where, against where the trace says."""
         block, addr = outcome.block, m.entry["addr"]
         home = self.segment_at(addr)
-        outcome.uncertain = (outcome.uncertain or self.is_uncertain(home) or self.is_uncertain(block.segment)
-                             or (self.plan.mid_run and home is None))  # memory from before the trace not rebuilt
+        before = self.plan.mid_run and home is None and m.first is None  # memory from before the trace, not rebuilt
+        outcome.uncertain = outcome.uncertain or self.doubt(home) or self.doubt(block.segment) or (
+            NOT_REBUILT if before else None)
         if outcome.uncertain and (block.ptr != addr or not outcome.calls_ok):  # these segments are not comparable
             self.diverge([block.ptr, addr] + outcome.addresses())
         self.on_landing(m, outcome, context)
@@ -493,7 +552,7 @@ class ReplayPass:
         self.pools[label].last_used = m.index
         self.on_landed(m, block)
 
-    def route(self, m: Malloc, going: set) -> tuple[PoolLabel, bool]:
+    def route(self, m: Malloc) -> tuple[PoolLabel, bool]:
         """The pool a traced allocation went to: its segment's, or a choice (new segment, oom)."""
         first, entry = m.first, m.entry
         if first is None and not m.oom:
@@ -508,13 +567,12 @@ class ReplayPass:
                 return self.label_of(host), False  # more pages of a reservation the replay knows
         life = self.plan.lives.get(m.start) if first is not None else None
         known = life.pool if life is not None else None
-        nested = False
         expandable = first is not None and first["action"] == "segment_map"
-        if first is not None and first["action"] == "segment_alloc":
-            host = self.segment_at(first["addr"])  # inside another segment (not going now): a pluggable pool
-            nested = host is not None and host.address not in going
-        choice = Choice("segment" if first is not None else "oom", m.start)
-        return self.choose(choice, known, entry["size"], m.stream, nested, expandable), nested
+        nested = life is not None and life.pluggable  # inside another segment: a pluggable pool's
+        if first is None:  # an allocation that failed: in a pluggable pool or not, the trace does not say
+            label = self.choose(Choice("oom", m.start), None, entry["size"], m.stream, None, False)
+            return label, self.pools[label].pluggable
+        return self.choose(Choice("segment", m.start), known, entry["size"], m.stream, nested, expandable), nested
 
     def dictate(self, first: dict | None, pluggable: bool) -> None:
         """Tell the model's memory (or the pluggable pool) the address the next device call must get."""
@@ -554,10 +612,10 @@ class ReplayPass:
         block = self._take_block(addr, size)
         if block is None:
             if addr in self.skipped or (self.plan.mid_run and self.segment_at(addr) is None):
-                self.unverifiable += 1  # memory from before the trace that could not be rebuilt
+                self.not_made(NOT_REBUILT)
             else:
                 self.check(False, f"event {i} free_requested {addr:#x}: the simulator has no allocated block there",
-                           self.is_uncertain(self.segment_at(addr)))
+                           self.doubt(self.segment_at(addr)))
             return i + 2 if plain else i + 1
         if plain:
             self.sim.free(block)
@@ -576,10 +634,10 @@ class ReplayPass:
         waiting = self.pending.get(addr)
         if not waiting:
             if addr in self.skipped or (self.plan.mid_run and self.segment_at(addr) is None):
-                self.unverifiable += 1
+                self.not_made(NOT_REBUILT)
                 return
             self.check(False, f"event {i} free_completed {addr:#x}: no cross-stream free is pending there",
-                       self.is_uncertain(self.segment_at(addr)))
+                       self.doubt(self.segment_at(addr)))
             return
         block, phantom = waiting.pop(0)
         phantom.synchronize()
@@ -680,11 +738,11 @@ class ReplayPass:
         for life in self.plan.pre:
             if life.expandable:
                 if not self.expandable_rebuilt:
-                    self.unverifiable += 1  # expandable memory from before the trace is not rebuilt
+                    self.not_made(EXPANDABLE)
                 continue
             pool = self.pre_segment_pool(life)
             layout = prestate.block_layout(life.address, life.size, self.plan.pre_blocks.get(id(life), ()),
-                                           self.sim.divisions)
+                                           self.sim.divisions, self.trace.learned)
             segments.append({
                 "address": life.address, "total_size": life.size, "stream": life.stream,
                 "segment_type": "small" if life.size == SMALL_BUFFER else "large", "segment_pool_id": pool,
@@ -699,17 +757,21 @@ class ReplayPass:
             event.record(phantom)
             return event
 
-        restored = restore(self.sim, segments, pending=pending_event)
+        pluggable = {self.pools[label].id for label, pool in self.pools.items() if pool.pluggable}
+        restored = restore(self.sim, segments, allocators={pool_id: self.traced_addresses for pool_id in pluggable},
+                           pending=pending_event)
         for addr, block in restored.allocated.items():
             self.blocks.setdefault(addr, []).append(block)
         for addr, block in restored.pending.items():
             self.pending.setdefault(addr, []).append((block, phantoms[addr]))
         for life in self.plan.pre:  # small blocks are never handed out with slack: only large guesses are unsure
-            guessed = any(known.size is None for known in self.plan.pre_blocks.get(id(life), ()))
+            guessed = [known.address for known in self.plan.pre_blocks.get(id(life), ())
+                       if known.size is None and known.address not in self.trace.learned]
             if not life.expandable and guessed and life.size != SMALL_BUFFER:
                 segment = self.segment_at(life.address)
+                blocks = [restored.allocated.get(a) or restored.pending.get(a) for a in guessed]
                 if segment is not None:
-                    self.uncertain.add(segment)
+                    self.uncertain[segment] = [block for block in blocks if block is not None]
         queries.drain_trace(self.sim)
 
     def _expandable_at_start(self) -> list[dict]:
@@ -721,6 +783,9 @@ class ReplayPass:
         except prestate.UnexplainedRanges:
             return []
         self.decisions.update(prestate.reservation_starts(groups, self.trace.geometry))
+        messages, groups = prestate.separate_reservations(groups, self.plan, self.trace.geometry)
+        for message in messages:
+            self.check(False, message)
         pools = self.reservation_pools(groups)
         known = prestate.reservation_known_blocks(self.plan)
         segments = []
@@ -736,6 +801,9 @@ class ReplayPass:
         queries.drain_trace(self.sim)
         recorded = {(s["address"], s["total_size"]): s for s in self.final}
         untouched = {(life.address, life.size) for life in self.plan.pre if not life.touched and not life.expandable}
+        untouched |= {(s["address"], s["total_size"]) for s in self.final if s.get("is_expandable") and self.plan.mid_run
+                      and self.plan.mapped_before(s["address"], s["total_size"])
+                      and not self.plan.touches(s["address"], s["total_size"])}
         for key in sorted(set(simulated) | set(recorded)):
             if key in untouched:
                 continue  # rebuilt from the snapshot itself: comparing it would prove nothing
@@ -745,10 +813,11 @@ class ReplayPass:
             want = None if theirs is None else _shape(theirs)
             got = None if mine is None else _shape(mine)
             segment = self.segment_at(key[0])
-            uncertain = self.is_uncertain(segment) or any(key[0] <= a < key[0] + key[1] for a in self.diverged_elsewhere)
+            uncertain = self.doubt(segment) or (
+                DIVERGED if any(key[0] <= a < key[0] + key[1] for a in self.diverged_elsewhere) else None)
             if theirs is not None and theirs.get("is_expandable") and self.plan.mid_run and not self.expandable_rebuilt:
                 # expandable memory from before the trace is not rebuilt: a range with pages mapped then is a guess
-                uncertain = uncertain or self.plan.mapped_before(key[0], key[1])
+                uncertain = uncertain or (EXPANDABLE if self.plan.mapped_before(key[0], key[1]) else None)
             self.check(want == got, f"final snapshot segment {key[1]} B at {key[0]:#x}: expected {want}, simulated {got}",
                        uncertain)
 

@@ -11,15 +11,21 @@ cannot both be right, the plan says so (``contradictions``), for the replay to c
 
 from __future__ import annotations
 
+import dataclasses
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from sortedcontainers import SortedDict
 
 from graphborrow.allocator.blocks import DEFAULT_POOL, pool_tuple
+from graphborrow.allocator.memory import GRANULE
 from graphborrow.core.sizes import SMALL_BUFFER
 
-__all__ = ["Geometry", "KnownBlock", "SegmentId", "SegmentLife", "TracePlan", "reserved_before"]
+__all__ = ["Geometry", "KnownBlock", "MappedRange", "Reservation", "SegmentId", "SegmentLife", "TracePlan",
+           "reserved_before"]
 
 RELEASES = frozenset({"segment_free", "segment_unmap"})
+DEVICE_ACTIONS = frozenset({"segment_alloc", "segment_map", "segment_free", "segment_unmap"})
+BLOCK_ACTIONS = frozenset({"alloc", "free_requested", "free_completed"})
 
 
 @dataclass(frozen=True)
@@ -55,10 +61,14 @@ class SegmentId:
     """How a segment is named across replays: the entry that created it, or its address before the trace."""
 
     entry: int = -1  # the creating entry; -1 for memory from before the trace
-    address: int = 0  # (memory from before the trace) its address
+    address: int = 0  # (memory from before the trace) its address, size and the entry that released it:
+    size: int = 0  # a pluggable pool's segment may start where the segment holding it starts, and a
+    end: int | None = None  # trace cut short may release what the snapshot still shows
 
     def __str__(self) -> str:
-        return str(self.entry) if self.entry >= 0 else f"pre@{self.address:#x}"
+        if self.entry >= 0:
+            return str(self.entry)
+        return f"pre@{self.address:#x}+{self.size:#x}" + ("" if self.end is None else f"-{self.end}")
 
 
 @dataclass(eq=False)
@@ -74,10 +84,11 @@ class SegmentLife:
     end: int | None = None  # the releasing entry
     pool: tuple[int, int] | None = None  # known from the final snapshot
     touched: bool = False  # an entry of the trace falls inside it
+    pluggable: bool = False  # memory of a pluggable pool's allocator (inside another segment), not cudaMalloc's
 
     @property
     def identity(self) -> SegmentId:
-        return SegmentId(self.start) if self.start >= 0 else SegmentId(-1, self.address)
+        return SegmentId(self.start) if self.start >= 0 else SegmentId(-1, self.address, self.size, self.end)
 
 
 @dataclass(frozen=True)
@@ -95,12 +106,49 @@ class KnownBlock:
     requested: int
 
 
-@dataclass(frozen=True)
-class PageOwner:
-    """Who an expandable page mapped when the trace began belongs to."""
+@dataclass
+class MappedRange:
+    """Contiguous expandable pages mapped when the trace began, of one stream (and kind, and pool if known)."""
 
+    address: int
+    size: int
     stream: int
-    small: bool
+    small: bool | None  # None: the pages' kind is not known (unmapped in a multiple of the large page)
+    pool: tuple[int, int] | None  # known from the snapshot
+
+    @property
+    def end(self) -> int:
+        return self.address + self.size
+
+
+@dataclass
+class Reservation:
+    """The ranges of one expandable reservation from before the trace, and where it starts."""
+
+    ranges: list[MappedRange] = field(default_factory=list)
+    start: int = 0
+
+    @property
+    def first(self) -> MappedRange:
+        return self.ranges[0]
+
+    @property
+    def stream(self) -> int:
+        return self.first.stream
+
+    @property
+    def small(self) -> bool:
+        return bool(self.first.small)
+
+    @property
+    def pool(self) -> tuple[int, int] | None:
+        """The pool the snapshot names for one of its ranges, if any."""
+        return next((r.pool for r in self.ranges if r.pool is not None), None)
+
+    def life(self, geometry: Geometry) -> SegmentLife:
+        """The reservation as a segment from before the trace (by which passes name its pool)."""
+        virtual = geometry.virtual_size(SMALL_BUFFER if self.small else geometry.large_page)
+        return SegmentLife(self.first.address, virtual, self.stream, -1, expandable=True, pre_trace=True)
 
 
 class _LiveIndex:
@@ -165,10 +213,12 @@ class TracePlan:
         self.geometry = geometry
         self.lives: dict[int, SegmentLife] = {}  # creating entry index -> life
         self.pre: list[SegmentLife] = []  # segments (or reservations) from before the trace
+        self.kept: list[SegmentLife] = []  # ... of them, those the snapshot shows (alive all through the trace)
         self.pre_blocks: dict[int, list[KnownBlock]] = {}  # id(pre life) -> its blocks from before the trace
         self.problems: list[str] = []  # memory from before the trace that nothing places
         self.contradictions: list[str] = []  # what no state before the trace can explain
-        self._start_pages: SortedDict | None = None  # (built when needed) pages mapped when the trace began
+        self._start_groups: list | None = None  # (built when needed) reservations mapped when the trace began
+        self._touched: tuple | None = None  # (built when needed) block addresses and device calls' ranges
         self.failed_releases = self._failed_releases()  # entry indices of releases that did not happen
         walk = _Walk()
         for i, entry in enumerate(entries):
@@ -178,6 +228,9 @@ class TracePlan:
         self.in_trace_at_end = walk.in_trace
         self._final_segments(walk.live)
         self._place_pre_blocks(walk.freed_before, walk.in_trace, walk.pending_in_trace)
+        self._mark_pluggable()
+        for life in self.kept:
+            self._check_kept(life)
         self.freed_before = walk.freed_before
         self.pending_in_trace = walk.pending_in_trace
 
@@ -235,7 +288,7 @@ class TracePlan:
     def _segment_alloc(self, i: int, entry: dict, walk: _Walk) -> None:
         addr, size = entry.get("addr", 0), entry.get("size", 0)
         host = walk.live.find(addr, addr + size)
-        life = SegmentLife(addr, size, entry.get("stream", 0), i)
+        life = SegmentLife(addr, size, entry.get("stream", 0), i, pluggable=host is not None)
         if host is not None:
             host.touched = True
         walk.live.add(life)
@@ -269,7 +322,8 @@ class TracePlan:
         addr, size, stream = entry.get("addr", 0), entry.get("size", 0), entry.get("stream", 0)
         host = walk.live.find(addr, addr + size, stream, self.geometry.kind_of(size))
         if host is None or not host.expandable:
-            host = SegmentLife(addr, self.geometry.virtual_size(size), stream, -1, expandable=True, pre_trace=True)
+            host = SegmentLife(self._reservation_start(addr, stream, self.geometry.kind_of(size) is not None),
+                               self.geometry.virtual_size(size), stream, -1, expandable=True, pre_trace=True)
             self.pre.append(host)
             walk.live.add(host)
             walk.mapped[id(host)] = self._mapped_at_start_near(host)
@@ -302,37 +356,56 @@ class TracePlan:
 
     # ------------------------------------------------------------------ expandable pages
 
-    def mapped_at_start(self) -> dict[int, PageOwner]:
-        """Expandable pages mapped when the trace began: page address -> owner. The snapshot's,
-        less what the trace mapped, plus what it unmapped (pages unmapped in a multiple of the
-        large page taken as large ones: ten free small pages in a row would be the exception)."""
-        pages: dict[int, PageOwner] = {}
+    def start_reservations(self) -> list[Reservation]:
+        """The expandable reservations mapped when the trace began, with their ranges (starts not set).
+
+        The pages: the snapshot's, less what the trace mapped, plus what it unmapped (pages
+        unmapped in a multiple of the large page taken as large ones: ten free small pages in a row
+        would be the exception). Contiguous pages of one stream and kind are a range; ranges of one
+        stream and kind further apart than one reservation are other reservations.
+        """
+        if self._start_groups is None:
+            self._start_groups = _group_ranges(_ranges(self._pages_at_start()), self.geometry)
+        return self._start_groups
+
+    def _pages_at_start(self) -> dict[int, MappedRange]:
+        """Expandable pages mapped when the trace began, each as a one-page range (kind None when unknown)."""
+        pages: dict[int, MappedRange] = {}
         for segment in self.final:
             if segment.get("is_expandable"):
-                owner = PageOwner(segment.get("stream", 0), segment.get("segment_type") == "small")
+                pool = pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL))
                 for page in range(segment["address"], segment["address"] + segment["total_size"], SMALL_BUFFER):
-                    pages[page] = owner
+                    pages[page] = MappedRange(page, SMALL_BUFFER, segment.get("stream", 0),
+                                              segment.get("segment_type") == "small", pool)
         for entry in reversed(self.entries):
             action = entry.get("action")
-            if action in ("segment_map", "segment_unmap"):
+            if action == "segment_map":
                 for page in range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER):
-                    if action == "segment_map":
-                        pages.pop(page, None)
-                    else:
-                        pages[page] = PageOwner(entry.get("stream", 0), self.geometry.kind_of(entry["size"]) is not None)
+                    pages.pop(page, None)
+            elif action == "segment_unmap":
+                small = True if entry["size"] % self.geometry.large_page else None
+                for page in range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER):
+                    pages[page] = MappedRange(page, SMALL_BUFFER, entry.get("stream", 0), small, None)
         return pages
 
+    def _reservation_start(self, address: int, stream: int, small: bool) -> int:
+        """Where the reservation from before the trace holding the page at ``address`` is taken to begin:
+        the first page of its group among :meth:`start_reservations` (else the page itself)."""
+        for group in self.start_reservations():
+            if group.stream == stream and group.small == small and any(r.address <= address < r.end for r in group.ranges):
+                return group.first.address
+        return address
+
     def _mapped_at_start_near(self, host: SegmentLife) -> int:
-        """Bytes that may have been mapped in a reservation from before the trace when it began: the
-        pages of its stream and kind within one reservation's size of it on either side, so that it
-        is taken as released only when it must have been."""
-        if self._start_pages is None:
-            self._start_pages = SortedDict(self.mapped_at_start())
-        pages = self._start_pages
-        owner = PageOwner(host.stream, host.size != self.geometry.large_virtual)
-        low, high = host.address - host.size, host.address + host.size
-        return SMALL_BUFFER * sum(1 for page in pages.irange(low, high, inclusive=(False, False))
-                                  if pages[page] == owner)
+        """Bytes mapped in the reservation from before the trace that holds ``host``'s first page when the
+        trace began (the reservation of its stream and kind among :meth:`start_reservations`), so that
+        it is taken as released when all of them are unmapped."""
+        small = host.size != self.geometry.large_virtual
+        for group in self.start_reservations():
+            if group.stream == host.stream and group.small == small and any(
+                    r.address <= host.address < r.end for r in group.ranges):
+                return sum(r.size for r in group.ranges)
+        return 0
 
     def _pages_mapped_by_the_trace(self) -> set[int]:
         """The 2 MiB pages (by address) that a segment_map of the trace mapped and nothing unmapped since."""
@@ -346,6 +419,18 @@ class TracePlan:
                 else:
                     pages.difference_update(span)
         return pages
+
+    def touches(self, address: int, size: int) -> bool:
+        """Whether some entry of the trace falls inside ``[address, address + size)``: a block
+        allocated or freed there, or a device call over it."""
+        if self._touched is None:
+            points = sorted(e["addr"] for e in self.entries if e.get("action") in BLOCK_ACTIONS)
+            spans = [(e["addr"], e["addr"] + e["size"]) for e in self.entries if e.get("action") in DEVICE_ACTIONS]
+            self._touched = (points, spans)
+        points, spans = self._touched
+        end = address + size
+        i = bisect_left(points, address)
+        return (i < len(points) and points[i] < end) or any(start < end and address < stop for start, stop in spans)
 
     def mapped_before(self, address: int, size: int) -> bool:
         """Whether some page of this expandable range was mapped before the trace began (the trace never mapped it)."""
@@ -363,8 +448,8 @@ class TracePlan:
                 kind = self.geometry.virtual_size(SMALL_BUFFER) if small else self.geometry.large_virtual
                 host = live.find(address, address + size, stream, kind)
                 if host is None or not host.expandable:
-                    host = SegmentLife(address, self.geometry.virtual_size(size), stream, -1, expandable=True,
-                                       pre_trace=True)
+                    host = SegmentLife(self._reservation_start(address, stream, small), self.geometry.virtual_size(size),
+                                       stream, -1, expandable=True, pre_trace=True)
                     self.pre.append(host)
                     live.add(host)
                 host.pool = pool
@@ -374,30 +459,34 @@ class TracePlan:
                 if candidate.size == size and not candidate.expandable:
                     match = candidate
             if match is None:
-                self._check_kept(address, size)
                 match = SegmentLife(address, size, stream, -1, pre_trace=True)
                 self.pre.append(match)
+                self.kept.append(match)
                 live.add(match)
             match.pool = pool
 
-    def _check_kept(self, address: int, size: int) -> None:
+    def _check_kept(self, kept: SegmentLife) -> None:
         """A snapshot segment the trace never allocated lived through the whole trace: no segment the
-        trace released may have shared its memory (one may lie strictly inside the other: a pluggable
-        pool's segment within another pool's block). Otherwise the trace and its snapshot disagree."""
+        trace made or released may have shared its memory (unless one lies inside the other and that
+        one is a pluggable pool's: an arena's segment within another pool's block). Otherwise the
+        trace and its snapshot disagree (a trace cut short, or a snapshot of another moment)."""
+        address, size = kept.address, kept.size
         end = address + size
         for life in self.all_lives():
-            if life.end is None or life.expandable:
+            if life is kept or life.expandable or (life.end is None and life.start < 0):
                 continue
             other_end = life.address + life.size
             if life.address >= end or other_end <= address:
                 continue
-            inside = (address <= life.address and other_end <= end) or (life.address <= address and end <= other_end)
-            if inside and (life.address, life.size) != (address, size):
+            if (address <= life.address and other_end <= end and life.size < size and life.pluggable) or \
+                    (life.address <= address and end <= other_end and size < life.size and kept.pluggable):
                 continue
+            did = f"released the segment {life.size} B at {life.address:#x} in its memory at event {life.end}" \
+                if life.end is not None else \
+                f"allocated the segment {life.size} B at {life.address:#x} in its memory at event {life.start}"
             self.contradictions.append(
-                f"final snapshot segment {size} B at {address:#x} was never allocated by the trace, yet the "
-                f"trace released the segment {life.size} B at {life.address:#x} in its memory at event {life.end}: "
-                f"the trace and its snapshot disagree (a trace cut short, or a snapshot of another moment)"
+                f"final snapshot segment {size} B at {address:#x} was never allocated by the trace, yet the trace "
+                f"{did}: the trace and its snapshot disagree (a trace cut short, or a snapshot of another moment)"
             )
             return
 
@@ -409,7 +498,11 @@ class TracePlan:
         for life in self.pre:
             index.add(life)
             self.pre_blocks[id(life)] = []
+        still_pending = {addr: block["size"] for segment in self.final for addr, block in _blocks_with_addresses(segment)
+                         if block["state"] == "active_pending_free" and pending_in_trace.get(addr, 0) > 0}
         for known in freed_before:
+            if known.size is None and known.address in still_pending:  # freed, never completed: the snapshot's
+                known = dataclasses.replace(known, size=still_pending[known.address])
             life = index.find(known.address, known.address + 1)
             if life is None:
                 self.problems.append(
@@ -433,6 +526,37 @@ class TracePlan:
                     continue
                 self.pre_blocks[id(life)].append(
                     KnownBlock(addr, block["size"], state, None, block.get("requested_size", 0)))
+
+    def _mark_pluggable(self) -> None:
+        """Segments from before the trace that a pluggable pool's allocator made (a MemPool over an
+        arena: its memory lies inside another pool's blocks). Such a segment is off cudaMalloc's
+        2 MiB grid, or lies inside another segment that existed with it (at the start, or in the
+        snapshot); every segment of a pool the snapshot shows holding one is too. The default pool
+        has no pluggable allocator: a segment of it that looks so is a contradiction (see
+        :func:`graphborrow.fidelity.prestate.overlapping_lives`)."""
+        pluggable_pools = set()
+        at_end = [(segment["address"], segment["total_size"], bool(segment.get("is_expandable")),
+                   pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL))) for segment in self.final]
+        for _, _, _, pool in _nested_or_unaligned(at_end):
+            if pool != DEFAULT_POOL:
+                pluggable_pools.add(pool)
+        at_start = [(life.address, life.size, life.expandable, life) for life in self.pre]
+        for _, _, _, life in _nested_or_unaligned(at_start):  # a pool the snapshot names is known from the snapshot
+            if life.pool is None:
+                life.pluggable = True
+        hosts = SortedDict()
+        for life in self.pre:
+            if not life.expandable and life.pool is not None and life.pool in pluggable_pools:
+                life.pluggable = True
+            if not life.pluggable:
+                hosts.setdefault(life.address, []).append(life)
+        largest = max((life.size for life in self.pre), default=0)
+        for life in self.lives.values():  # made inside memory that existed before the trace and was not released yet
+            if not life.expandable and not life.pluggable and (life.pool in pluggable_pools or any(
+                    host.size > life.size and host.address + host.size >= life.address + life.size
+                    and (host.end is None or host.end > life.start)
+                    for start in hosts.irange(life.address - largest, life.address) for host in hosts[start])):
+                life.pluggable = True
 
     def alive_before(self, segment: dict) -> list[KnownBlock]:
         """The blocks of a snapshot segment that the trace did not allocate (or free): alive before it began."""
@@ -469,3 +593,50 @@ def reserved_before(entries: list[dict], final: list[dict]) -> list[int]:
         reserved[i] = reserved[i + 1] - change
     return reserved
 
+
+def _nested_or_unaligned(ranges: list[tuple]) -> list[tuple]:
+    """Of ranges (address, size, expandable, tag) of memory that coexisted, the segments (not expandable
+    ones) that are not on cudaMalloc's 2 MiB grid or lie inside a larger range: cudaMalloc never
+    returns memory inside another allocation or inside a reserved virtual range."""
+    found = []
+    hosts: list[tuple] = []  # (end, size) of the ranges open at the one being looked at, by start
+    for address, size, expandable, tag in sorted(ranges, key=lambda r: (r[0], -r[1])):
+        hosts = [(end, host_size) for end, host_size in hosts if end > address]
+        inside = any(address + size <= end and host_size > size for end, host_size in hosts)
+        if not expandable and (inside or address % GRANULE or size % GRANULE):
+            found.append((address, size, expandable, tag))
+        hosts.append((address + size, size))
+    return found
+
+
+def _ranges(pages: dict[int, MappedRange]) -> list[MappedRange]:
+    """Consecutive pages of one stream and a compatible kind, merged into ranges."""
+    ranges: list[MappedRange] = []
+    for page in sorted(pages):
+        this = pages[page]
+        last = ranges[-1] if ranges else None
+        if last is not None and last.end == page and last.stream == this.stream \
+                and (this.small is None or last.small is None or last.small == this.small):
+            last.size += SMALL_BUFFER
+            last.small = last.small if last.small is not None else this.small
+            last.pool = last.pool if last.pool is not None else this.pool
+        else:
+            ranges.append(MappedRange(page, SMALL_BUFFER, this.stream, this.small, this.pool))
+    return ranges
+
+
+def _group_ranges(ranges: list[MappedRange], geometry: Geometry) -> list[Reservation]:
+    """Ranges of one stream, kind and (when named) pool within one reservation's size of a group's first range."""
+    groups: list[Reservation] = []
+    for rng in ranges:
+        rng.small = bool(rng.small)
+        for group in groups:
+            first = group.first
+            if first.stream == rng.stream and first.small == rng.small and rng.address - first.address < \
+                    geometry.virtual_size(SMALL_BUFFER if rng.small else geometry.large_page) \
+                    and (rng.pool is None or group.pool in (None, rng.pool)):
+                group.ranges.append(rng)
+                break
+        else:
+            groups.append(Reservation([rng]))
+    return groups

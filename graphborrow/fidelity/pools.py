@@ -28,7 +28,7 @@ class PoolLabel:
     pool of one segment from before the trace)."""
 
     kind: str
-    key: Any  # the pool id, the segment's SegmentId, or (pre-trace) the segment's address
+    key: Any  # the pool id, or the SegmentId of the segment the pool was made for
 
     @classmethod
     def of(cls, pool_id: tuple[int, int]) -> PoolLabel:
@@ -42,8 +42,6 @@ class PoolLabel:
     def __str__(self) -> str:  # also the order of ties between labels (see infer_pools)
         if self.kind == "pool":
             return str(self.key)
-        if self.kind == "pre-trace":
-            return f"pre-trace@{self.key:#x}"
         return f"{self.kind}@{self.key}"
 
 
@@ -68,6 +66,8 @@ class Choice:
 
     kind: str
     at: int
+    size: int = 0  # (a pre-trace segment) its size, and the entry that released it
+    end: int | None = None
 
     @property
     def segment(self) -> SegmentId | None:
@@ -75,7 +75,7 @@ class Choice:
         if self.kind == "segment":
             return SegmentId(self.at)
         if self.kind == "pre-trace segment":
-            return SegmentId(-1, self.at)
+            return SegmentId(-1, self.at, self.size, self.end)
         return None
 
     @property
@@ -84,7 +84,9 @@ class Choice:
         return -1 if self.kind == "pre-trace segment" else self.at
 
     def __str__(self) -> str:
-        return f"{self.kind} at {self.at:#x}" if self.kind == "pre-trace segment" else f"{self.kind} at event {self.at}"
+        if self.kind == "pre-trace segment":
+            return f"{self.kind} {self.size} B at {self.at:#x}"
+        return f"{self.kind} at event {self.at}"
 
 
 @dataclass(frozen=True)

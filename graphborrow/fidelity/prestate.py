@@ -21,16 +21,20 @@ passes choose it (and may refute the choice).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from sortedcontainers import SortedDict
 
 from graphborrow.allocator.blocks import DEFAULT_POOL, pool_tuple
+from graphborrow.allocator.memory import GRANULE
 from graphborrow.core.sizes import SMALL_BUFFER, round_size
 
-from .plan import Geometry, KnownBlock, SegmentLife, TracePlan
+from .plan import Geometry, KnownBlock, Reservation, SegmentLife, TracePlan
 
 __all__ = [
-    "RESERVATION_ALIGNMENT", "LaidBlock", "MappedRange", "Reservation", "UnexplainedRanges", "block_layout",
-    "expandable_at_start", "overlapping_lives", "reservation_starts",
+    "RESERVATION_ALIGNMENT", "LaidBlock", "UnexplainedRanges", "block_layout",
+    "expandable_at_start", "overlapping_lives", "reservation_known_blocks", "reservation_segments", "reservation_starts",
+    "separate_reservations",
 ]
 
 # the grid the driver lays virtual reservations on (cuMemAddressReserve with alignment 0): every
@@ -55,52 +59,15 @@ class LaidBlock:
         return {"size": self.size, "state": self.state, "requested_size": self.requested}
 
 
-@dataclass
-class MappedRange:
-    """Contiguous expandable pages mapped when the trace began, of one stream (and kind, and pool if known)."""
-
-    address: int
-    size: int
-    stream: int
-    small: bool | None  # None: the pages' kind is not known (unmapped in a multiple of the large page)
-    pool: tuple[int, int] | None  # known from the snapshot
-
-    @property
-    def end(self) -> int:
-        return self.address + self.size
-
-
-@dataclass
-class Reservation:
-    """The ranges of one expandable reservation from before the trace, and where it starts."""
-
-    ranges: list[MappedRange] = field(default_factory=list)
-    start: int = 0
-
-    @property
-    def first(self) -> MappedRange:
-        return self.ranges[0]
-
-    @property
-    def stream(self) -> int:
-        return self.first.stream
-
-    @property
-    def small(self) -> bool:
-        return bool(self.first.small)
-
-    @property
-    def pool(self) -> tuple[int, int] | None:
-        """The pool the snapshot names for one of its ranges, if any."""
-        return next((r.pool for r in self.ranges if r.pool is not None), None)
-
-
-def block_layout(start: int, size: int, known: list[KnownBlock], divisions) -> list[LaidBlock]:
+def block_layout(start: int, size: int, known: list[KnownBlock], divisions, learned=None) -> list[LaidBlock]:
     """The blocks tiling ``[start, start + size)``: the known blocks where they are, the rest free.
 
-    A known block whose size is not known gets its request rounded as the allocator rounds it
-    (``divisions``: the roundup_power2_divisions setting), cut at the next known block.
+    A known block whose size is not known gets the size the trace taught (``learned``: address ->
+    size, see :class:`graphborrow.fidelity.checking_pass.Learned`), else its request rounded as the
+    allocator rounds it (``divisions``: the roundup_power2_divisions setting, a guess), cut at the
+    next known block.
     """
+    learned = learned or {}
     end = start + size
     layout, cursor = [], start
     known = sorted(known, key=lambda b: b.address)
@@ -109,8 +76,12 @@ def block_layout(start: int, size: int, known: list[KnownBlock], divisions) -> l
         if addr < cursor or addr >= end:
             continue
         limit = known[n + 1].address if n + 1 < len(known) else end
-        guessed = block.size is None
-        bsize = min(round_size(max(block.requested, 1), divisions) if guessed else block.size, limit - addr)
+        guessed = block.size is None and addr not in learned
+        if block.size is not None:
+            bsize = block.size
+        else:
+            bsize = learned.get(addr) or round_size(max(block.requested, 1), divisions)
+        bsize = min(bsize, limit - addr)
         if bsize <= 0:
             continue
         if addr > cursor:
@@ -130,15 +101,22 @@ def block_layout(start: int, size: int, known: list[KnownBlock], divisions) -> l
 
 def overlapping_lives(plan: TracePlan) -> tuple[list[str], list[SegmentLife]]:
     """Segments from before the trace that overlap another one: the trace and its snapshot disagree
-    (a trace cut short, or a snapshot of another moment).
+    (a trace cut short, or a snapshot of another moment). A pluggable pool's segments lie inside
+    other segments' memory by nature and are not compared.
 
     Returns:
         One message per overlap, and the lives to leave out of the rebuilt state: of each pair,
         the one the trace does not release (it comes from the snapshot).
     """
-    lives = sorted((life for life in plan.pre if not life.expandable), key=lambda life: life.address)
+    lives = sorted((life for life in plan.pre if not life.expandable and not life.pluggable), key=lambda life: life.address)
     messages: list[str] = []
     dropped: list[SegmentLife] = []
+    for life in lives:
+        if life.address % GRANULE or life.size % GRANULE:  # cudaMalloc memory lies on its 2 MiB grid
+            messages.append(f"a segment {life.size} B at {life.address:#x} of the default pool existed before the "
+                            f"trace off cudaMalloc's 2 MiB grid: the trace and its snapshot disagree")
+            dropped.append(life)
+    lives = [life for life in lives if life not in dropped]
     last = None
     for life in lives:
         if last is not None and life.address < last.address + last.size:
@@ -153,43 +131,6 @@ def overlapping_lives(plan: TracePlan) -> tuple[list[str], list[SegmentLife]]:
     return messages, dropped
 
 
-def _pages_at_start(plan: TracePlan, large_page: int) -> dict[int, MappedRange]:
-    """Expandable pages mapped when the trace began, each as a one-page range (kind None when unknown)."""
-    pages: dict[int, MappedRange] = {}
-    for segment in plan.final:
-        if segment.get("is_expandable"):
-            pool = pool_tuple(segment.get("segment_pool_id", DEFAULT_POOL))
-            for page in range(segment["address"], segment["address"] + segment["total_size"], SMALL_BUFFER):
-                pages[page] = MappedRange(page, SMALL_BUFFER, segment.get("stream", 0),
-                                          segment.get("segment_type") == "small", pool)
-    for entry in reversed(plan.entries):
-        action = entry.get("action")
-        if action == "segment_map":
-            for page in range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER):
-                pages.pop(page, None)
-        elif action == "segment_unmap":
-            small = True if entry["size"] % large_page else None
-            for page in range(entry["addr"], entry["addr"] + entry["size"], SMALL_BUFFER):
-                pages[page] = MappedRange(page, SMALL_BUFFER, entry.get("stream", 0), small, None)
-    return pages
-
-
-def _ranges(pages: dict[int, MappedRange]) -> list[MappedRange]:
-    """Consecutive pages of one stream and a compatible kind, merged into ranges."""
-    ranges: list[MappedRange] = []
-    for page in sorted(pages):
-        this = pages[page]
-        last = ranges[-1] if ranges else None
-        if last is not None and last.end == page and last.stream == this.stream \
-                and (this.small is None or last.small is None or last.small == this.small):
-            last.size += SMALL_BUFFER
-            last.small = last.small if last.small is not None else this.small
-            last.pool = last.pool if last.pool is not None else this.pool
-        else:
-            ranges.append(MappedRange(page, SMALL_BUFFER, this.stream, this.small, this.pool))
-    return ranges
-
-
 def expandable_at_start(plan: TracePlan, geometry: Geometry) -> list[Reservation]:
     """The expandable reservations mapped when the trace began, with their ranges and starts.
 
@@ -200,21 +141,7 @@ def expandable_at_start(plan: TracePlan, geometry: Geometry) -> list[Reservation
             hold, or two reservations of one stream, kind and pool).
     """
     large_page = geometry.large_page
-    pages = _pages_at_start(plan, large_page)
-    if not pages:
-        return []
-    groups: list[Reservation] = []
-    for rng in _ranges(pages):
-        rng.small = bool(rng.small)
-        for group in groups:
-            first = group.first
-            if first.stream == rng.stream and first.small == rng.small and rng.address - first.address < \
-                    geometry.virtual_size(SMALL_BUFFER if rng.small else large_page) \
-                    and (rng.pool is None or group.pool in (None, rng.pool)):
-                group.ranges.append(rng)
-                break
-        else:
-            groups.append(Reservation([rng]))
+    groups = plan.start_reservations()
     named = set()
     for group in groups:
         page = SMALL_BUFFER if group.small else large_page
@@ -267,10 +194,51 @@ def reservation_starts(groups: list[Reservation], geometry: Geometry) -> dict[st
     return decisions
 
 
+def separate_reservations(groups: list[Reservation], plan: TracePlan, geometry: Geometry) -> tuple[list[str], list[Reservation]]:
+    """Rebuilt reservations whose virtual range overlaps another's, or a device segment from before the
+    trace: the trace and its snapshot disagree (pages of two reservations nearer than one reservation's
+    size, or a reservation over cudaMalloc memory). Each such reservation is left out.
+
+    Returns:
+        One message per reservation left out, and the reservations kept.
+    """
+    taken = SortedDict()  # start -> end of the ranges kept so far
+    for life in plan.pre:
+        if not life.expandable and not life.pluggable:
+            taken[life.address] = max(taken.get(life.address, 0), life.address + -(-life.size // GRANULE) * GRANULE)
+    messages, kept = [], []
+    for group in sorted(groups, key=lambda g: (g.pool is None, g.start)):  # those the snapshot names first
+        end = group.start + geometry.virtual_size(SMALL_BUFFER if group.small else geometry.large_page)
+        i = taken.bisect_left(end)
+        clash = i > 0 and taken.peekitem(i - 1)[1] > group.start
+        if clash:
+            other, other_end = taken.peekitem(i - 1)
+            messages.append(
+                f"expandable pages of stream {group.stream} mapped at {group.first.address:#x} before the trace "
+                f"need a reservation [{group.start:#x}, {end:#x}) that overlaps memory at [{other:#x}, "
+                f"{other_end:#x}) from before the trace: the trace and its snapshot disagree")
+            continue
+        taken[group.start] = end
+        kept.append(group)
+    kept.sort(key=lambda g: groups.index(g))
+    return messages, kept
+
+
 def reservation_known_blocks(plan: TracePlan) -> list[KnownBlock]:
     """Blocks of expandable memory from before the trace: freed by the trace, or alive in the snapshot
-    (sizes exact where the snapshot shows them: expandable segments split at 512 bytes)."""
-    known = list(plan.freed_before)
+    (sizes exact where the snapshot shows them: expandable segments split at 512 bytes). A block inside
+    a segment from before the trace (a pluggable pool's, within a reservation's free block) is that
+    segment's, not the reservation's."""
+    inner = SortedDict()
+    for life in plan.pre:
+        if not life.expandable:
+            inner[life.address] = max(inner.get(life.address, 0), life.address + life.size)
+    largest = max((end - start for start, end in inner.items()), default=0)
+
+    def in_a_segment(address: int) -> bool:
+        return any(inner[start] > address for start in inner.irange(address - largest, address))
+
+    known = [block for block in plan.freed_before if not in_a_segment(block.address)]
     for segment in plan.final:
         if segment.get("is_expandable"):
             known += plan.alive_before(segment)

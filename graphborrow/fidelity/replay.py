@@ -27,33 +27,34 @@ reported (:attr:`ReplayReport.inferred`):
   allocation when that allocation could not have got device memory without it (memory
   fraction, garbage collection); otherwise it is an ``empty_cache``, of one pool when it
   releases only that pool's segments while others were releasable (a MemPool going away).
-- **Mid-run traces** (history enabled late, or a ring buffer that overflowed): the state
-  at the first entry is rebuilt from the snapshot and the trace (segments released or
-  unmapped without being allocated, blocks freed without being allocated, blocks alive
-  in the snapshot that the trace never allocated) and restored into the allocator;
-  expandable memory as the ranges mapped at the first entry (the snapshot's, less what the
-  trace mapped, plus what it unmapped), one reservation per stream, kind and pool, each
-  starting at its lowest range or, below a rebuilt reservation, where the driver's
-  end-to-end layout puts it (``RESERVATION_ALIGNMENT``). Pages the trace maps or unmaps
-  belong to a reservation of their stream and kind only, and one from before the trace
-  ends when every page it could have held is unmapped (the allocator releases it then):
-  a later reservation at the same address is a new one, with the snapshot's pool.
-  Where that state is a guess (the size of a block allocated before the trace, the pool of
-  a segment the snapshot does not name), checks that depend on it are not made but
-  counted (:attr:`ReplayReport.unverifiable`). The rule, exactly: a check is unverifiable
-  when it involves a segment rebuilt with guessed blocks (until that segment is wholly
-  free again), memory from before the trace that could not be rebuilt (when the expandable
-  ranges mapped then fit no set of reservations, they are left out, and at the end a mapped
-  range with a page the trace did not map is not compared), or a segment that
-  went another way than the trace at an unverifiable check (from then on: memory one side
-  placed, kept or gave back and the other did not); and a decision of the memory
-  fraction's cap (out of memory, the retry's releases, garbage collection) when the
-  simulator then holds other device memory than the trace says (walked back from the
-  snapshot) after such a divergence. Every other check is made, so a contradiction
-  elsewhere (a trace cut short, a snapshot of another moment, segments from before the
-  trace that overlap, a segment the trace released that the snapshot still shows) is a
-  mismatch and the trace does not replay at 1.0. A trace that starts at an empty
-  allocator has no unverifiable check.
+- **Mid-run traces** (history enabled late, or a ring buffer that wrapped): the state at the
+  first entry is rebuilt (:mod:`.prestate`) from the snapshot and the trace (segments released
+  or unmapped without being allocated, blocks freed without being allocated, blocks alive in
+  the snapshot that the trace never allocated) and restored into the allocator; expandable
+  memory as the ranges mapped at the first entry (the snapshot's, less what the trace mapped,
+  plus what it unmapped), one reservation per stream, kind and pool, each starting at its
+  lowest range or, below a rebuilt reservation, where the driver's end-to-end layout puts it
+  (``RESERVATION_ALIGNMENT``). The plan follows those same reservations through the trace: one
+  ends when all its pages are unmapped, and a later one at its address is a new one, with the
+  snapshot's pool. A segment off cudaMalloc's 2 MiB grid, or inside another segment or a
+  reservation, is a pluggable pool's (a MemPool over an arena) and is rebuilt as that pool's
+  memory. A block freed without being allocated has the size of its request (exact when the
+  allocator split the block it came from); when the trace places the next block further on,
+  in the free space after it, that is where it ends (:class:`~.checking_pass.Learned`), and
+  the start is rebuilt with it.
+  Where the evidence cannot decide, checks are not made but counted with their reason
+  (:attr:`ReplayReport.unverifiable_reasons`): a placement in, or by the model, the free space
+  right after a block whose size is still a guess; memory from before the trace that could
+  not be rebuilt (expandable ranges that fit no set of reservations; at the end a mapped range
+  with a page the trace did not map); memory that went another way than the trace at such a
+  check (from then on: memory one side placed, kept or gave back and the other did not); a
+  decision of the memory fraction's cap (out of memory, the retry's releases, garbage
+  collection) while the model holds other device memory than the trace says. Every other
+  check is made, so a contradiction (a trace cut short, a snapshot of another moment, segments
+  from before the trace that overlap, a reservation over other memory, a segment the trace
+  released or made in memory the snapshot shows alive throughout) is a mismatch, and the
+  trace does not replay at 1.0. A trace that starts at an empty allocator has no
+  unverifiable check; ``starts_empty=True`` says so when the snapshot cannot (one pool's).
 - **Failed releases.** ``segment_free`` is written before ``cudaFree`` is called; when that
   fails (a free inside a graph capture invalidates the capture) the allocator raises and
   the segment stays. After the trace's last allocation of device memory, a release whose
@@ -68,6 +69,7 @@ Statistics: for a trace that starts at an empty allocator and carries the real
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from graphborrow.allocator.blocks import DEFAULT_POOL, pool_tuple
@@ -75,7 +77,7 @@ from graphborrow.allocator.config import AllocatorConfig
 from graphborrow.core.errors import SnapshotFormatError
 from graphborrow.core.snapshot import load_snapshot
 
-from .checking_pass import CheckingPass, Refuted
+from .checking_pass import CheckingPass, Learned, Refuted
 from .layout_pass import LayoutPass
 from .passes import TraceInput
 from .pools import PoolEvidence, infer_pools
@@ -91,6 +93,7 @@ __all__ = ["DEVICE_MEMORY", "ReplayReport", "load_trace", "replay_trace"]
 DEVICE_MEMORY = {"NVIDIA H200": 143_160 * 2**20}
 _UNKNOWN_DEVICE_MEMORY = 80 * 2**30
 _MAX_REPLAYS = 120
+_MAX_LEARNED = 200  # block sizes a trace may teach before its replay stops learning
 # statistics a trace does not determine: an empty_cache that releases nothing leaves no entry
 # (num_sync_all_streams), and an allocation that fails with nothing releasable looks the same
 # whether it was routed to a private pool or retried after emptying the cache (num_alloc_retries)
@@ -126,7 +129,7 @@ def load_trace(source: Any) -> dict:
 
 def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: float | None = None,
                  device_memory: int | None = None, torch_version: str | None = None,
-                 snapshot_pools: Any = None) -> ReplayReport:
+                 snapshot_pools: Any = None, starts_empty: bool = False) -> ReplayReport:
     """Replay ``snapshot``'s device trace on a fresh simulated allocator; see the module docstring.
 
     Args:
@@ -136,11 +139,17 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         device_memory: the device's total memory in bytes (known devices are looked up).
         torch_version: the torch that recorded it (its parsing rules for the settings string).
             The three default to a ``corpus`` record in the snapshot, as the differential
-            corpus stores one; the recorded ``allocator_settings`` always decide the settings.
+            corpus stores one (``fraction``, ``torch``, and ``device_memory`` or ``device``, a
+            name looked up in :data:`DEVICE_MEMORY`); the recorded ``allocator_settings``
+            always decide the settings.
         snapshot_pools: the pool ids (``(a, b)`` pairs) whose segments the snapshot holds, when
             it was taken of some pools only (``MemPool.snapshot()``, a graph pool's segments):
             at the end, simulated segments of other pools are not compared with it. Default:
             the snapshot holds every segment of the device.
+        starts_empty: the trace begins at an empty allocator (history was enabled before the
+            first allocation and the ring buffer never filled): memory it uses without making it
+            is then a contradiction, each piece a mismatch. Default: it may begin mid-run, and
+            what existed before its first entry is rebuilt.
 
     Returns:
         :class:`ReplayReport`.
@@ -151,18 +160,18 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
     """
     snapshot = load_trace(snapshot)
     trace = _trace_input(snapshot, device, memory_fraction, device_memory, torch_version, snapshot_pools)
-    layout = LayoutPass(trace)
-    layout.run()
-    evidence = layout.result()
-    checking, refuted = _check_with_refutations(trace, evidence)
+    if starts_empty:
+        trace = dataclasses.replace(trace, starts_empty=True)
+    checking, refuted = _replay_learning(trace)
     checks = checking.checks
     report = ReplayReport(
         agreement=0.0 if checks == 0 else 1.0 - len(checking.mismatches) / checks, mismatches=checking.mismatches,
-        events=len(trace.entries), checks=checks, unverifiable=checking.unverifiable, mid_run=checking.plan.mid_run,
+        events=len(trace.entries), checks=checks, unverifiable=checking.unverifiable,
+        unverifiable_reasons=dict(checking.unverifiable_reasons), mid_run=checking.plan.mid_run,
         inferred=dict(checking.decisions), refuted=len(refuted),
     )
     if checks == 0:
-        report.mismatches.append("no check could be made: the trace has no entries to compare")
+        report.mismatches.append(_why_nothing_was_checked(trace.entries, checking.unverifiable))
     recorded_stats = snapshot.get("memory_stats")
     if recorded_stats and not checking.plan.mid_run and trace.entries:
         _compare_stats(report, recorded_stats, checking.sim.memory_stats())
@@ -180,6 +189,9 @@ def _trace_input(snapshot: dict, device: int | None, memory_fraction: float | No
             raise ValueError(f"snapshot_pools must be pool ids, (int, int) pairs such as (0, 1); got {snapshot_pools!r}")
         pools = frozenset(pool_tuple(p) for p in given)
     traces = snapshot["device_traces"]
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+        raise ValueError(f"device={device!r}: pass the index of a device the snapshot has a trace for "
+                         f"(0 to {max(len(traces) - 1, 0)}), or None for the only one with entries")
     if device is None:
         busy = [d for d, trace in enumerate(traces) if trace]
         if len(busy) > 1:
@@ -195,7 +207,7 @@ def _trace_input(snapshot: dict, device: int | None, memory_fraction: float | No
     if torch_version is None:
         torch_version = meta.get("torch")
     if device_memory is None:
-        device_memory = DEVICE_MEMORY.get(meta.get("device"), _UNKNOWN_DEVICE_MEMORY)
+        device_memory = meta.get("device_memory") or DEVICE_MEMORY.get(meta.get("device"), _UNKNOWN_DEVICE_MEMORY)
     config = AllocatorConfig.from_settings(snapshot.get("allocator_settings") or {}, torch_version or "2.11")
     if pools is not None:
         outside = sorted({pool_tuple(s.get("segment_pool_id", DEFAULT_POOL)) for s in final} - pools)
@@ -205,7 +217,21 @@ def _trace_input(snapshot: dict, device: int | None, memory_fraction: float | No
     return TraceInput(entries, final, config, device_memory, memory_fraction, pools)
 
 
-def _check_with_refutations(trace: TraceInput, evidence: PoolEvidence) -> tuple[CheckingPass, set]:
+def _replay_learning(trace: TraceInput) -> tuple[CheckingPass, set]:
+    """The layout pass, then checking passes; again from the start whenever the trace teaches the size
+    of a block from before it (:class:`~graphborrow.fidelity.checking_pass.Learned`)."""
+    learned: dict[int, int] = {}
+    while True:
+        trace = dataclasses.replace(trace, learned=dict(learned))
+        layout = LayoutPass(trace)
+        layout.run()
+        try:
+            return _check_with_refutations(trace, layout.result(), learning=len(learned) < _MAX_LEARNED)
+        except Learned as lesson:
+            learned[lesson.address] = lesson.size
+
+
+def _check_with_refutations(trace: TraceInput, evidence: PoolEvidence, learning: bool = True) -> tuple[CheckingPass, set]:
     """Replay with inferred pools until no choice is refuted (each refutation: infer again, replay again).
 
     Out of patience (the same choice refuted twice, or ``_MAX_REPLAYS``), the last replay is
@@ -213,7 +239,7 @@ def _check_with_refutations(trace: TraceInput, evidence: PoolEvidence) -> tuple[
     """
     refuted: set = set()
     for _ in range(_MAX_REPLAYS):
-        checking = CheckingPass(trace, infer_pools(evidence, refuted), evidence, refuted)
+        checking = CheckingPass(trace, infer_pools(evidence, refuted), evidence, refuted, learning=learning)
         try:
             checking.run()
         except Refuted as refutation:
@@ -222,9 +248,19 @@ def _check_with_refutations(trace: TraceInput, evidence: PoolEvidence) -> tuple[
             refuted.add(refutation.decision)
             continue
         return checking, refuted
-    checking = CheckingPass(trace, infer_pools(evidence, refuted), evidence, refuted, blaming=False)
+    checking = CheckingPass(trace, infer_pools(evidence, refuted), evidence, refuted, blaming=False, learning=False)
     checking.run()
     return checking, refuted
+
+
+def _why_nothing_was_checked(entries: list[dict], unverifiable: int) -> str:
+    if not entries:
+        return "no check could be made: the trace has no entries"
+    if unverifiable:
+        return (f"no check could be made: the {unverifiable} checks its {len(entries)} entries allow all rest on "
+                "state from before the trace that it does not show")
+    return (f"no check could be made: its {len(entries)} entries change no allocator state "
+            f"({', '.join(sorted({str(e.get('action')) for e in entries}))})")
 
 
 def _compare_stats(report: ReplayReport, recorded: dict, simulated: dict) -> None:

@@ -21,6 +21,7 @@ class ReplayReport:
     events: int = 0  # trace entries read
     checks: int = 0
     unverifiable: int = 0  # checks not made: they depend on state before a mid-run trace began
+    unverifiable_reasons: dict[str, int] = field(default_factory=dict)  # why they could not be made, counted
     mid_run: bool = False  # the trace did not start at an empty allocator; its start was rebuilt
     inferred: dict[str, str] = field(default_factory=dict)  # what the trace does not say, as decided
     refuted: int = 0  # pool choices that later entries contradicted (the trace was replayed again)
@@ -38,4 +39,5 @@ class ReplayReport:
             head += f", stats {self.stats_checked - len(self.stats_mismatches)}/{self.stats_checked}"
         head += ")"
         lines = [head, *self.mismatches[:20]] + (["..."] if len(self.mismatches) > 20 else [])
+        lines += [f"  not made ({count}): {reason}" for reason, count in sorted(self.unverifiable_reasons.items())]
         return "\n".join(lines + self.stats_mismatches[:10])

@@ -25,30 +25,19 @@ from graphborrow.core import native
 REPO = Path(__file__).resolve().parents[2]
 
 # Drives a compiled and a pure-Python allocator with the same random operations and
-# compares snapshots and stats after every one, then the full trace history. The pure one
-# is a copy of the allocator package's sources under another name, so that its caching
-# module imports pure blocks and statistics (not the compiled ones this process loaded).
+# compares snapshots and stats after every one, then the full trace history.
 LOCKSTEP = textwrap.dedent(
     """
-    import importlib, random, shutil, sys, tempfile
-    from pathlib import Path
+    import random
     import torch
     from graphborrow.allocator import compiled
+    from graphborrow.allocator.memory import PhysicalMemory
+    from graphborrow.allocator.streams import Clockwork
     import graphborrow.allocator.caching as fast
-    import graphborrow.allocator.memory as fast_memory
-    import graphborrow.allocator.streams as fast_streams
 
     assert compiled.implementation() == "compiled", compiled.implementation()
-    copy = Path(tempfile.mkdtemp()) / "allocator_reference"
-    copy.mkdir()
-    for source in compiled.HERE.glob("*.py"):
-        shutil.copy(source, copy / source.name)
-    (copy / "__init__.py").write_text("")  # no install(): this copy stays pure Python
-    sys.path.insert(0, str(copy.parent))
-    pure = importlib.import_module("allocator_reference.caching")
-    pure_memory = importlib.import_module("allocator_reference.memory")
-    pure_streams = importlib.import_module("allocator_reference.streams")
-    assert pure.__file__.endswith(".py") and importlib.import_module("allocator_reference.blocks").__file__.endswith(".py")
+    pure = compiled.pure_model()
+    assert pure.__file__.endswith("caching.py") and pure.Block.__module__.endswith("pure_source.blocks")
     MiB = 2**20
 
     class BumpPool:  # a pluggable pool's raw allocator: a bump pointer over its own range
@@ -60,8 +49,8 @@ LOCKSTEP = textwrap.dedent(
         def raw_delete(self, ptr, nbytes, stream):
             pass
 
-    def make(module, memory, streams, config, fraction):
-        a = module.CachingAllocator(memory.PhysicalMemory(capacity=768 * MiB, backed=False), streams.Clockwork(), config)
+    def make(module, config, fraction):
+        a = module.CachingAllocator(PhysicalMemory(capacity=768 * MiB, backed=False), Clockwork(), config)
         a.set_memory_fraction(fraction)
         a.record_history(True)
         return a
@@ -107,8 +96,7 @@ LOCKSTEP = textwrap.dedent(
 
     def run(config, fraction, seed, steps):
         rng_f, rng_p = random.Random(seed), random.Random(seed)
-        f = make(fast, fast_memory, fast_streams, config, fraction)
-        p = make(pure, pure_memory, pure_streams, config, fraction)
+        f, p = make(fast, config, fraction), make(pure, config, fraction)
         live_f, live_p, routes_f, routes_p = [], [], [], []
         for i in range(steps):
             out_f, out_p = step(f, rng_f, live_f, routes_f), step(p, rng_p, live_p, routes_p)

@@ -10,7 +10,6 @@ longer.
 
 import dis
 import gc
-import importlib.util
 import random
 import signal
 import sys
@@ -33,10 +32,7 @@ MiB = 1 << 20
 
 
 def _pure_allocator_module():
-    spec = importlib.util.spec_from_file_location("graphborrow.allocator.caching_pure_for_tests", compiled.SOURCES[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return compiled.pure_model()
 
 
 @pytest.fixture

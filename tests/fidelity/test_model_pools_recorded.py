@@ -80,6 +80,7 @@ if RECORDINGS:
         pools = {tuple(s["segment_pool_id"]) for s in gpu["segments"]}
         report = replay_trace({"segments": gpu["segments"], "device_traces": [events]}, snapshot_pools=pools)
         assert report.agreement == 1.0 and report.checks > 1000, str(report)
+        assert not report.mid_run  # recorded from the start (tests/fidelity/test_trace_prefixes.py relies on it)
 
     def test_a_pool_snapshot_read_as_the_whole_device_misses_the_other_pools():
         gpu = load_recording(DATA / "synthetic.json.gz")

@@ -1,0 +1,73 @@
+"""Traces from long-running processes: ring buffers that wrapped, recorded on an H200, replayed in full.
+
+``scripts/record_wrapped.py`` ran the suite's own serving workload (a graph ladder, borrowed EAGLE
+verification, retire), ordinary model code (a decoder with a growing KV cache, copies on a side
+stream) and the differential corpus's random program, each with expandable segments off and on,
+for a long time with rings of 100 to 10 000 entries, and cut each run at three points after its
+ring had wrapped. Such a trace begins mid-run: what existed before its first entry is rebuilt
+from the trace and the snapshot. Every check that can be made must agree, and the checks that
+cannot be made (each counted with its reason) must stay under 1 % of a trace's checks.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+from graphborrow.fidelity.replay import replay_trace
+
+WRAPPED = Path(__file__).resolve().parents[2] / "data" / "traces" / "wrapped"
+TRACES = sorted(WRAPPED.glob("*.pickle.gz"))
+# Traces whose checks that could not be made exceed 1 %, with the count each must not exceed (a
+# ratchet: more fails, and so does fewer until the entry is lowered or removed). The cause, trace by
+# trace: churn_off_ring1000_cut2 (event 86): the model places a 6.5 MB block in the space after a
+# block from before the trace whose size is a guess (its free gave the request, 6215959 B); the
+# trace placed it elsewhere, so that block was larger, by how much nothing in the trace says, and
+# the segment's later checks (17) rest on it.
+ABOVE_ONE_PERCENT: dict[str, int] = {"churn_off_ring1000_cut2": 19}
+
+
+def name_of(path: Path) -> str:
+    return path.name.split(".")[0]
+
+
+def load(path: Path) -> dict:
+    with gzip.open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def test_the_wrapped_corpus_is_committed_with_its_commands():
+    index = json.loads((WRAPPED / "index.json").read_text())
+    assert index["device"].startswith("NVIDIA") and index["command"].startswith("python scripts/record_wrapped.py")
+    rows = index["traces"]
+    assert len(TRACES) == len(rows) >= 30 and all(row["wrapped"] for row in rows)
+    assert {row["workload"] for row in rows} == {"suite", "model", "churn"}
+    assert {row["settings"] for row in rows} == {"", "expandable_segments:True"}
+    rings = {row["max_entries"] for row in rows}
+    assert min(rings) == 100 and max(rings) == 10_000 and len(rings) >= 4
+    meta = load(TRACES[0])["corpus"]
+    assert meta["torch"].startswith("2.") and meta["device_memory"] > 0 and meta["events"] == meta["max_entries"]
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[name_of(p) for p in TRACES])
+def test_a_wrapped_trace_agrees_wherever_a_check_can_be_made(path):
+    snapshot = load(path)
+    report = replay_trace(snapshot)
+    assert report.mid_run and report.events == snapshot["corpus"]["max_entries"]
+    assert report.mismatches == [] and report.agreement == 1.0, str(report)
+    assert report.checks > 50
+    assert sum(report.unverifiable_reasons.values()) == report.unverifiable  # each one with its reason
+    limit = ABOVE_ONE_PERCENT.get(name_of(path))
+    if limit is None:
+        assert report.unverifiable < 0.01 * report.checks, str(report)
+    else:
+        assert 0.01 * report.checks <= report.unverifiable <= limit, f"{report.unverifiable}: update ABOVE_ONE_PERCENT"
+
+
+def test_the_exceptions_are_few_and_name_traces_of_the_corpus():
+    assert set(ABOVE_ONE_PERCENT) <= {name_of(p) for p in TRACES}
+    assert len(ABOVE_ONE_PERCENT) <= len(TRACES) // 20

@@ -130,8 +130,11 @@ class VerifyStep:
         if self.coins_final is not None:
             expect(self.coins_final, "coins_final", (bs,), torch.float32)
         self.threshold_single, self.threshold_acc = check_thresholds(self.threshold_single, self.threshold_acc)
-        for name, integer in (("temperatures", False), ("top_ks", True), ("top_ps", False)):
-            _check_per_request(getattr(self, name), bs, name, integer)
+        _check_per_request(self.temperatures, bs, "temperatures", False)
+        if self.top_ks is not None:
+            _check_per_request(self.top_ks, bs, "top_ks", True)
+        if self.top_ps is not None:
+            _check_per_request(self.top_ps, bs, "top_ps", False)
         return self
 
     def require_contiguous(self) -> None:

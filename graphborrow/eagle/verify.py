@@ -129,10 +129,7 @@ def eagle_verify(
     if validate:
         step.validate()
     if fused is not None:
-        out = fused.allocate_outputs(step)
-        if step.batch_size:
-            run_borrowing(borrow, fused.run_step, step, out)
-        return out
+        return fused.verify(step, borrow)
     borrowing = borrow is not None and bool(borrow.enabled)
     per_chunk = step.batch_size
     if mode == "chunked":
@@ -206,9 +203,9 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "reference":
         return impl
+    simulated = type(logits) is not torch.Tensor and is_sim_tensor(logits)
     if impl == "auto" and logits.is_cuda and fused_available():
-        return "reference" if is_sim_tensor(logits) else "fused"  # (a real CUDA tensor: CUDA is available)
-    simulated = is_sim_tensor(logits)
+        return "reference" if simulated else "fused"  # (a real CUDA tensor: CUDA is available)
     if impl == "fused":
         if simulated:
             raise ValueError("impl='fused' launches Triton kernels, which the simulated device cannot run; use "

@@ -18,7 +18,7 @@ needed. The step is three launches:
    residual (its rejected children removed unless every depth was accepted); the last
    slice to finish finds the slice where ``coin * mass`` falls and scans only that one.
 
-With top-k / top-p, :func:`graphborrow.eagle.triton.select.select_pivots` finds every row's
+With top-k / top-p, :func:`graphborrow.eagle.triton.select.select_launches` finds every row's
 pivots and kept sums between 2 and 3 (a sort-free search, a few launches), and the walk
 runs in its own launch. Nothing synchronises with the host, so the step can be captured
 in a CUDA graph.
@@ -42,8 +42,6 @@ added in another order than torch's, which matters only when a coin lands within
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ..draft_tree import DraftTree
@@ -59,7 +57,7 @@ from .probs import (
     sum_bits,
     target_probs_reference,
 )
-from .select import select_pivots, select_slots, split_layout, top_k_renorm, top_p_renorm
+from .select import select_launches, select_slots, split_layout, top_k_renorm, top_p_renorm
 from .workspace import Layout
 
 if TRITON_AVAILABLE:
@@ -85,6 +83,7 @@ __all__ = [
 
 WALK_WARPS = 1
 WALK_FIELDS = 4  # final node, its slot, last rejected token, dropped-token count; then the dropped tokens
+MERGED_WORKSPACE = 64 * 1024  # bytes: a workspace this small shares its outputs' allocation (without a borrow)
 INT32_MAX = 2**31 - 1
 
 # How a per-request parameter reaches the kernels (the first kernel writes it into the workspace)
@@ -143,24 +142,44 @@ def fused_verify(
         step.validate()
     if launch:
         _check_launchable(step.logits)
-    out = allocate_outputs(step) if out is None else VerifyResult(*check_outputs(out, step))
+    if out is None:
+        return verify(step, borrow, launch)
+    out = VerifyResult(*check_outputs(out, step))
     if step.batch_size:
         run_borrowing(borrow, run_step, step, out, launch)
+    return out
+
+
+def verify(step: VerifyStep, borrow=None, launch: bool = True) -> VerifyResult:
+    """:func:`~graphborrow.eagle.eagle_verify`'s fused path for a checked (and, if asked,
+    validated) ``step``: new outputs, then the step, its temporaries in ``borrow``'s scope
+    when it is enabled.
+
+    Without a borrow a step whose workspace is small (``MERGED_WORKSPACE`` bytes at most)
+    makes one allocation, not two: its outputs and its workspace share one buffer, so the
+    workspace lives as long as the caller keeps the outputs.
+
+    Returns:
+        The step's :class:`~graphborrow.eagle.modes.VerifyResult`.
+    """
+    plan = plan_for(step)
+    if not step.batch_size or (borrow is not None and borrow.enabled) or plan.layout.nbytes > MERGED_WORKSPACE:
+        out = plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
+        if step.batch_size:
+            run_borrowing(borrow, run_step, step, out, launch)
+        return out
+    buffer = step.candidates.new_empty(plan.output_words + plan.layout.nbytes // 4, dtype=torch.int32)
+    out = plan.outputs(buffer)
+    if launch:
+        _launch(plan, step, out, buffer, 4 * plan.output_words)
     return out
 
 
 def allocate_outputs(step: VerifyStep) -> VerifyResult:
     """The fused step's outputs, uninitialised (the kernels write every entry): three views
     of one int32 allocation, each starting 16-byte aligned."""
-    bs, d, depth = step.batch_size, step.draft_tokens, step.tree_depth
-    sizes = (bs * d, bs * depth, bs)
-    starts, at = [], 0
-    for n in sizes:
-        starts.append(at)
-        at += -(-n // 4) * 4
-    buffer = step.candidates.new_empty(max(at, 1), dtype=torch.int32)
-    return VerifyResult(buffer[starts[0]:starts[0] + sizes[0]], buffer[starts[1]:starts[1] + sizes[1]].view(bs, depth),
-                        buffer[starts[2]:starts[2] + sizes[2]])
+    plan = plan_for(step)
+    return plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
 
 
 def _check_launchable(logits: torch.Tensor) -> None:
@@ -184,11 +203,15 @@ class StepPlan:
 
     ``layout``: the workspace's slots; ``grid_rows`` / ``grid_walk`` / ``grid_residual``:
     the launch grids; ``forms``: how temperature, top-k and top-p arrive (``ABSENT``,
-    ``NUMBER``, ``PER_REQUEST``, ``ONE_VALUE``); ``launcher``: the compiled kernels.
+    ``NUMBER``, ``PER_REQUEST``, ``ONE_VALUE``) and whether the kernels read the caller's
+    tensor in place (``in_place``); ``output_words``: int32 words of the outputs, each of
+    the three starting 16-byte aligned; ``launcher``: the compiled kernels.
     """
 
-    def __init__(self, bs: int, d: int, vocab: int, steps: int, forms: tuple):
-        self.bs, self.d, self.vocab, self.steps, self.forms = bs, d, vocab, steps, forms
+    def __init__(self, bs: int, d: int, vocab: int, steps: int, forms: tuple, in_place: tuple):
+        self.bs, self.d, self.vocab, self.steps = bs, d, vocab, steps
+        self.forms, self.in_place = forms, in_place
+        self.copies = any(f == PER_REQUEST and not direct for f, direct in zip(forms, in_place))  # into slots first
         self.rows = rows = bs * d
         self.splits, self.chunk = split_layout(rows, vocab)
         self.rsplits, self.rchunk = split_layout(bs, vocab)
@@ -197,6 +220,9 @@ class StepPlan:
         self.has_k, self.has_p = forms[1] != ABSENT, forms[2] != ABSENT
         self.renorm = self.has_k or self.has_p
         self.layout = Layout(step_slots(bs, d, vocab, self.has_k, self.has_p))
+        words = [bs * d, bs * steps, bs]
+        self.output_starts = (0, -(-words[0] // 4) * 4, -(-words[0] // 4) * 4 + -(-words[1] // 4) * 4)
+        self.output_words = -(-(self.output_starts[2] + bs) // 32) * 32  # (128 bytes: the workspace after it aligned)
         self.grid_rows = (rows, self.splits, 1)
         self.grid_walk = (bs, 1, 1)
         self.grid_residual = (bs, self.rsplits, 1)
@@ -204,6 +230,12 @@ class StepPlan:
         self.stream_options = dict(num_warps=_select.STREAM_WARPS, **compile_options())
         self.walk_options = dict(num_warps=WALK_WARPS, **compile_options())
         self.launcher = Launcher()
+
+    def outputs(self, buffer: torch.Tensor) -> VerifyResult:
+        """The three outputs as views at the start of an int32 ``buffer``."""
+        bs, p, a, n = self.bs, *self.output_starts
+        return VerifyResult(buffer.as_strided((bs * self.d,), (1,), p),
+                            buffer.as_strided((bs, self.steps), (self.steps, 1), a), buffer.as_strided((bs,), (1,), n))
 
 
 def step_slots(bs: int, d: int, vocab: int, has_k: bool, has_p: bool) -> list:
@@ -230,8 +262,8 @@ def step_slots(bs: int, d: int, vocab: int, has_k: bool, has_p: bool) -> list:
 
 
 def fused_workspace_bytes(bs: int, d: int, vocab: int, top_k: bool = False, top_p: bool = False) -> int:
-    """Bytes of a fused step's one workspace allocation (before allocator rounding): it
-    grows with bs * D, never with bs * D * V.
+    """Bytes of a fused step's workspace (before allocator rounding): it grows with bs * D,
+    never with bs * D * V.
 
     Args:
         bs, d, vocab: the step's shape.
@@ -252,26 +284,28 @@ def clear_plans() -> None:
     _select.clear_plans()
 
 
-def _form(value, bs: int, device: int):
-    """How a per-request parameter reaches the kernels, and the dtype they read it in."""
-    if value is None:
-        return ABSENT, None
-    if not isinstance(value, torch.Tensor):
-        return NUMBER, None
-    if value.get_device() != device or not value.is_contiguous():
-        return PER_REQUEST, None  # copied into its slot first; the kernels read the slot
-    return (PER_REQUEST if value.numel() == bs else ONE_VALUE), value.dtype
-
-
 def plan_for(step: VerifyStep) -> StepPlan:
     """The cached plan of ``step``'s shape and argument forms (made on first sight)."""
     bs, d = step.candidates.shape
     logits = step.logits
     device = logits.get_device()
-    forms = (_form(step.temperatures, bs, device), _form(step.top_ks, bs, device), _form(step.top_ps, bs, device))
-    vocab, depth = logits.shape[1], step.tree.tree_depth
-    return _PLANS.get((bs, d, vocab, logits.dtype, depth, device, forms, _select.tunables()),
-                      bs, d, vocab, depth, tuple(f[0] for f in forms))
+    forms, in_place, dtypes = [], [], []
+    for value in (step.temperatures, step.top_ks, step.top_ps):
+        if value is None:
+            forms.append(ABSENT)
+            in_place.append(False)
+        elif not isinstance(value, torch.Tensor):
+            forms.append(NUMBER)
+            in_place.append(False)
+        else:  # read in place when the kernels can; else copied into its slot first
+            direct = value.get_device() == device and value.is_contiguous()
+            forms.append(PER_REQUEST if not direct or value.numel() == bs else ONE_VALUE)
+            in_place.append(direct)
+            dtypes.append(value.dtype)
+    forms, in_place = tuple(forms), tuple(in_place)
+    return _PLANS.get((bs, d, logits.shape[1], logits.dtype, step.tree.tree_depth, device, forms, in_place,
+                       tuple(dtypes), _select.tunables()),
+                      bs, d, logits.shape[1], step.tree.tree_depth, forms, in_place)
 
 
 # ---------------------------------------------------------------------------------
@@ -279,11 +313,12 @@ def plan_for(step: VerifyStep) -> StepPlan:
 
 
 def run_step(step: VerifyStep, out: VerifyResult, launch: bool = True) -> None:
-    """:func:`~graphborrow.eagle.eagle_verify`'s fused body, inside its borrow scope.
+    """The fused step into ``out``, its workspace allocated here (inside the caller's borrow
+    scope, if any).
 
-    ``step`` was checked (``check`` and ``require_contiguous``) and, if asked, validated by the caller;
-    nothing is checked again here. Allocates the step's one workspace, then (unless
-    ``launch`` is False) launches the kernels, which write every entry of ``out``
+    ``step`` was checked (``check`` and ``require_contiguous``) and, if asked, validated by
+    the caller; nothing is checked again here. Allocates the step's one workspace, then
+    (unless ``launch`` is False) launches the kernels, which write every entry of ``out``
     (``accept_length`` counting the emitted token). With ``launch=False`` nothing runs:
     the capacity planner records this function on the layout-only device, so its plan is
     the allocation sequence of exactly this path.
@@ -291,60 +326,49 @@ def run_step(step: VerifyStep, out: VerifyResult, launch: bool = True) -> None:
     plan = plan_for(step)
     buffer = plan.layout.allocate(step.logits)
     if launch:
-        _launch(plan, step, out, buffer)
+        _launch(plan, step, out, buffer, 0)
 
 
-class _Sources(NamedTuple):
-    """The caller's tensors the kernels read in place, or None where they read a workspace
-    slot (a parameter given as a number, coins drawn or copied here)."""
-
-    coins: torch.Tensor | None
-    coins_final: torch.Tensor | None
-    temps: torch.Tensor | None
-    top_k: torch.Tensor | None
-    top_p: torch.Tensor | None
-
-
-def _prepare_sources(plan: StepPlan, step: VerifyStep, buffer: torch.Tensor) -> _Sources:
-    """Fill the slots the kernels read instead of the caller's tensors: coins drawn (or
-    copied from another device), parameter tensors the kernels cannot read in place."""
-    layout, device = plan.layout, step.logits.get_device()
-    coins = []
-    for name, given in (("coins", step.coins), ("coins_final", step.coins_final)):
-        if given is not None and given.get_device() == device:
-            coins.append(given)
-            continue
-        slot = layout.view(buffer, name)
-        if given is None:
-            draw_into(slot, step.generator)
-        else:
-            slot.copy_(given)
-        coins.append(None)
-    params = []
-    for name, value, form in zip(("temps", "top_k", "top_p"), (step.temperatures, step.top_ks, step.top_ps),
-                                 plan.forms):
-        if form in (ABSENT, NUMBER):
-            params.append(None)
-        elif value.get_device() != device or not value.is_contiguous():
-            layout.view(buffer, name).copy_(value.reshape(-1).expand(plan.bs))
-            params.append(None)
-        else:
-            params.append(value)
-    return _Sources(*coins, *params)
-
-
-def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, buffer: torch.Tensor) -> None:
-    tree = step.tree
-    sources = _prepare_sources(plan, step, buffer)
+def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, buffer: torch.Tensor, at: int) -> None:
+    """Launch the step: its workspace is ``buffer``'s bytes from ``at``."""
+    tree, device = step.tree, step.logits.get_device()
+    values = (step.temperatures, step.top_ks, step.top_ps)
+    params = [v if direct else None for v, direct in zip(values, plan.in_place)]
+    coins = [c if c is not None and c.get_device() == device else None for c in (step.coins, step.coins_final)]
+    if coins[0] is None or coins[1] is None or plan.copies:
+        _fill_slots(plan, step, buffer, at, coins)
     given = [step.logits, step.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling,
-             out.predicts, out.accept_index, out.accept_length, *sources]
+             *out, *coins, *params]
     pointers = [None if t is None else t.data_ptr() for t in given]
     launcher = plan.launcher
-    if launcher.start(step.logits.get_device(), aligned(*(p for p in pointers if p is not None))):
-        w = plan.layout.pointers(buffer)
+    if launcher.direct(device, aligned(*(p for p in pointers if p is not None))):
+        w = plan.layout.pointers(buffer, at)
     else:
-        w = plan.layout.views(buffer)
-        pointers = given
+        w, pointers = plan.layout.views(buffer, at), given
+    launcher.run(_launches(plan, step, w, pointers))
+
+
+def _fill_slots(plan: StepPlan, step: VerifyStep, buffer: torch.Tensor, at: int, coins: list) -> None:
+    """Fill the slots the kernels read instead of the caller's tensors: coins drawn (or
+    copied from another device), parameter tensors the kernels cannot read in place."""
+    layout = plan.layout
+    for name, given, usable in (("coins", step.coins, coins[0]), ("coins_final", step.coins_final, coins[1])):
+        if usable is None:
+            slot = layout.view(buffer, name, at)
+            if given is None:
+                draw_into(slot, step.generator)
+            else:
+                slot.copy_(given)
+    for name, value, form, direct in zip(("temps", "top_k", "top_p"), (step.temperatures, step.top_ks, step.top_ps),
+                                         plan.forms, plan.in_place):
+        if form == PER_REQUEST and not direct:
+            layout.view(buffer, name, at).copy_(value.reshape(-1).expand(plan.bs))
+
+
+def _launches(plan: StepPlan, step: VerifyStep, w, pointers: list) -> list:
+    """The step's launches, ``(kernel, grid, args, options)``: pointer arguments are ``w``'s
+    slots and ``pointers`` (the caller's tensors, None where a slot stands in), as device
+    addresses or tensors alike."""
     (logits, candidates, retrive_index, next_token, next_sibling, predicts, accept_index, accept_length,
      coins, coins_final, temps_src, k_src, p_src) = pointers
     coins = w.coins if coins is None else coins
@@ -355,33 +379,33 @@ def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, buffer: torch.T
     pivots = w.pivots if plan.renorm else w.part_max
     select_counters = w.select_counters if plan.renorm else w.counters
     bs, d, vocab, splits, steps = plan.bs, plan.d, plan.vocab, plan.splits, plan.steps
-    block = _select.BLOCK
-    launcher.launch(_row_max_kernel, plan.grid_rows, (
+    block, split_block, precise = _select.BLOCK, _select.SPLIT_MAX, not INTERPRETED
+    launches = [(_row_max_kernel, plan.grid_rows, (
         logits, w.part_max, predicts, w.counters, select_counters,
         w.temps, w.temps if temps_src is None else temps_src, _number(step.temperatures, t_form, float),
         top_k, top_k if k_src is None else k_src, _number(step.top_ks, k_form, _clamped_int),
         top_p, top_p if p_src is None else p_src, _number(step.top_ps, p_form, float),
-        bs, vocab, splits, plan.chunk, plan.renorm, t_form, k_form, p_form, block), plan.stream_options)
+        bs, vocab, splits, plan.chunk, plan.renorm, t_form, k_form, p_form, block), plan.stream_options)]
     walk = (pivots, candidates, retrive_index, next_token, next_sibling, coins, predicts, accept_index,
             accept_length, w.walk_state)
     thresholds = (step.threshold_single, step.threshold_acc)
-    launcher.launch(_row_sum_kernel, plan.grid_rows, (
+    launches.append((_row_sum_kernel, plan.grid_rows, (
         logits, w.temps, w.part_max, w.part_sum, w.counters, *walk, d, vocab, splits, plan.chunk, steps,
-        plan.scale, plan.unscale, *thresholds, not plan.renorm, False, False, block, _select.SPLIT_MAX,
-        not INTERPRETED), plan.stream_options)
+        plan.scale, plan.unscale, *thresholds, not plan.renorm, False, False, block, split_block, precise),
+        plan.stream_options))
     if plan.renorm:
         search = _select.SelectWorkspace(w.state_i, w.state_f, w.part_w, w.part_c, w.scratch, w.select_counters)
-        select_pivots(launcher, plan.rows, vocab, logits, pivots, search, top_k if plan.has_k else None,
-                      top_p if plan.has_p else None, d, splits, plan.chunk,
-                      stats=(w.temps, w.part_max, w.part_sum, plan.unscale))
-        launcher.launch(_walk_kernel, plan.grid_walk, (
+        launches += select_launches(plan.rows, vocab, logits, pivots, search, top_k if plan.has_k else None,
+                                    top_p if plan.has_p else None, d, splits, plan.chunk,
+                                    stats=(w.temps, w.part_max, w.part_sum, plan.unscale))
+        launches.append((_walk_kernel, plan.grid_walk, (
             logits, w.temps, w.part_max, w.part_sum, *walk, d, vocab, splits, steps, plan.unscale, *thresholds,
-            plan.has_k, plan.has_p, _select.SPLIT_MAX, not INTERPRETED), plan.walk_options)
-    launcher.launch(_residual_kernel, plan.grid_residual, (
+            plan.has_k, plan.has_p, split_block, precise), plan.walk_options))
+    launches.append((_residual_kernel, plan.grid_residual, (
         logits, w.temps, w.part_max, w.part_sum, pivots, w.walk_state, coins_final, w.res_sum, w.res_last,
         w.counters, predicts, d, vocab, splits, plan.rsplits, plan.rchunk, plan.unscale, plan.has_k, plan.has_p,
-        plan.d_block, block, _select.SPLIT_MAX, not INTERPRETED), plan.stream_options)
-    launcher.finish()
+        plan.d_block, block, split_block, precise), plan.stream_options))
+    return launches
 
 
 def _number(value, form: int, convert):
@@ -418,27 +442,28 @@ def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.
     if rows % d:
         raise ValueError(f"logits hold {rows} rows, not a whole number of requests of d={d} rows")
     bs = rows // d
-    plan = StepPlan(bs, d, vocab, 1, (NUMBER if not isinstance(temperatures, torch.Tensor) else PER_REQUEST,
-                                      ABSENT, ABSENT))
+    form = PER_REQUEST if isinstance(temperatures, torch.Tensor) else NUMBER
+    plan = StepPlan(bs, d, vocab, 1, (form, ABSENT, ABSENT), (False, False, False))
     w = plan.layout.views(plan.layout.allocate(logits))
-    if isinstance(temperatures, torch.Tensor):
+    if form == PER_REQUEST:
         w.temps.copy_(temperatures.reshape(-1).expand(bs))
-    launcher = Launcher()  # a check, not a hot path: every launch through the JIT front end
-    launcher.start(logits.get_device(), False)
-    launcher.launch(_row_max_kernel, plan.grid_rows, (
-        logits, w.part_max, w.walk_state, w.counters, w.counters, w.temps, w.temps,
-        _number(temperatures, plan.forms[0], float), w.part_max, w.part_max, 0, w.part_max, w.part_max, 0,
-        bs, vocab, plan.splits, plan.chunk, False, plan.forms[0], ABSENT, ABSENT, _select.BLOCK), plan.stream_options)
-    none = w.part_max
-    launcher.launch(_row_sum_kernel, plan.grid_rows, (
-        logits, w.temps, w.part_max, w.part_sum, w.counters, *([none] * 10), d, vocab, plan.splits, plan.chunk, 1,
-        plan.scale, plan.unscale, 1.0, 1.0, False, False, False, _select.BLOCK, _select.SPLIT_MAX, not INTERPRETED),
-        plan.stream_options)
     tokens = tokens.contiguous()
     out = logits.new_empty(tokens.shape, dtype=torch.float32)
-    launcher.launch(_token_prob_kernel, (rows, 1, 1), (
-        logits, w.temps, w.part_max, w.part_sum, tokens, out, d, vocab, plan.splits, tokens.shape[1], plan.unscale,
-        256, _select.SPLIT_MAX, not INTERPRETED), dict(num_warps=4, **compile_options()))
+    none, block, split_block, precise = w.part_max, _select.BLOCK, _select.SPLIT_MAX, not INTERPRETED
+    launcher = Launcher()  # a check, not a hot path: every launch through the JIT front end
+    launcher.direct(logits.get_device(), False)
+    launcher.run([
+        (_row_max_kernel, plan.grid_rows, (
+            logits, w.part_max, w.walk_state, w.counters, w.counters, w.temps, w.temps,
+            _number(temperatures, form, float), none, none, 0, none, none, 0.0, bs, vocab, plan.splits, plan.chunk,
+            False, form, ABSENT, ABSENT, block), plan.stream_options),
+        (_row_sum_kernel, plan.grid_rows, (
+            logits, w.temps, w.part_max, w.part_sum, w.counters, *([none] * 10), d, vocab, plan.splits, plan.chunk,
+            1, plan.scale, plan.unscale, 1.0, 1.0, False, False, False, block, split_block, precise),
+         plan.stream_options),
+        (_token_prob_kernel, (rows, 1, 1), (
+            logits, w.temps, w.part_max, w.part_sum, tokens, out, d, vocab, plan.splits, tokens.shape[1],
+            plan.unscale, 256, split_block, precise), dict(num_warps=4, **compile_options()))])
     return out
 
 

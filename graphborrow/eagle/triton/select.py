@@ -46,7 +46,7 @@ if TRITON_AVAILABLE:
 
     from .probs import float_key, key_float, prob, renormed, row_norm
 
-__all__ = ["SelectWorkspace", "clear_plans", "select_pivots", "select_slots", "split_layout", "top_k_renorm", "top_p_renorm",
+__all__ = ["SelectWorkspace", "clear_plans", "select_launches", "select_slots", "split_layout", "top_k_renorm", "top_p_renorm",
            "tunables"]
 
 BLOCK = 2048            # vocabulary entries per tile in the streaming kernels
@@ -104,14 +104,13 @@ def select_slots(rows: int, splits: int) -> list:
             ("scratch", torch.int32, (rows, SELECT_CAP)), ("select_counters", torch.int32, (rows,))]
 
 
-def select_pivots(launcher: Launcher, rows: int, vocab: int, src, pivots, ws: SelectWorkspace, top_k, top_p, d: int,
-                  splits: int, chunk: int, stats=None) -> None:
-    """Launch the search that fills ``pivots`` [rows, 4] float32 with (top-k pivot, kept sum,
-    top-p pivot, kept sum). Pointer arguments are device addresses or tensors, as
-    ``launcher`` takes them (:mod:`.launch`).
+def select_launches(rows: int, vocab: int, src, pivots, ws: SelectWorkspace, top_k, top_p, d: int, splits: int,
+                    chunk: int, stats=None) -> list:
+    """The launches of the search that fills ``pivots`` [rows, 4] float32 with (top-k pivot,
+    kept sum, top-p pivot, kept sum), as :meth:`~graphborrow.eagle.triton.launch.Launcher.run`
+    takes them. Pointer arguments are device addresses or tensors alike (:mod:`.launch`).
 
     Args:
-        launcher: the plan's :class:`~graphborrow.eagle.triton.launch.Launcher`, started.
         rows, vocab: the source's shape.
         src: [rows, V] probabilities, or logits when ``stats`` is given.
         top_k: [rows / d] int32 or None; top_p: [rows / d] float32 or None (one per request).
@@ -121,23 +120,26 @@ def select_pivots(launcher: Launcher, rows: int, vocab: int, src, pivots, ws: Se
         d: rows per request.
         stats: ``(temps, part_max, part_sum, unscale)`` of the logits (see
             :mod:`graphborrow.eagle.triton.fused`), or None for probabilities.
+
+    Returns:
+        A list of ``(kernel, grid, args, options)``.
     """
     from_logits = stats is not None
     temps, part_max, part_sum, unscale = stats if from_logits else (pivots, pivots, pivots, 1.0)
     options = dict(num_warps=SELECT_WARPS, **compile_options())
     grid, per_row = (rows, splits, 1), (rows, 1, 1)
+    launches = []
     for topp, param in ((False, top_k), (True, top_p)):
         if param is None:
             continue
         args = (src, temps, part_max, part_sum, param, pivots, *ws, d, vocab, splits, chunk, unscale,
                 from_logits, topp, top_k is not None, SELECT_THRESHOLDS, SELECT_CAP, SELECT_BLOCK, BLOCK, SPLIT_MAX,
                 not INTERPRETED)
-        launcher.launch(_init_kernel, grid, args, options)
-        for _ in range(SELECT_PASSES):
-            launcher.launch(_pass_kernel, grid, args, options)
-        launcher.launch(_gather_kernel, grid, args, options)
-        launcher.launch(_resolve_kernel, per_row, args, options)
-        launcher.launch(_kept_kernel, grid, args, options)
+        launches.append((_init_kernel, grid, args, options))
+        launches += [(_pass_kernel, grid, args, options)] * SELECT_PASSES
+        launches += [(_gather_kernel, grid, args, options), (_resolve_kernel, per_row, args, options),
+                     (_kept_kernel, grid, args, options)]
+    return launches
 
 
 # ---------------------------------------------------------------------------------
@@ -221,7 +223,7 @@ def _renorm(probs, top_k, top_p, validate):
     plan.layout.view(buffer, "select_counters").zero_()
     out = torch.empty_like(probs)
     launcher = plan.launcher
-    if launcher.start(probs.get_device(), aligned(probs.data_ptr(), out.data_ptr())):
+    if launcher.direct(probs.get_device(), aligned(probs.data_ptr(), out.data_ptr())):
         w = plan.layout.pointers(buffer)
         src, dst = probs.data_ptr(), out.data_ptr()
         k_arg, p_arg = (None if t is None else t.data_ptr() for t in (k, p))
@@ -229,11 +231,11 @@ def _renorm(probs, top_k, top_p, validate):
         w = plan.layout.views(buffer)
         src, dst, k_arg, p_arg = probs, out, k, p
     search = SelectWorkspace(w.state_i, w.state_f, w.part_w, w.part_c, w.scratch, w.select_counters)
-    select_pivots(launcher, rows, vocab, src, w.pivots, search, k_arg, p_arg, 1, plan.splits, plan.chunk)
-    launcher.launch(_apply_kernel, (rows, plan.splits, 1), (src, w.pivots, dst, vocab, plan.chunk, k is not None,
-                                                            p is not None, BLOCK),
-                    dict(num_warps=STREAM_WARPS, **compile_options()))
-    launcher.finish()
+    launches = select_launches(rows, vocab, src, w.pivots, search, k_arg, p_arg, 1, plan.splits, plan.chunk)
+    launches.append((_apply_kernel, (rows, plan.splits, 1), (src, w.pivots, dst, vocab, plan.chunk, k is not None,
+                                                             p is not None, BLOCK),
+                     dict(num_warps=STREAM_WARPS, **compile_options())))
+    launcher.run(launches)
     return out
 
 

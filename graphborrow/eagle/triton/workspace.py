@@ -54,19 +54,23 @@ class Layout:
         """The workspace: ``nbytes`` uninitialised bytes on ``like``'s device."""
         return like.new_empty(self.nbytes, dtype=torch.uint8)
 
-    def pointers(self, buffer: torch.Tensor):
-        """Every slot's device address, as a record with one field per slot."""
-        base = buffer.data_ptr()
+    def pointers(self, buffer: torch.Tensor, at: int = 0):
+        """Every slot's device address, the workspace starting ``at`` bytes into ``buffer``,
+        as a record with one field per slot."""
+        base = buffer.data_ptr() + at
         return self.record._make([base + offset for offset in self.offsets])
 
-    def views(self, buffer: torch.Tensor):
-        """Every slot as a typed tensor over ``buffer``, as a record with one field per slot."""
-        return self.record._make(self.view(buffer, name) for name in self.names)
+    def views(self, buffer: torch.Tensor, at: int = 0):
+        """Every slot as a typed tensor over ``buffer`` (the workspace ``at`` bytes into it),
+        as a record with one field per slot."""
+        return self.record._make(self.view(buffer, name, at) for name in self.names)
 
-    def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
-        """One slot as a typed tensor over ``buffer``."""
+    def view(self, buffer: torch.Tensor, name: str, at: int = 0) -> torch.Tensor:
+        """One slot as a typed tensor over ``buffer`` (contiguous, any dtype; the workspace
+        ``at`` bytes into it)."""
         offset, dtype, shape = self.slots[name]
-        return buffer[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+        start = at + offset
+        return buffer.view(torch.uint8)[start:start + _nbytes(dtype, shape)].view(dtype).view(shape)
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple) -> int:

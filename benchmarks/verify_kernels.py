@@ -77,6 +77,8 @@ from graphborrow.eagle.probs import target_probs_reference  # noqa: E402
 from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs  # noqa: E402
 from graphborrow.eagle.triton import select as fs  # noqa: E402
 
+from graphborrow.eagle.triton.fused import fused_workspace_bytes  # noqa: E402
+
 try:  # (an older version has no plans: every launch went through Triton's JIT front end)
     from graphborrow.eagle.triton.fused import clear_plans  # noqa: E402
 except ImportError:
@@ -97,36 +99,33 @@ RENORM = {"top_ks": 50, "top_ps": 0.9}
 GOALS = {"host_us": 40.0, "replayed_vs_softmax": 0.6, "graph_path_vs_manual": 1.1, "renorm_eager_vs_replayed": 1.5}
 
 
+def timed_us(body):
+    """CUDA-event microseconds around ``body()``, the GPU idle before it."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    body()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 def event_us(fn, iters, warmup=3):
     """Median CUDA-event time of one call, the GPU idle before each."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(timed_us(fn) for _ in range(iters))
 
 
 def pipelined_us(fn, iters, rounds=5):
     """Time per call of ``iters`` calls issued back to back (median over rounds)."""
     fn()
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def calls():
         for _ in range(iters):
             fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
+
+    return statistics.median(timed_us(calls) / iters for _ in range(rounds))
 
 
 def host_us(fn, iters):
@@ -317,6 +316,7 @@ def fused_row(common, step, renorm, args, tree, logits, coins, coins_final):
     row = {**common, "impl": "fused_renorm" if renorm else "fused"}
     row["temporary_bytes"], got = temporaries(step)
     row["full_vocab_temporaries"] = row["temporary_bytes"] >= 4 * bs * vocab  # not even one [bs, V] row set
+    row["workspace_bytes"] = fused_workspace_bytes(bs, d, vocab, bool(renorm), bool(renorm))  # (may share the outputs')
     row["device_us"] = event_us(step, args.iters)
     row["host_us"] = host_us(step, args.iters)
     row["pipelined_us"] = pipelined_us(step, args.iters)

@@ -148,7 +148,13 @@ def eagle_verify(
 def run_borrowing(borrow, body, *args) -> None:
     """``body(*args)`` inside the step's borrow scope when ``borrow`` is enabled, so every
     temporary it makes lives in the borrowed runs; a failed step's temporaries die inside
-    the scope too. Without an enabled borrow, just the call."""
+    the scope too. Without an enabled borrow, just the call.
+
+    Args:
+        borrow: a :class:`~graphborrow.core.borrow.BorrowState`, or None.
+        body: the step's work; what it returns is dropped (its outputs are made before the scope).
+        args: passed to ``body``.
+    """
     if borrow is None or not borrow.enabled:
         body(*args)
         return

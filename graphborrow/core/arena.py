@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import operator
 import os
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .checks import as_flag, as_integer
 from .errors import ArenaFreeError
 
 __all__ = [
@@ -258,7 +258,7 @@ def check_extents(extents: Iterable[Sequence[int]], align: int, noun: str = "ext
             base, nbytes = extent
         except (TypeError, ValueError):
             raise TypeError(f"{noun} {i} is {extent!r}; each {noun} is a (base, nbytes) pair") from None
-        checked.append((_integer(base, f"{noun} {i} base"), _integer(nbytes, f"{noun} {i} size")))
+        checked.append((as_integer(base, f"{noun} {i} base"), as_integer(nbytes, f"{noun} {i} size")))
     for i, (base, nbytes) in enumerate(checked):
         if nbytes <= 0:
             raise ValueError(f"{noun} {i} at {base:#x} has non-positive size {nbytes}")
@@ -289,33 +289,12 @@ def _check(code: int, what: str) -> None:
         raise ValueError(f"{what}: {_ERRORS.get(code, f'error {code}')}")
 
 
-def _integer(value, what: str) -> int:
-    """``value`` as a Python int; floats, strings, bools and other non-integers are refused
-    (numpy integers are integers)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an integer number of bytes, got a bool ({value!r})")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{what} must be an integer, got {type(value).__name__} ({value!r}); "
-            "pass addresses and sizes as ints"
-        ) from None
-
-
 def _alignment(value) -> int:
     """A valid alignment as an int: a power of two, below 2**64 (the C library's size_t)."""
-    align = _integer(value, "align")
+    align = as_integer(value, "align")
     if align <= 0 or align & (align - 1) or align >= ADDRESS_LIMIT:
         raise ValueError(f"align must be a power of two below 2**64, got {align}")
     return align
-
-
-def _flag(value, what: str) -> bool:
-    """True or False; the C library takes an int, which would turn 2**32 into False."""
-    if isinstance(value, bool):
-        return value
-    raise TypeError(f"{what} must be True or False, got {type(value).__name__} ({value!r})")
 
 
 def describe_free_error(code: int, ptr: int, nbytes: int, live_size: int = 0) -> str:
@@ -379,7 +358,7 @@ class BumpArena:
     MAX_SLOTS = 64
 
     def __init__(self, align: int = 512, best_fit: bool = True) -> None:
-        align, best_fit = _alignment(align), _flag(best_fit, "best_fit")
+        align, best_fit = _alignment(align), as_flag(best_fit, "best_fit")
         self._lib = _library()
         self.slot = self._lib.gb_arena_acquire(align, int(best_fit))
         if self.slot == BAD_ALIGN:  # unreachable after _alignment; kept apart from a full table
@@ -450,7 +429,7 @@ class BumpArena:
             TypeError: ``nbytes`` is not an integer.
             ValueError: ``nbytes`` is negative or not below 2**64.
         """
-        nbytes = _integer(nbytes, "malloc size")
+        nbytes = as_integer(nbytes, "malloc size")
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size ({nbytes})")
         if nbytes >= ADDRESS_LIMIT:
@@ -475,7 +454,7 @@ class BumpArena:
             raise ArenaFreeError(describe_free_error(code, int(ptr), int(nbytes), self._last_live_size()))
 
     def _free(self, ptr, nbytes) -> int:
-        ptr, nbytes = _integer(ptr, "free pointer"), _integer(nbytes, "free size")
+        ptr, nbytes = as_integer(ptr, "free pointer"), as_integer(nbytes, "free size")
         if not 0 <= ptr < ADDRESS_LIMIT:
             raise ValueError(f"free({ptr}, {nbytes}): a pointer is an address in [0, 2**64)")
         if not 0 <= nbytes < FREE_SIZE_LIMIT:
@@ -545,7 +524,7 @@ class BumpArena:
 
     @best_fit.setter
     def best_fit(self, value: bool) -> None:
-        _check(self._lib.gb_arena_set_best_fit(self.slot, int(_flag(value, "best_fit"))), "best_fit")
+        _check(self._lib.gb_arena_set_best_fit(self.slot, int(as_flag(value, "best_fit"))), "best_fit")
 
     @property
     def align(self) -> int:

@@ -257,6 +257,9 @@ class SimBackend:
             This backend; on exit the simulated device active before, if any, is active again.
         """
         previous = getattr(_active, "backend", None)
+        if previous is self:  # already active: leave it so
+            yield self
+            return
         self.activate()
         try:
             yield self
@@ -722,11 +725,15 @@ class SimBackend:
                     self._depth -= 1
                 if self._pending and not self._depth:
                     self._drain()
-            if self.backed:
-                host = self.memory.host_view(block.ptr, nbytes)
-                storage = _BackedStorage(self, block, host, nbytes)
-            else:
-                storage = SimStorage(self, block, 0, nbytes, 0)
+            try:
+                if self.backed:
+                    host = self.memory.host_view(block.ptr, nbytes)
+                    storage = _BackedStorage(self, block, host, nbytes)
+                else:
+                    storage = SimStorage(self, block, 0, nbytes, 0)
+            except BaseException:
+                self.release_block(block)  # no storage will ever free it (e.g. memory never mapped)
+                raise
             self._owners[block] = _StorageOwner(storage, self._dead.append, block)
         return storage
 

@@ -135,8 +135,10 @@ class VerifyStep:
         if isinstance(self.top_ks, torch.Tensor) and bool((self.top_ks >= 2**31).any()):
             raise ValueError(f"top_k must be < 2**31 (the fused kernels read int32; pass the vocabulary "
                              f"{self.vocab} to keep all)")
-        if self.top_ps is not None and bool((~(_as_rows(self.top_ps, bs, torch.float32) > 0)).any()):
-            raise ValueError("top_p must be in (0, 1] (1 keeps all)")
+        if self.top_ps is not None:
+            top_ps = _as_rows(self.top_ps, bs, torch.float32)
+            if bool((~((top_ps > 0) & (top_ps <= 1))).any()):
+                raise ValueError("top_p must be in (0, 1] (1 keeps all)")
         for name in ("coins", "coins_final"):
             coins = getattr(self, name)
             if coins is not None and coins.numel() and not bool(((coins >= 0) & (coins < 1)).all()):

@@ -94,6 +94,13 @@ class AllocatorConfig:
                          torch_version: str | None = None) -> "AllocatorConfig":
         """The settings ``PYTORCH_CUDA_ALLOC_CONF`` gives torch's allocator (torch's defaults when unset).
 
+        Args:
+            environ: where to read the variable (default ``os.environ``).
+            torch_version: the torch whose parsing rules apply (default: the installed one).
+
+        Returns:
+            The :class:`AllocatorConfig`.
+
         Raises:
             ValueError, NotImplementedError: as the constructor, the message starting with
                 the variable and its value.

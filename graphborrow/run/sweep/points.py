@@ -56,7 +56,14 @@ CHECKSUM = "record_sha256"
 
 
 def notebook_digest(nb) -> str:
-    """Hash of the notebook's code cells, in order (outputs and markdown do not count)."""
+    """Hash of the notebook's code cells, in order (outputs and markdown do not count).
+
+    Args:
+        nb: the notebook node (``nbformat``).
+
+    Returns:
+        The SHA-256 in hex.
+    """
     h = hashlib.sha256()
     for cell in nb.cells:
         if cell.get("cell_type") == "code":
@@ -75,7 +82,15 @@ def _computed(params: Mapping[str, Any]) -> dict:
 
 
 def point_identity(params: Mapping[str, Any], digest: str) -> str:
-    """Hash of every parameter except the runner's folders, plus the notebook digest."""
+    """Hash of every parameter except the runner's folders, plus the notebook digest.
+
+    Args:
+        params: the point's parameters.
+        digest: :func:`notebook_digest` of the notebook.
+
+    Returns:
+        The SHA-256 in hex: equal for two points exactly when they compute the same thing.
+    """
     return hashlib.sha256(_canonical_json({"params": _computed(params), "notebook": digest}).encode()).hexdigest()
 
 
@@ -94,6 +109,14 @@ def point_ids(points: Sequence[Mapping[str, Any]], axes: Sequence[str], identiti
     A name gets the identity's first 8 hex digits when it is long or when two different
     points would otherwise share it (values that differ only in characters a folder name
     cannot hold).
+
+    Args:
+        points: each point's parameters.
+        axes: the swept parameters, whose values make the name.
+        identities: each point's :func:`point_identity`.
+
+    Returns:
+        One folder name per point, in order, all different.
     """
     slugs = [_slug(p, axes) for p in points]
     counts: dict[str, int] = {}

@@ -23,7 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .checks import as_flag, as_integer
+from .checks import ADDRESS_LIMIT, as_flag, as_integer
 from .errors import ArenaFreeError
 
 __all__ = [
@@ -32,9 +32,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("arena.c")
-ADDRESS_LIMIT = 1 << 64  # extents must end below this; sizes must be below it
 FREE_SIZE_LIMIT = 1 << 63  # the C free takes an int64 size: no allocation is this large
-NO_SLOT, BAD_ALIGN = -1, -6  # what gb_arena_acquire returns when it cannot hand out a slot
 _ERRORS = {
     -1: "the arena slot is not acquired",
     -2: "too many extents",
@@ -361,8 +359,6 @@ class BumpArena:
         align, best_fit = _alignment(align), as_flag(best_fit, "best_fit")
         self._lib = _library()
         self.slot = self._lib.gb_arena_acquire(align, int(best_fit))
-        if self.slot == BAD_ALIGN:  # unreachable after _alignment; kept apart from a full table
-            raise ValueError(f"align must be a power of two below 2**64, got {align}")
         if self.slot < 0:
             raise RuntimeError(
                 f"all {self.MAX_SLOTS} bump-arena slots of this process are in use; "

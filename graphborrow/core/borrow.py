@@ -32,8 +32,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from .arena import ADDRESS_LIMIT, BumpArena, check_extents
-from .checks import as_flag, as_integer
+from .arena import BumpArena, check_extents
+from .checks import ADDRESS_LIMIT, as_flag, as_integer
 from .device_api import DeviceAPI
 from .errors import (
     ArenaIntegrityError,
@@ -486,6 +486,8 @@ class BorrowState:
     def _precarve(self, pool: Any, seeds: Sequence[int]) -> None:
         """Allocate and free one segment per seed size in ``pool``; nothing stays allocated,
         whether it completes or not."""
+        if not seeds:
+            return
         held: list = []
         try:
             # hold every seed until all exist: a freed seed would otherwise serve the next;

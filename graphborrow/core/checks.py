@@ -10,7 +10,9 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-__all__ = ["as_integer", "as_flag"]
+__all__ = ["as_integer", "as_flag", "ADDRESS_LIMIT"]
+
+ADDRESS_LIMIT = 1 << 64  # device addresses, and the ends of ranges of them, lie below this
 
 
 def as_integer(value: Any, what: str) -> int:

@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .checks import ADDRESS_LIMIT
 from .errors import SnapshotFormatError
 
 __all__ = ["load_snapshot", "check_segments", "nested_in", "read_snapshot_file", "BLOCK_STATES", "FREE_STATE",
@@ -53,7 +54,6 @@ __all__ = ["load_snapshot", "check_segments", "nested_in", "read_snapshot_file",
 FREE_STATE = "inactive"
 # torch's C++ emits active_pending_free; the _snapshot docstring says active_awaiting_free
 BLOCK_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", FREE_STATE)
-ADDRESS_LIMIT = 1 << 64
 # The only objects other than built-in containers and scalars a snapshot file may name, and what
 # each is read as: torch records its version as a TorchVersion (a str subclass).
 SNAPSHOT_GLOBALS = {("torch.torch_version", "TorchVersion"): str}

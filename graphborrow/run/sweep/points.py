@@ -253,8 +253,8 @@ class PointStore:
             return None, None
         try:
             info = json.loads(marker.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return None, f"{marker} is damaged (not valid JSON: {exc}); running it again"
+        except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            return None, f"{marker} is damaged (not readable JSON: {exc}); running it again"
         problem = _record_problem(info)
         if problem is not None:
             return None, f"{marker} {problem}; running {folder.name} again"

@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-nbval test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep gpu-wheels model-pools model-pools-sim strip clean deep mutation mutation-capacity
+.PHONY: setup run demo test test-core test-notebooks test-nbval test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep bench-scaling gpu-wheels model-pools model-pools-sim strip clean deep mutation mutation-capacity
 
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
@@ -103,6 +103,10 @@ compile-kernels: setup
 # CPU: the simulated allocator's speed, compiled against pure Python (figure in the README).
 bench: setup
 	$(PY) benchmarks/sim_allocator.py docs/sim_allocator_speed.png --json data/sim_allocator_cpu.json --pairs 50000 --repeats 5
+
+# CPU: how each public entry point's time grows with its input (a few minutes; docs/reliability.md).
+bench-scaling: setup
+	$(PY) benchmarks/scaling.py --json data/scaling_cpu.json
 
 # CPU: the same 16-point sweep on 1 and 2 workers of the embedded Dask cluster.
 bench-sweep: setup

@@ -40,6 +40,10 @@ CORE_MODULES = [
     "graphborrow.eagle.sequence",
     "graphborrow.planning.planner",
     "graphborrow.run.sweep",
+    "graphborrow.core.checks",
+    "graphborrow.run.environment",
+    "graphborrow.run.folders",
+    "graphborrow.run.sweep.points",
 ]
 
 SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Example|Examples|Note|Notes|Warning|See Also):\s*$")

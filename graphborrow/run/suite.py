@@ -20,11 +20,13 @@ from graphborrow.core.atomicfile import write_atomic
 from graphborrow.core.errors import ParameterError
 from graphborrow.studies.shipped import numbered_notebooks
 
+from .environment import check_environment
+from .folders import output_folder
 from .results import check_results
 from .sweep.execute import NotebookJob, count_images, execute
 from .sweep.parameters import declared_parameters, read_notebook, validate
 
-__all__ = ["run_suite", "SuiteReport", "NotebookRun"]
+__all__ = ["run_suite", "SuiteReport", "NotebookRun", "SuiteInterrupted"]
 
 
 @dataclass
@@ -37,6 +39,26 @@ class NotebookRun:
     notebook: Path
     error: str | None = None
     figures: int = 0     # image outputs in the executed notebook
+
+
+class SuiteInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the suite: which notebooks finished, and the ``--only`` names of the rest."""
+
+    def __init__(self, out: Path, finished: Sequence[str], remaining: Sequence[str]):
+        super().__init__(f"{len(finished)} notebooks finished, {len(remaining)} not")
+        self.out, self.finished, self.remaining = out, list(finished), list(remaining)
+
+    def advice(self) -> str:
+        """What to run next, for the command line.
+
+        Returns:
+            Where the finished notebooks are and the command that runs only the others (a
+            plain rerun runs every notebook again).
+        """
+        prefixes = " ".join(name.split("_", 1)[0] for name in self.remaining)
+        return (f"interrupted: {len(self.finished)} notebook(s) finished, in {self.out}; running the same command "
+                f"again runs every notebook again. To run only the rest: python -m graphborrow suite "
+                f"--only {prefixes} --out {self.out} (with the same --device and -p)")
 
 
 @dataclass
@@ -84,7 +106,13 @@ def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto
 
     Returns:
         A :class:`SuiteReport`; failed notebooks are in it, not raised.
+
+    Raises:
+        ParameterError: a bad argument, environment variable or output folder, before any
+            notebook runs.
+        SuiteInterrupted: Ctrl-C; it says which notebooks finished.
     """
+    check_environment()
     if timeout is not None and not timeout > 0:
         raise ParameterError(f"timeout={timeout!r} must be a positive number of seconds per cell")
     base = validate({"DEVICE": device})
@@ -95,34 +123,42 @@ def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto
     if unused:
         raise ParameterError(f"{', '.join(unused)}: declared by none of the notebooks run "
                              f"({', '.join(nb.stem for nb in notebooks)})")
-    out = Path(out).resolve()
-    results_dir = out / "results"
-    report = SuiteReport(out, results_dir)
-    for nb in notebooks:
+    out = output_folder(out)
+    report = SuiteReport(out, out / "results")
+    for done, nb in enumerate(notebooks):
         names = declared[nb]
         nb_params = {k: v for k, v in {**base, **extra}.items() if k in names}
         job = NotebookJob(nb.name, nb.read_bytes(), nb_params, nb.stem, timeout,
                           set_data_dir="DATA_DIR" in names and "DATA_DIR" not in nb_params)
-        started = time.time()
-        execution = execute(job)
-        executed = out / nb.name
-        if execution.notebook:
-            write_atomic(executed, execution.notebook)
-        write_atomic(out / f"{nb.stem}.log", execution.log)
-        stale = results_dir / f"{nb.stem}.json"
-        if stale.exists():
-            stale.unlink()  # a file from an earlier run must not pass for this one
-        for rel, data in execution.results.items():
-            write_atomic(out / rel, data)
-        error = execution.error
-        if execution.returncode == 0:
-            problems = check_results([nb.stem], results_dir, since=started)
-            error = "; ".join(problems) or None
-        run = NotebookRun(nb.stem, "ok" if error is None else "failed", execution.seconds, executed, error,
-                          count_images(execution.notebook))
-        report.notebooks.append(run)
-        echo(f"{'ok' if run.status == 'ok' else 'FAILED':6} {nb.stem:28} {run.seconds:6.1f} s  "
-             f"{run.figures:2} figures  {executed}")
-        if error:
-            echo(f"       {error}")
+        try:
+            _run_one(nb, job, report, echo)
+        except KeyboardInterrupt:
+            raise SuiteInterrupted(out, [n.stem for n in notebooks[:done]], [n.stem for n in notebooks[done:]]) from None
     return report
+
+
+def _run_one(nb: Path, job: NotebookJob, report: SuiteReport, echo: Callable[[str], None]) -> None:
+    """Run one notebook of the suite, store what it made and add it to ``report``."""
+    out, results_dir = report.out, report.results_dir
+    started = time.time()
+    execution = execute(job)
+    executed = out / nb.name
+    if execution.notebook:
+        write_atomic(executed, execution.notebook)
+    write_atomic(out / f"{nb.stem}.log", execution.log)
+    stale = results_dir / f"{nb.stem}.json"
+    if stale.exists():
+        stale.unlink()  # a file from an earlier run must not pass for this one
+    for rel, data in execution.results.items():
+        write_atomic(out / rel, data)
+    error = execution.error
+    if execution.returncode == 0:
+        problems = check_results([nb.stem], results_dir, since=started)
+        error = "; ".join(problems) or None
+    run = NotebookRun(nb.stem, "ok" if error is None else "failed", execution.seconds, executed, error,
+                      count_images(execution.notebook))
+    report.notebooks.append(run)
+    echo(f"{'ok' if run.status == 'ok' else 'FAILED':6} {nb.stem:28} {run.seconds:6.1f} s  "
+         f"{run.figures:2} figures  {executed}")
+    if error:
+        echo(f"       {error}")

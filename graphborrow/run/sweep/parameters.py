@@ -191,7 +191,8 @@ def validate(params: Mapping[str, Any], known: Iterable[str] | None = None) -> d
         The same values under their canonical (upper-case) names.
 
     Raises:
-        ParameterError: naming the parameter, the bad value and what is allowed.
+        ParameterError: naming the parameter, the bad value and what is allowed (or that
+            the runner sets it: :data:`PATH_PARAMETERS`).
     """
     known = set(known) if known is not None else None
     out: dict[str, Any] = {}
@@ -202,6 +203,10 @@ def validate(params: Mapping[str, Any], known: Iterable[str] | None = None) -> d
                 f"unknown parameter {raw!r}; sweepable parameters: {', '.join(sorted(PARAMETERS))}")
         if name in out:
             raise ParameterError(f"parameter {name} is given twice (as {raw!r} too); give it once")
+        if name in PATH_PARAMETERS:
+            raise ParameterError(
+                f"{name} is set by the runner for each notebook (a sweep point's results/ folder, the suite's "
+                f"--out/results), so a value given here would be ignored; choose where results go with --out")
         if known is not None and name not in known:
             raise ParameterError(
                 f"parameter {name} is not declared in the notebook's parameters cell; "

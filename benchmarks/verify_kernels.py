@@ -48,7 +48,6 @@ import json
 import math
 import platform
 import pstats
-import statistics
 import sys
 import time
 import traceback
@@ -69,6 +68,8 @@ def _package_tree(argv) -> Path:
 
 sys.path.insert(0, str(_package_tree(sys.argv)))
 
+from timing import captured, event_us, host_us, pipelined_us  # noqa: E402
+
 from graphborrow.core.borrow import BorrowState  # noqa: E402
 from graphborrow.device import get_backend  # noqa: E402
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only  # noqa: E402
@@ -76,7 +77,6 @@ from graphborrow.eagle.draft_tree import build_draft_tree  # noqa: E402
 from graphborrow.eagle.probs import target_probs_reference  # noqa: E402
 from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs  # noqa: E402
 from graphborrow.eagle.triton import select as fs  # noqa: E402
-
 from graphborrow.eagle.triton.fused import fused_workspace_bytes  # noqa: E402
 
 try:  # (an older version has no plans: every launch went through Triton's JIT front end)
@@ -99,47 +99,6 @@ RENORM = {"top_ks": 50, "top_ps": 0.9}
 GOALS = {"host_us": 40.0, "replayed_vs_softmax": 0.6, "graph_path_vs_manual": 1.1, "renorm_eager_vs_replayed": 1.5}
 
 
-def timed_us(body):
-    """CUDA-event microseconds around ``body()``, the GPU idle before it."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    body()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
-
-
-def event_us(fn, iters, warmup=3):
-    """Median CUDA-event time of one call, the GPU idle before each."""
-    for _ in range(warmup):
-        fn()
-    return statistics.median(timed_us(fn) for _ in range(iters))
-
-
-def pipelined_us(fn, iters, rounds=5):
-    """Time per call of ``iters`` calls issued back to back (median over rounds)."""
-    fn()
-
-    def calls():
-        for _ in range(iters):
-            fn()
-
-    return statistics.median(timed_us(calls) / iters for _ in range(rounds))
-
-
-def host_us(fn, iters):
-    """Median wall time of the Python call (the GPU idle before each)."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def temporaries(fn):
     """Peak bytes the call allocated beyond what it returns (CUDA caching allocator stats)."""
     torch.cuda.synchronize()
@@ -149,19 +108,6 @@ def temporaries(fn):
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - base
     return torch.cuda.max_memory_allocated() - base - kept, out
-
-
-def captured(fn):
-    """``fn`` warmed up on a side stream, then captured by hand: the graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def make_case(bs, d, vocab, seed, temperature=1.0):

@@ -1,4 +1,4 @@
-"""Command line: ``python -m graphborrow {run,demo,sweep,suite,inspect,build} ...``.
+"""Command line: ``python -m graphborrow {run,demo,sweep,suite,points,check-results,inspect,build} ...``.
 
 Each command is a thin layer over a public function: :func:`graphborrow.run.demo.run_demo`,
 :func:`graphborrow.run.suite.run_suite`, :func:`graphborrow.run.sweep.run_sweep`,
@@ -242,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="where the memory map and fit table go (default output/inspect)")
     inspect.set_defaults(func=_inspect)
 
+    for name, text in (("points", "run the notebooks at the points of their parameter space"),
+                       ("check-results", "check that every notebook wrote results showing device work")):
+        own = sub.add_parser(name, help=text, add_help=False)  # each owns its options (see main)
+        own.add_argument("rest", nargs=argparse.REMAINDER)
+
     build = sub.add_parser("build", help="compile the simulated allocator with Cython (no-op when built)")
     build.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")
     build.add_argument("--verbose", action="store_true", help="show Cython's and the compiler's output")
@@ -256,6 +261,10 @@ def main(argv=None) -> int:
             from graphborrow.run.demo import main as demo_main
 
             return demo_main(argv[1:]) or 0
+        if argv[:1] in (["points"], ["check-results"]):  # so do the notebook checks
+            from graphborrow.run import guard, points
+
+            return (points if argv[0] == "points" else guard).main(argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)
     except (ParameterError, FileNotFoundError) as exc:

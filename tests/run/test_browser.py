@@ -15,7 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+
+from graphborrow.run import points
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -149,8 +150,7 @@ def _executed_copy(path: Path, folder: Path) -> Path:
     """The notebook executed at its defaults: from the points run when there is one, else run now."""
     done = POINTS / path.stem / "defaults.ipynb"
     if not done.exists():
-        harness = load_script("scripts/notebook_points.py")
-        record = harness.run_point(path, "defaults", {}, folder / "points", timeout=300)
+        record = points.run_point(path, "defaults", {}, folder / "points", timeout=300)
         assert record["ok"], f"{path.name} failed at its defaults: {record['problems']}"
         done = folder / "points" / path.stem / "defaults.ipynb"
     return done

@@ -1,6 +1,6 @@
 """The points a notebook must hold at, the figure check, and the harness that runs them.
 
-The harness itself (``scripts/notebook_points.py``) runs in ``make test-notebooks``; here it
+The harness itself (``python -m graphborrow points``) runs in ``make test``; here it
 runs on a tiny notebook that fails on purpose, so the report is shown to name the notebook,
 the point and the failed assert's message.
 """
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import load_script
 
 from graphborrow.core.errors import ParameterError
+from graphborrow.run import points as harness
 from graphborrow.run.results import check_figures
 from graphborrow.run.sweep.parameters import PARAMETERS, validate
 from graphborrow.run.sweep.space import (
@@ -30,7 +30,6 @@ from tests.sweep_notebooks import tiny_notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-harness = load_script("scripts/notebook_points.py")
 
 SHAPES = {"HIDDEN", "INTERMEDIATE", "LAYERS", "VOCAB", "PREFILL_TOKENS", "LADDER", "DRAFT_TOKENS", "LAYOUT_ONLY"}
 

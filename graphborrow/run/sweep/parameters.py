@@ -159,6 +159,7 @@ PARAMETERS: dict[str, Any] = {
     "TEMPERATURE": Range(1e-3, 100.0, integer=False),
     "TOP_K": Range(1, 262144, none_ok=True),
     "TOP_P": Range(1e-6, 1.0, integer=False, none_ok=True),
+    "BUSY_MS": Range(1, 10_000),          # 03: how long the side stream works before it uses the borrowed tensor
     "SAMPLES": Range(1, 100_000),       # copies for 05's distribution checks: 12 categories need thousands
     "LAYOUT_ONLY": Choice((True, False, None)),
     "SWEEP_DIR": Text(),

@@ -30,7 +30,8 @@ from .plots import capacity_map, memory_map
 
 __all__ = [
     "DRAFT_CHOICES", "FIT_POLICIES", "LADDERS", "MODELS", "MODES", "POOLS", "VOCABS",
-    "Explorer", "ExplorerResult", "ExplorerSettings", "explore", "figure_png", "render_explorer", "render_result",
+    "Explorer", "ExplorerResult", "ExplorerSettings", "explore", "figure_png", "fresh_state", "preset_settings",
+    "render_explorer", "render_result",
 ]
 
 MODELS = {
@@ -199,6 +200,35 @@ def _layout(s: ExplorerSettings) -> _Layout:
     while len(_LAYOUTS) > _MAX_LAYOUTS:
         _LAYOUTS.popitem(last=False)[1].close()
     return layout
+
+
+def preset_settings(preset: str = "teaching", **changes: Any) -> ExplorerSettings:
+    """Where the explorer starts for a notebook ``PRESET``: the teaching shapes (a small model, a
+    2048-token prefill, Llama-2's 32000-word vocabulary, batch 32 ... 1) or the H200's (Llama-3-8B
+    widths, an 8192-token prefill, 128256 words, batch 64 ... 1 at 8 draft tokens).
+
+    Args:
+        preset: ``"teaching"`` or ``"h200"``.
+        changes: fields to replace, e.g. ``batch_size=4``.
+
+    Raises:
+        ParameterError: an unknown preset, or settings the explorer cannot draw.
+    """
+    starts = {
+        "teaching": ExplorerSettings(model="small (h512, i1536)", vocab=32000, ladder="32 … 1", prefill_tokens=2048,
+                                     batch_size=8, draft_tokens=4),
+        "h200": ExplorerSettings(model="Llama-3-8B (h4096, i14336)", vocab=128256, ladder="64 … 1",
+                                 prefill_tokens=8192, batch_size=32, draft_tokens=8),
+    }
+    if preset not in starts:
+        raise ParameterError(f"PRESET={preset!r} is not a preset; choose one of {list(starts)}")
+    return dataclasses.replace(starts[preset], **{k: v for k, v in changes.items() if v is not None})
+
+
+def fresh_state(settings: ExplorerSettings):
+    """The borrow state of the pool ``settings`` draw, with no borrow pool built and the settings'
+    fit policy: what ``plan_verify`` should be asked about to check the explorer's answer."""
+    return _layout(settings).fresh(settings.fit_policy)
 
 
 def explore(settings: ExplorerSettings | None = None, **changes: Any) -> ExplorerResult:

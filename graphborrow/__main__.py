@@ -100,13 +100,14 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     print("== core demo ==", flush=True)
     run_demo(args.device)
-    print("\n== notebook suite ==", flush=True)
-    suite = run_suite(out / "suite", device=args.device, timeout=args.timeout)
-    print(suite.summary())
-    print("\n== example sweep ==", flush=True)
+    print("\n== example sweep ==", flush=True)  # first: notebook 06 shows its results
     grid = Grid.from_yaml(example_grid())
-    sweep = run_sweep(grid.notebook, grid, out=out, timeout=args.timeout)
+    sweep = run_sweep(grid.notebook, grid, out=out, workers=2, timeout=args.timeout)
     print(sweep.summary())
+    print("\n== notebook suite ==", flush=True)
+    suite = run_suite(out / "suite", device=args.device, timeout=args.timeout,
+                      params={"SWEEP_DIR": str((out / grid.name).resolve())} if not sweep.failed else None)
+    print(suite.summary())
     print(f"\nall results under {out.resolve()}")
     return 1 if suite.failed or sweep.failed else 0
 
@@ -243,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_inspect)
 
     for name, text in (("points", "run the notebooks at the points of their parameter space"),
-                       ("check-results", "check that every notebook wrote results showing device work")):
+                       ("check-results", "check that every notebook wrote results showing device work"),
+                       ("docs", "build the documentation site from docs/ and executed notebooks")):
         own = sub.add_parser(name, help=text, add_help=False)  # each owns its options (see main)
         own.add_argument("rest", nargs=argparse.REMAINDER)
 
@@ -261,10 +263,10 @@ def main(argv=None) -> int:
             from graphborrow.run.demo import main as demo_main
 
             return demo_main(argv[1:]) or 0
-        if argv[:1] in (["points"], ["check-results"]):  # so do the notebook checks
-            from graphborrow.run import guard, points
+        if argv[:1] in (["points"], ["check-results"], ["docs"]):  # so do the notebook checks and the site
+            from graphborrow.run import docs, guard, points
 
-            return (points if argv[0] == "points" else guard).main(argv[1:])
+            return {"points": points, "check-results": guard, "docs": docs}[argv[0]].main(argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)
     except (ParameterError, FileNotFoundError) as exc:

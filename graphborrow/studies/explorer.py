@@ -203,8 +203,8 @@ def _layout(s: ExplorerSettings) -> _Layout:
 
 
 def preset_settings(preset: str = "teaching", **changes: Any) -> ExplorerSettings:
-    """Where the explorer starts for a notebook ``PRESET``: the teaching shapes (a small model, a
-    2048-token prefill, Llama-2's 32000-word vocabulary, batch 32 ... 1) or the H200's (Llama-3-8B
+    """Where the explorer starts for a notebook ``PRESET``: the teaching shapes (a small model, an
+    8192-token prefill, Llama-2's 32000-word vocabulary, batch 32 ... 1) or the H200's (Llama-3-8B
     widths, an 8192-token prefill, 128256 words, batch 64 ... 1 at 8 draft tokens).
 
     Args:
@@ -215,7 +215,7 @@ def preset_settings(preset: str = "teaching", **changes: Any) -> ExplorerSetting
         ParameterError: an unknown preset, or settings the explorer cannot draw.
     """
     starts = {
-        "teaching": ExplorerSettings(model="small (h512, i1536)", vocab=32000, ladder="32 … 1", prefill_tokens=2048,
+        "teaching": ExplorerSettings(model="small (h512, i1536)", vocab=32000, ladder="32 … 1", prefill_tokens=8192,
                                      batch_size=8, draft_tokens=4),
         "h200": ExplorerSettings(model="Llama-3-8B (h4096, i14336)", vocab=128256, ladder="64 … 1",
                                  prefill_tokens=8192, batch_size=32, draft_tokens=8),
@@ -327,6 +327,7 @@ class Explorer:
                               self.status, self.image])
         self.figure = None
         self.result: Optional[ExplorerResult] = None
+        self._held = False
         self.redraw()
 
     def settings(self) -> ExplorerSettings:
@@ -339,10 +340,30 @@ class Explorer:
         """The layout-only simulated device the current picture was computed on."""
         return _layout(self.result.settings).backend
 
+    def update(self, **values: Any) -> None:
+        """Move several controls at once and redraw once (moving them one by one redraws each time).
+
+        Args:
+            values: control name -> value, e.g. ``vocab=128256, draft_tokens=16``.
+        """
+        unknown = sorted(set(values) - set(self.controls))
+        if unknown:
+            raise ParameterError(f"{unknown} are not explorer controls; they are {sorted(self.controls)}")
+        self._held = True
+        try:
+            if "ladder" in values:
+                self.controls["batch_size"].max = max(LADDERS[values["ladder"]])
+            for name, value in values.items():
+                self.controls[name].value = value
+        finally:
+            self._held = False
+        self.redraw()
+
     def _changed(self, change) -> None:
         if change["owner"] is self.controls["ladder"]:
             self.controls["batch_size"].max = max(LADDERS[change["new"]])
-        self.redraw()
+        if not self._held:
+            self.redraw()
 
     def redraw(self) -> None:
         self.result = explore(self.settings())

@@ -162,7 +162,7 @@ PARAMETERS: dict[str, Any] = {
     "BUSY_MS": Range(1, 10_000),          # 03: how long the side stream works before it uses the borrowed tensor
     "SAMPLES": Range(1, 100_000),       # copies for 05's distribution checks: 12 categories need thousands
     "LAYOUT_ONLY": Choice((True, False, None)),
-    "SWEEP_DIR": Text(),
+    "SWEEP_DIR": OptionalPath(),
     "DATA_DIR": Text(),
 }
 

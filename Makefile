@@ -155,12 +155,12 @@ gpu-wheels: setup
 # README table with the simulator's block-for-block agreement.
 model-pools: setup-test
 	$(PY) benchmarks/model_pools.py --out data/models_h200
-	$(PY) scripts/model_pools_table.py data/models_h200 --readme README.md
+	$(PY) scripts/model_pools_table.py data/models_h200 --readme docs/measurements.md
 
 # CPU: the same study on the layout-only simulated device (a dry run of the GPU script).
 model-pools-sim: setup-test
 	$(PY) benchmarks/model_pools.py --device sim --out output/model-pools-sim
-	$(PY) scripts/model_pools_table.py output/model-pools-sim --no-compare --marker model-pools-sim --readme README.md
+	$(PY) scripts/model_pools_table.py output/model-pools-sim --no-compare --marker model-pools-sim --readme docs/measurements.md
 
 # Mutation testing of the capacity planner (not in CI; 15 to 40 minutes on 2 cores, by load).
 # Fails when a survivor is neither killed nor reviewed as harmless in scripts/mutation_score.py.

@@ -116,12 +116,13 @@ def memory_map(
     outline(borrowed, fill=False, edgecolor=BORROWED_COLOR, hatch="///", linewidth=1.0,
             gid="borrowed")
     written = list(written) if written is not None else None
-    for address, nbytes in written or ():
-        row = _locate(segs, address)
-        if row is not None:
-            offset = (address - segs[row]["address"]) / scale
-            ax.add_patch(Rectangle((offset, row - 0.45), nbytes / scale, 0.22, facecolor=WRITTEN_COLOR,
-                                   edgecolor="none", alpha=0.85, gid="written"))
+    for row, seg in enumerate(segs):  # each range clipped to every segment it crosses
+        start, end = seg["address"], seg["address"] + _segment_size(seg)
+        for address, nbytes in written or ():
+            lo, hi = max(address, start), min(address + nbytes, end)
+            if hi > lo:
+                ax.add_patch(Rectangle(((lo - start) / scale, row - 0.45), (hi - lo) / scale, 0.22,
+                                       facecolor=WRITTEN_COLOR, edgecolor="none", alpha=0.85, gid="written"))
 
     ax.set_xlim(0, max(biggest / scale, 1e-9) * 1.02)
     ax.set_ylim(len(segs) - 0.5, -0.5)
@@ -217,8 +218,9 @@ def stream_timeline(lanes: Mapping[str, Sequence[tuple[float, float, str]]],
     palette = ("#66a61e", "#7570b3", "#e6ab02", "#d95f02", "#1f78b4")
     end = max([e for spans in lanes.values() for _, e, _ in spans] + [t for t, _ in marks] + [1e-9])
     for row, (name, spans) in enumerate(lanes.items()):
-        for k, (a, b, label) in enumerate(spans):
-            ax.add_patch(Rectangle((a, row - 0.35), max(b - a, end * 0.004), 0.7, facecolor=palette[k % len(palette)],
+        for k, (a, b, label) in enumerate(spans):  # a block state keeps its memory-map colour
+            colour = STATE_COLORS.get(label, palette[k % len(palette)])
+            ax.add_patch(Rectangle((a, row - 0.35), max(b - a, end * 0.004), 0.7, facecolor=colour,
                                    edgecolor="white", gid=f"lane:{name}"))
             ax.text(a + max(b - a, end * 0.004) / 2, row, label, ha="center", va="center", fontsize=8)
     for t, label in marks:

@@ -72,3 +72,12 @@ def test_sweep_plot_speaks_mib_and_starts_at_zero():
     rows = [{"status": "ok", "VOCAB": v, "MODE": "lean", "y": 4 * MB * i} for i, v in enumerate((32000, 128256), 1)]
     ax = plots.sweep_plot(rows, x="VOCAB", y="y", hue="MODE", scale=MB, ylabel="MiB").axes[0]
     assert list(ax.lines[0].get_ydata()) == [4, 8] and ax.get_ylim()[0] == 0 and ax.get_ylabel() == "MiB"
+
+
+def test_written_ranges_are_drawn_inside_each_segment_they_cross():
+    base = 1 << 30
+    segments = [{"address": base + a, "total_size": n, "blocks": [{"address": base + a, "size": n, "state": "inactive"}]}
+                for a, n in ((0, 2 * MB), (2 * MB, 4 * MB))]
+    fig = plots.memory_map(segments, written=[(base + MB, 3 * MB)])
+    strips = sorted((p.get_y(), p.get_x(), p.get_width()) for p in fig.axes[0].patches if p.get_gid() == "written")
+    assert strips == [(-0.45, 1.0, 1.0), (0.55, 0.0, 2.0)], "1 MiB in the first segment, 2 MiB in the second"

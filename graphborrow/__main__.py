@@ -105,7 +105,10 @@ def _run(args: argparse.Namespace) -> int:
     sweep = run_sweep(grid.notebook, grid, out=out, workers=2, timeout=args.timeout)
     print(sweep.summary())
     print("\n== notebook suite ==", flush=True)
-    suite = run_suite(out / "suite", device=args.device, timeout=args.timeout,
+    from graphborrow.device.select import cuda_available
+
+    on_gpu = args.device == "cuda" or (args.device == "auto" and cuda_available())
+    suite = run_suite(out / "suite", device=args.device, timeout=args.timeout, jobs=1 if on_gpu else 2,
                       params={"SWEEP_DIR": str((out / grid.name).resolve())} if not sweep.failed else None)
     print(suite.summary())
     print(f"\nall results under {out.resolve()}")

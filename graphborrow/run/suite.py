@@ -12,6 +12,7 @@ none can pass by skipping its cells.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -71,8 +72,8 @@ def select_notebooks(only: Sequence[str] | None = None) -> list[Path]:
 
 def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto",
               only: Sequence[str] | None = None, params: Mapping[str, Any] | None = None,
-              timeout: float | None = None, echo: Callable[[str], None] = print) -> SuiteReport:
-    """Run the numbered notebooks one after another.
+              timeout: float | None = None, echo: Callable[[str], None] = print, jobs: int = 1) -> SuiteReport:
+    """Run the numbered notebooks, ``jobs`` at a time, each in its own papermill process.
 
     Args:
         out: folder for the executed notebooks (``results/`` inside holds their JSON).
@@ -80,13 +81,20 @@ def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto
         only: notebook name prefixes (``["01", "02"]``); None runs all.
         params: overrides, each given to every notebook that declares it.
         timeout: papermill's per-cell timeout in seconds.
-        echo: gets one line per notebook as it finishes.
+        echo: gets one line per notebook, in the notebooks' order.
+        jobs: notebooks run at the same time (one per core suits the simulated device; on a GPU
+            keep 1, the notebooks share the device).
 
     Returns:
         A :class:`SuiteReport`; failed notebooks are in it, not raised.
+
+    Raises:
+        ParameterError: a bad timeout, job count, device or parameter, before anything runs.
     """
     if timeout is not None and not timeout > 0:
         raise ParameterError(f"timeout={timeout!r} must be a positive number of seconds per cell")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ParameterError(f"jobs={jobs!r} must be a whole number of notebooks at a time, 1 or more")
     base = validate({"DEVICE": device})
     extra = validate(dict(params or {}))
     notebooks = select_notebooks(only)
@@ -98,31 +106,38 @@ def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto
     out = Path(out).resolve()
     results_dir = out / "results"
     report = SuiteReport(out, results_dir)
-    for nb in notebooks:
-        names = declared[nb]
-        nb_params = {k: v for k, v in {**base, **extra}.items() if k in names}
-        job = NotebookJob(nb.name, nb.read_bytes(), nb_params, nb.stem, timeout,
-                          set_data_dir="DATA_DIR" in names and "DATA_DIR" not in nb_params)
+    jobs_for = {nb: NotebookJob(nb.name, nb.read_bytes(), {k: v for k, v in {**base, **extra}.items()
+                                                            if k in declared[nb]},
+                                nb.stem, timeout, set_data_dir="DATA_DIR" in declared[nb] and "DATA_DIR" not in extra,
+                                threads=1 if jobs > 1 else None)  # one core each when they run side by side
+                for nb in notebooks}
+    with ThreadPoolExecutor(jobs) as pool:
         started = time.time()
-        execution = execute(job)
-        executed = out / nb.name
-        if execution.notebook:
-            write_atomic(executed, execution.notebook)
-        write_atomic(out / f"{nb.stem}.log", execution.log)
-        stale = results_dir / f"{nb.stem}.json"
-        if stale.exists():
-            stale.unlink()  # a file from an earlier run must not pass for this one
-        for rel, data in execution.results.items():
-            write_atomic(out / rel, data)
-        error = execution.error
-        if execution.returncode == 0:
-            problems = check_results([nb.stem], results_dir, since=started)
-            error = "; ".join(problems) or None
-        run = NotebookRun(nb.stem, "ok" if error is None else "failed", execution.seconds, executed, error,
-                          count_images(execution.notebook))
-        report.notebooks.append(run)
-        echo(f"{'ok' if run.status == 'ok' else 'FAILED':6} {nb.stem:28} {run.seconds:6.1f} s  "
-             f"{run.figures:2} figures  {executed}")
-        if error:
-            echo(f"       {error}")
+        futures = [pool.submit(execute, jobs_for[nb]) for nb in notebooks]
+        for nb, future in zip(notebooks, futures):
+            run = _store(nb, future.result(), out, results_dir, started)
+            report.notebooks.append(run)
+            echo(f"{'ok' if run.status == 'ok' else 'FAILED':6} {nb.stem:28} {run.seconds:6.1f} s  "
+                 f"{run.figures:2} figures  {run.notebook}")
+            if run.error:
+                echo(f"       {run.error}")
     return report
+
+
+def _store(nb: Path, execution, out: Path, results_dir: Path, started: float) -> NotebookRun:
+    """Write one notebook's executed copy, log and results; check its results file."""
+    executed = out / nb.name
+    if execution.notebook:
+        write_atomic(executed, execution.notebook)
+    write_atomic(out / f"{nb.stem}.log", execution.log)
+    stale = results_dir / f"{nb.stem}.json"
+    if stale.exists():
+        stale.unlink()  # a file from an earlier run must not pass for this one
+    for rel, data in execution.results.items():
+        write_atomic(out / rel, data)
+    error = execution.error
+    if execution.returncode == 0:
+        problems = check_results([nb.stem], results_dir, since=started)
+        error = "; ".join(problems) or None
+    return NotebookRun(nb.stem, "ok" if error is None else "failed", execution.seconds, executed, error,
+                       count_images(execution.notebook))

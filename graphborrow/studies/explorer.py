@@ -44,6 +44,7 @@ LADDERS = {
     "64 … 1": (64, 32, 16, 8, 4, 2, 1),
     "16 … 1": (16, 8, 4, 2, 1),
     "8, 4, 2, 1": (8, 4, 2, 1),
+    "256 … 1": (256, 128, 64, 32, 16, 8, 4, 2, 1),  # SGLang's largest default captured batch
 }
 POOLS = ("graph ladder", "fit-policy demo")
 VOCABS = (2048, 8192, 32000, 128256)
@@ -222,7 +223,15 @@ def preset_settings(preset: str = "teaching", **changes: Any) -> ExplorerSetting
     }
     if preset not in starts:
         raise ParameterError(f"PRESET={preset!r} is not a preset; choose one of {list(starts)}")
-    return dataclasses.replace(starts[preset], **{k: v for k, v in changes.items() if v is not None})
+    start = dataclasses.replace(starts[preset], **{k: v for k, v in changes.items() if v is not None and k != "batch_size"})
+    batch = changes.get("batch_size") or start.batch_size
+    if batch > max(LADDERS[start.ladder]):  # a larger batch needs a ladder that captured it
+        holding = [name for name, sizes in LADDERS.items() if max(sizes) >= batch]
+        if not holding:
+            raise ParameterError(f"batch_size={batch} is larger than every ladder the explorer captures "
+                                 f"(at most {max(max(v) for v in LADDERS.values())})")
+        start = dataclasses.replace(start, ladder=min(holding, key=lambda name: max(LADDERS[name])))
+    return dataclasses.replace(start, batch_size=batch)
 
 
 def fresh_state(settings: ExplorerSettings):

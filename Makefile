@@ -60,13 +60,17 @@ browser:
 # CPU-only: GPU twins are deselected (not skipped); the simulated device runs the story.
 # nbval runs every notebook at its defaults; the points harness runs each at the H200 preset (the
 # browser test then opens those executed notebooks); then pytest. The notebooks' corners and random
-# points run in `make test-deep`.
+# points, and the DEEP_TESTS below, run in `make test-deep`.
 POINT_LABELS ?= h200
+# Long tests that repeat a check another target makes: compiling every kernel variant for sm_90 is
+# `make compile-kernels`; the deep Hypothesis profile's own test runs what `make deep` runs.
+DEEP_TESTS = tests/eagle/test_fused_compile.py::test_every_kernel_variant_compiles_for_sm90_without_spills \
+	tests/tooling/test_profiles.py::test_the_deep_profile_runs_fifty_times_the_examples
 test: setup-test browser
 	$(MAKE) --no-print-directory test-nbval
 	rm -rf output/points
 	$(PY) -m graphborrow points --labels $(POINT_LABELS) --jobs 2 --out output/points
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu" $(addprefix --deselect ,$(DEEP_TESTS)) tests
 
 # Everything `make test` leaves out: every notebook at the low and high corners of its ranges, the
 # H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim); about 15 minutes on 2 cores.
@@ -75,6 +79,7 @@ POINT_SEED ?= 0
 test-deep: setup-test
 	rm -rf output/points-deep
 	$(PY) -m graphborrow points --skip-defaults --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points-deep
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(DEEP_TESTS)
 
 test-core: setup-test
 	$(PY) -m pytest -q -m "not gpu and not browser" tests

@@ -1,8 +1,8 @@
 """Download the wheels the GPU machine lacks for sweeps and the notebook suite, into .whl/.
 
 The GPU machine (Python 3.12, x86_64, no package index) has torch, numpy, matplotlib,
-pyyaml, tqdm, cython, pytest, hypothesis and their dependencies, but not papermill,
-nbclient, nbformat, ipykernel, ipywidgets, jupyter-client, Dask or transformers. This resolves those for
+pyyaml, tqdm, cython, pytest, hypothesis, transformers and their dependencies, but not
+papermill, nbclient, nbformat, ipykernel, ipywidgets, jupyter-client or Dask. This resolves those for
 Python 3.12 on manylinux x86_64 with pip, keeps only what the machine does not already
 have, and prints the install line to run there. pip evaluates dependency markers
 (``python_version == "3.12"``) for the interpreter it runs in, so this runs pip with a
@@ -30,7 +30,13 @@ WANTED = ["papermill>=2.6", "nbclient", "nbformat>=5", "ipykernel>=6", "jupyter-
 PRESENT = {"torch", "triton", "numpy", "pyyaml", "tqdm", "cython", "matplotlib", "contourpy", "cycler", "fonttools",
            "kiwisolver", "pillow", "pyparsing", "packaging", "python-dateutil", "six", "sortedcontainers",
            "hypothesis", "attrs", "pytest", "pytest-timeout", "iniconfig", "pluggy", "sympy", "mpmath", "networkx",
-           "jinja2", "markupsafe", "fsspec", "typing-extensions"}
+           "jinja2", "markupsafe", "fsspec", "typing-extensions",
+           # transformers and what it and Dask need, also on the image
+           "transformers", "tokenizers", "safetensors", "huggingface-hub", "hf-xet", "regex", "requests", "urllib3",
+           "certifi", "idna", "charset-normalizer", "filelock", "click", "cloudpickle", "msgpack", "psutil", "toolz",
+           "pygments", "rich", "markdown-it-py", "mdurl", "typer", "shellingham", "annotated-doc", "setuptools",
+           "anyio", "h11", "httpcore", "httpx", "aiohttp", "aiosignal", "aiohappyeyeballs", "frozenlist", "multidict",
+           "propcache", "yarl"}
 PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64"]
 LIMIT_MB = 40
 

@@ -27,6 +27,8 @@ CORE_MODULES = [
     "graphborrow.core.snapshot",
     "graphborrow.device.cuda",
     "graphborrow.planning.capacity",
+    "graphborrow.eagle.plan",
+    "graphborrow.device.select",
     "graphborrow.eagle.verify",
     "graphborrow.eagle.draft_tree",
     "graphborrow.workloads.ladder",

@@ -7,3 +7,5 @@ its source (see :mod:`.compiled`), before anything imports the model itself.
 from . import compiled
 
 compiled.install()
+
+__all__ = ["compiled"]

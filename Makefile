@@ -49,7 +49,7 @@ demo: setup
 # JupyterLab on the notebooks (installs it the first time).
 lab: setup
 	$(PY) -m pip install -q -e ".[notebooks]"
-	cd notebooks && ../$(PY) -m jupyterlab
+	cd notebooks && $(abspath $(PY)) -m jupyterlab
 
 # Debian's Chromium for the browser test (Playwright drives it by executable path).
 browser:

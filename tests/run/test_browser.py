@@ -34,11 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A JupyterLab server on 127.0.0.1 with a token, rooted in a temp dir holding the explorer;
-    one server for every test of this module (starting one takes seconds)."""
-    tmp_path = tmp_path_factory.mktemp("jupyterlab")
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on 127.0.0.1 with a token, rooted in a temp dir holding the explorer."""
     if not Path(CHROMIUM).exists():
         message = f"{CHROMIUM} not found; install Debian's chromium (apt-get install -y chromium)"
         if os.environ.get("CI"):  # CI installs it (make browser): never pass there by skipping

@@ -1,4 +1,4 @@
-"""Command line: ``python -m graphborrow {run,demo,sweep,suite,inspect,build} ...``.
+"""Command line: ``python -m graphborrow {run,demo,sweep,suite,points,check-results,inspect,build} ...``.
 
 Each command is a thin layer over a public function: :func:`graphborrow.run.demo.run_demo`,
 :func:`graphborrow.run.suite.run_suite`, :func:`graphborrow.run.sweep.run_sweep`,
@@ -103,13 +103,17 @@ def _run(args: argparse.Namespace) -> int:
     out = output_folder(args.out)
     print("== core demo ==", flush=True)
     run_demo(args.device)
-    print("\n== notebook suite ==", flush=True)
-    suite = run_suite(out / "suite", device=args.device, timeout=args.timeout)
-    print(suite.summary())
-    print("\n== example sweep ==", flush=True)
+    print("\n== example sweep ==", flush=True)  # first: notebook 06 shows its results
     grid = Grid.from_yaml(example_grid())
-    sweep = run_sweep(grid.notebook, grid, out=out, timeout=args.timeout)
+    sweep = run_sweep(grid.notebook, grid, out=out, workers=2, timeout=args.timeout)
     print(sweep.summary())
+    print("\n== notebook suite ==", flush=True)
+    from graphborrow.device.select import cuda_available
+
+    on_gpu = args.device == "cuda" or (args.device == "auto" and cuda_available())
+    suite = run_suite(out / "suite", device=args.device, timeout=args.timeout, jobs=1 if on_gpu else 2,
+                      params={"SWEEP_DIR": str((out / grid.name).resolve())} if not sweep.failed else None)
+    print(suite.summary())
     print(f"\nall results under {out.resolve()}")
     return 1 if suite.failed or sweep.failed else 0
 
@@ -249,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="where the memory map and fit table go (default output/inspect)")
     inspect.set_defaults(func=_inspect)
 
+    for name, text in (("points", "run the notebooks at the points of their parameter space"),
+                       ("check-results", "check that every notebook wrote results showing device work"),
+                       ("docs", "build the documentation site from docs/ and executed notebooks")):
+        own = sub.add_parser(name, help=text, add_help=False)  # each owns its options (see main)
+        own.add_argument("rest", nargs=argparse.REMAINDER)
+
     build = sub.add_parser("build", help="compile the simulated allocator with Cython (no-op when built)")
     build.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")
     build.add_argument("--verbose", action="store_true", help="show Cython's and the compiler's output")
@@ -280,6 +290,10 @@ def main(argv=None) -> int:
             from graphborrow.run.demo import main as demo_main
 
             return demo_main(argv[1:]) or 0
+        if argv[:1] in (["points"], ["check-results"], ["docs"]):  # so do the notebook checks and the site
+            from graphborrow.run import docs, guard, points
+
+            return {"points": points, "check-results": guard, "docs": docs}[argv[0]].main(argv[1:])
         args = build_parser().parse_args(argv)  # --help and usage errors first: they need no torch
         _check_environment()
         return args.func(args)

@@ -30,6 +30,7 @@ CORE_MODULES = [
     "graphborrow.eagle.plan",
     "graphborrow.device.select",
     "graphborrow.eagle.verify",
+    "graphborrow.eagle.scope",
     "graphborrow.eagle.draft_tree",
     "graphborrow.workloads.ladder",
     "graphborrow.fidelity.replay",

@@ -23,9 +23,10 @@ from .draft_tree import DraftTree, build_draft_tree, tree_from_parents
 from .kernel import tree_speculative_sampling_target_only
 from .modes import MODES, VerifyResult
 from .renorm import top_k_renorm_probs, top_p_renorm_probs
+from .scope import BORROW_USER
 from .sequence import verify_bytes
 from .step import StepShape, VerifyStep
-from .verify import BORROW_USER, IMPLS, eagle_verify, fused_available, resolve_impl
+from .verify import IMPLS, eagle_verify, fused_available, resolve_impl
 
 __all__ = [
     "BORROW_USER",

@@ -44,9 +44,10 @@ from collections import OrderedDict
 import torch
 
 from .modes import VerifyResult
+from .scope import run_borrowing
 from .step import VerifyStep
 from .triton import fused
-from .verify import resolve_impl, run_borrowing
+from .verify import resolve_impl
 
 __all__ = ["GRAPH_STEPS", "GraphSteps", "clear_verify_graphs"]
 

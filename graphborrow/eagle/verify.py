@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import traceback
 
 import torch
 
@@ -38,13 +37,13 @@ from graphborrow.sim.tensor import is_sim_tensor
 
 from .draft_tree import DraftTree
 from .modes import MODES, VerifyResult, run_reference
+from .scope import run_borrowing
 from .sequence import requests_per_chunk
 from .step import VerifyStep
 
-__all__ = ["BORROW_USER", "IMPLS", "eagle_verify", "fused_available", "resolve_impl", "run_borrowing"]
+__all__ = ["IMPLS", "eagle_verify", "fused_available", "resolve_impl"]
 
 IMPLS = ("auto", "reference", "fused")
-BORROW_USER = "EAGLE verify"
 FUSED_MODULE = "graphborrow.eagle.triton.fused"
 GRAPHS_MODULE = "graphborrow.eagle.graphs"
 
@@ -143,27 +142,6 @@ def eagle_verify(
         run_borrowing(borrow, run_reference, step, mode, per_chunk, out)
         accept_length += 1
     return out
-
-
-def run_borrowing(borrow, body, *args) -> None:
-    """``body(*args)`` inside the step's borrow scope when ``borrow`` is enabled, so every
-    temporary it makes lives in the borrowed runs; a failed step's temporaries die inside
-    the scope too. Without an enabled borrow, just the call.
-
-    Args:
-        borrow: a :class:`~graphborrow.core.borrow.BorrowState`, or None.
-        body: the step's work; what it returns is dropped (its outputs are made before the scope).
-        args: passed to ``body``.
-    """
-    if borrow is None or not borrow.enabled:
-        body(*args)
-        return
-    with borrow.borrow(BORROW_USER):
-        try:
-            body(*args)
-        except BaseException as exc:
-            traceback.clear_frames(exc.__traceback__)  # the failed step's temporaries die here too
-            raise
 
 
 def _chunk_requests(step: VerifyStep, borrow, chunk_rows) -> int:

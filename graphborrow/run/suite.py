@@ -12,6 +12,7 @@ none can pass by skipping its cells.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -93,8 +94,8 @@ def select_notebooks(only: Sequence[str] | None = None) -> list[Path]:
 
 def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto",
               only: Sequence[str] | None = None, params: Mapping[str, Any] | None = None,
-              timeout: float | None = None, echo: Callable[[str], None] = print) -> SuiteReport:
-    """Run the numbered notebooks one after another.
+              timeout: float | None = None, echo: Callable[[str], None] = print, jobs: int = 1) -> SuiteReport:
+    """Run the numbered notebooks, ``jobs`` at a time, each in its own papermill process.
 
     Args:
         out: folder for the executed notebooks (``results/`` inside holds their JSON).
@@ -102,19 +103,23 @@ def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto
         only: notebook name prefixes (``["01", "02"]``); None runs all.
         params: overrides, each given to every notebook that declares it.
         timeout: papermill's per-cell timeout in seconds.
-        echo: gets one line per notebook as it finishes.
+        echo: gets one line per notebook, in the notebooks' order.
+        jobs: notebooks run at the same time (one per core suits the simulated device; on a GPU
+            keep 1, the notebooks share the device).
 
     Returns:
         A :class:`SuiteReport`; failed notebooks are in it, not raised.
 
     Raises:
-        ParameterError: a bad argument, environment variable or output folder, before any
-            notebook runs.
+        ParameterError: a bad timeout, job count, device, parameter, environment variable or
+            output folder, before any notebook runs.
         SuiteInterrupted: Ctrl-C; it says which notebooks finished.
     """
     check_environment()
     if timeout is not None and not timeout > 0:
         raise ParameterError(f"timeout={timeout!r} must be a positive number of seconds per cell")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ParameterError(f"jobs={jobs!r} must be a whole number of notebooks at a time, 1 or more")
     base = validate({"DEVICE": device})
     extra = validate(dict(params or {}))
     notebooks = select_notebooks(only)
@@ -125,23 +130,33 @@ def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto
                              f"({', '.join(nb.stem for nb in notebooks)})")
     out = output_folder(out)
     report = SuiteReport(out, out / "results")
-    for done, nb in enumerate(notebooks):
-        names = declared[nb]
-        nb_params = {k: v for k, v in {**base, **extra}.items() if k in names}
-        job = NotebookJob(nb.name, nb.read_bytes(), nb_params, nb.stem, timeout,
-                          set_data_dir="DATA_DIR" in names and "DATA_DIR" not in nb_params)
+    jobs_for = {nb: NotebookJob(nb.name, nb.read_bytes(), {k: v for k, v in {**base, **extra}.items()
+                                                            if k in declared[nb]},
+                                nb.stem, timeout, set_data_dir="DATA_DIR" in declared[nb] and "DATA_DIR" not in extra,
+                                threads=1 if jobs > 1 else None)  # one core each when they run side by side
+                for nb in notebooks}
+    done: list[str] = []
+    with ThreadPoolExecutor(jobs) as pool:
+        started = time.time()
+        futures = [pool.submit(execute, jobs_for[nb]) for nb in notebooks]
         try:
-            _run_one(nb, job, report, echo)
+            for nb, future in zip(notebooks, futures):
+                run = _store(nb, future.result(), report, started)
+                done.append(nb.stem)
+                echo(f"{'ok' if run.status == 'ok' else 'FAILED':6} {nb.stem:28} {run.seconds:6.1f} s  "
+                     f"{run.figures:2} figures  {run.notebook}")
+                if run.error:
+                    echo(f"       {run.error}")
         except KeyboardInterrupt:
-            raise SuiteInterrupted(out, [n.stem for n in notebooks[:done]], [n.stem for n in notebooks[done:]]) from None
+            for future in futures:
+                future.cancel()
+            raise SuiteInterrupted(out, done, [nb.stem for nb in notebooks if nb.stem not in done]) from None
     return report
 
 
-def _run_one(nb: Path, job: NotebookJob, report: SuiteReport, echo: Callable[[str], None]) -> None:
-    """Run one notebook of the suite, store what it made and add it to ``report``."""
+def _store(nb: Path, execution, report: SuiteReport, started: float) -> NotebookRun:
+    """Write one notebook's executed copy, log and results; check its results file; add it to ``report``."""
     out, results_dir = report.out, report.results_dir
-    started = time.time()
-    execution = execute(job)
     executed = out / nb.name
     if execution.notebook:
         write_atomic(executed, execution.notebook)
@@ -158,7 +173,4 @@ def _run_one(nb: Path, job: NotebookJob, report: SuiteReport, echo: Callable[[st
     run = NotebookRun(nb.stem, "ok" if error is None else "failed", execution.seconds, executed, error,
                       count_images(execution.notebook))
     report.notebooks.append(run)
-    echo(f"{'ok' if run.status == 'ok' else 'FAILED':6} {nb.stem:28} {run.seconds:6.1f} s  "
-         f"{run.figures:2} figures  {executed}")
-    if error:
-        echo(f"       {error}")
+    return run

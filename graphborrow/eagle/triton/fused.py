@@ -46,8 +46,8 @@ import torch
 
 from ..draft_tree import DraftTree
 from ..modes import VerifyResult
+from ..scope import run_borrowing
 from ..step import VerifyStep, check_outputs, draw_into
-from ..verify import run_borrowing
 from . import select as _select
 from .launch import Launcher, PlanCache, aligned
 from .probs import (
@@ -57,7 +57,13 @@ from .probs import (
     sum_bits,
     target_probs_reference,
 )
-from .select import select_launches, select_slots, split_layout, top_k_renorm, top_p_renorm
+from .select import (
+    select_launches,
+    select_slots,
+    split_layout,
+    top_k_renorm,
+    top_p_renorm,
+)
 from .workspace import Layout
 
 if TRITON_AVAILABLE:

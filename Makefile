@@ -1,4 +1,5 @@
-# graphborrow: `make run` sets up and runs the main job, `make test` sets up and runs every test.
+# graphborrow: `make run` sets up what the main job needs and runs it; `make test` sets up the
+# test tools too and runs every test CI runs; `make docs` builds the documentation site.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build is the default here; on a GPU machine use e.g. TORCH_SPEC='torch>=2.8'
@@ -8,8 +9,11 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run demo test test-core test-notebooks test-nbval test-gpu test-kernels-deep browser bench bench-kernels compile-kernels bench-sweep gpu-wheels model-pools model-pools-sim record-wrapped replay-corpus strip clean deep mutation mutation-capacity
+.PHONY: setup setup-test setup-docs run demo lab test test-deep test-core test-notebooks test-nbval test-gpu test-kernels-deep browser docs bench bench-kernels compile-kernels bench-sweep bench-scaling gpu-wheels model-pools model-pools-sim record-wrapped replay-corpus strip clean deep mutation mutation-capacity
 
+# What `make run` needs and nothing more: torch (CPU build), the package, papermill, Dask and the
+# explorer's widgets (extra `run`). Test tools, transformers, triton and JupyterLab come with the
+# targets that use them.
 setup: $(VENV)/.installed
 	$(PY) -m graphborrow build
 
@@ -17,16 +21,35 @@ $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	# torch first, so the extras (triton among them) never pull in a CUDA build of torch
-	$(PY) -m pip install -q -e ".[notebooks,test,models,kernels]"
+	$(PY) -m pip install -q -e ".[run]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
+# The test tools, real model code (transformers), the fused kernels' interpreter (triton, after the
+# CPU torch so it never pulls in a CUDA build) and JupyterLab for the browser test.
+setup-test: setup $(VENV)/.installed-test
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[notebooks,test,models,kernels]"
+	touch $@
+
+setup-docs: setup $(VENV)/.installed-docs
+
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+# The core demo, the example sweep, then every notebook (06 reads the sweep just run).
 run: setup
 	$(PY) -m graphborrow run
 
 demo: setup
 	$(PY) -m graphborrow demo
+
+# JupyterLab on the notebooks (installs it the first time).
+lab: setup
+	$(PY) -m pip install -q -e ".[notebooks]"
+	cd notebooks && $(abspath $(PY)) -m jupyterlab
 
 # Debian's Chromium for the browser test (Playwright drives it by executable path).
 browser:
@@ -35,39 +58,60 @@ browser:
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
 
 # CPU-only: GPU twins are deselected (not skipped); the simulated device runs the story.
-# The notebook points run first: the browser test opens the notebooks they executed.
-test: setup browser
+# nbval runs every notebook at its defaults; the points harness runs each at the H200 preset (the
+# browser test then opens those executed notebooks); then pytest. The notebooks' corners and random
+# points, and the DEEP_TESTS below, run in `make test-deep`.
+POINT_LABELS ?= h200
+# Long tests that repeat a check another target makes: compiling every kernel variant for sm_90 is
+# `make compile-kernels`; the deep Hypothesis profile's own test runs what `make deep` runs.
+DEEP_TESTS = tests/eagle/test_fused_compile.py::test_every_kernel_variant_compiles_for_sm90_without_spills \
+	tests/tooling/test_profiles.py::test_the_deep_profile_runs_fifty_times_the_examples
+test: setup-test browser
 	$(MAKE) --no-print-directory test-nbval
 	rm -rf output/points
-	$(PY) scripts/notebook_points.py --skip-defaults --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m graphborrow points --labels $(POINT_LABELS) --jobs 2 --out output/points
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu" $(addprefix --deselect ,$(DEEP_TESTS)) tests
 
-test-core: setup
-	$(PY) -m pytest -q -m "not gpu and not browser" tests
-
-# Every numbered notebook at its defaults, the low and high corners of its declared ranges, the
-# H200 shapes and POINT_SAMPLES seeded random points, two at a time on the simulated device
-# (large points layout-only). A point passes when the notebook ran to the end, wrote results
-# with device work and shows an image for every cell tagged 'figure'. Executed notebooks and
-# report.json land in output/points/.
+# Everything `make test` leaves out: every notebook at the low and high corners of its ranges, the
+# H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim); about 15 minutes on 2 cores.
 POINT_SAMPLES ?= 1
 POINT_SEED ?= 0
-test-notebooks: setup
-	rm -rf output/points
-	$(PY) scripts/notebook_points.py --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points
+test-deep: setup-test
+	rm -rf output/points-deep
+	$(PY) -m graphborrow points --skip-defaults --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points-deep
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(DEEP_TESTS)
 
-# nbval: every notebook once more, cell by cell, on the simulated device; the guard then checks
-# each one wrote results showing device work (not part of make test: the points cover it).
-test-nbval: setup
+test-core: setup-test
+	$(PY) -m pytest -q -m "not gpu and not browser" tests
+
+# Every numbered notebook at every point of its space (defaults included), two at a time. A point
+# passes when the notebook ran to the end, wrote results with device work and shows an image for
+# every cell tagged 'figure'. Executed notebooks and report.json land in output/points/.
+test-notebooks: setup-test
+	rm -rf output/points
+	$(PY) -m graphborrow points --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points
+
+# nbval: every notebook at its defaults, cell by cell, on the simulated device; the guard then
+# checks each one wrote results showing device work.
+test-nbval: setup-test
 	rm -rf notebooks/results
 	start=$$(date +%s); \
-	$(PY) -m pytest -q -p no:python --nbval-lax --nbval-current-env \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:python --nbval-lax --nbval-current-env \
 	  --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/ && \
-	$(PY) scripts/check_notebook_results.py --since $$start
+	$(PY) -m graphborrow check-results --since $$start
+
+# The documentation site (output/site): docs/ and the executed notebooks, figures included. It takes
+# them from DOCS_NOTEBOOKS (executed copies, e.g. output/suite after make run, or output/points after
+# make test); without one it runs the suite first. --strict fails on a broken internal link.
+DOCS_NOTEBOOKS ?= output/suite
+docs: setup-docs
+	test -f $(DOCS_NOTEBOOKS)/00_overview.ipynb -o -f $(DOCS_NOTEBOOKS)/00_overview/h200.ipynb || \
+	  $(PY) -m graphborrow suite --device sim --out $(DOCS_NOTEBOOKS)
+	$(PY) -m graphborrow docs --notebooks $(DOCS_NOTEBOOKS) --out output/site
 
 # Property tests and randomized stress loops (interrupts included), 50x longer: the
 # Hypothesis "deep" profile (tests/conftest.py). Not part of CI; tens of minutes.
-deep: setup
+deep: setup-test
 	GRAPHBORROW_HYPOTHESIS=deep $(PY) -m pytest -q -p no:cacheprovider -m "property and not gpu" tests
 
 # Mutation testing (not in CI; about three hours on 2 cores): mutmut 3 over the modules that
@@ -77,7 +121,7 @@ deep: setup
 # deterministic sample once mutants/ exists: scripts/mutation_sample.py.
 MUTATION_PATTERNS = 'graphborrow.core.arena.*' 'graphborrow.core.runs.*' 'graphborrow.core.snapshot.*' 'graphborrow.core.borrow.*' \
 	'graphborrow.allocator.stats.*' 'graphborrow.allocator.restore.x_take_over_stats*'
-mutation: setup
+mutation: setup-test
 	$(PY) -m pip install -q -e ".[mutation]"
 	rm -rf mutants
 	GRAPHBORROW_SIM_PURE=1 OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 2 $(MUTATION_PATTERNS)
@@ -85,27 +129,31 @@ mutation: setup
 	$(PY) scripts/mutation_report.py --out data/mutation.json
 
 # On a CUDA machine: the GPU twins of the borrow tests.
-test-gpu: setup
+test-gpu: setup-test
 	$(PY) -m pytest -q -m gpu tests
 
 # CPU: every case of the fused kernels' interpreter tests (several minutes on 2 cores; CI runs one case per rule).
-test-kernels-deep: setup
+test-kernels-deep: setup-test
 	GRAPHBORROW_KERNEL_TESTS=deep $(PY) -m pytest -q tests/eagle/test_fused_verify.py tests/eagle/test_fused_compile.py
 
 # On a CUDA machine: the fused verification kernels against the reference and the upstream figures.
-bench-kernels: setup
+bench-kernels: setup-test
 	$(PY) benchmarks/verify_kernels.py --out data/verify_kernels_h200.json --profile
 
 # Without a GPU: compile every fused kernel variant for sm_90 (Triton's bundled ptxas); registers, spills.
-compile-kernels: setup
+compile-kernels: setup-test
 	TRITON_INTERPRET=0 $(PY) scripts/compile_kernels.py
 
 # CPU: the simulated allocator's speed, compiled against pure Python (figure in the README).
-bench: setup
+bench: setup-test
 	$(PY) benchmarks/sim_allocator.py docs/sim_allocator_speed.png --json data/sim_allocator_cpu.json --pairs 50000 --repeats 5
 
+# CPU: how each public entry point's time grows with its input (a few minutes; docs/reliability.md).
+bench-scaling: setup
+	$(PY) benchmarks/scaling.py --json data/scaling_cpu.json
+
 # CPU: the same 16-point sweep on 1 and 2 workers of the embedded Dask cluster.
-bench-sweep: setup
+bench-sweep: setup-test
 	$(PY) benchmarks/sweep_dask.py --workers 1,2 --rounds 2 --out data/sweep_dask_cpu.json
 
 # The wheels the GPU machine lacks for sweeps and the suite (Python 3.12), into .whl/.
@@ -114,18 +162,18 @@ gpu-wheels: setup
 
 # On a CUDA machine: real transformers models' pools, traces and fits (data/models_h200/), then the
 # README table with the simulator's block-for-block agreement.
-model-pools: setup
+model-pools: setup-test
 	$(PY) benchmarks/model_pools.py --out data/models_h200
-	$(PY) scripts/model_pools_table.py data/models_h200 --readme README.md
+	$(PY) scripts/model_pools_table.py data/models_h200 --readme docs/measurements.md
 
 # CPU: the same study on the layout-only simulated device (a dry run of the GPU script).
-model-pools-sim: setup
+model-pools-sim: setup-test
 	$(PY) benchmarks/model_pools.py --device sim --out output/model-pools-sim
-	$(PY) scripts/model_pools_table.py output/model-pools-sim --no-compare --marker model-pools-sim --readme README.md
+	$(PY) scripts/model_pools_table.py output/model-pools-sim --no-compare --marker model-pools-sim --readme docs/measurements.md
 
 # Mutation testing of the capacity planner (not in CI; 15 to 40 minutes on 2 cores, by load).
 # Fails when a survivor is neither killed nor reviewed as harmless in scripts/mutation_score.py.
-mutation-capacity: setup
+mutation-capacity: setup-test
 	$(PY) -m pip install -q -e ".[mutation]"
 	rm -rf mutants
 	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 'graphborrow.planning.capacity.*' 'graphborrow.planning.planner.*' 'graphborrow.eagle.plan.*'
@@ -147,4 +195,4 @@ strip:
 	$(PY) scripts/strip_notebooks.py notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) .pytest_cache notebooks/results output test-artifacts build dist
+	rm -rf $(VENV) .pytest_cache notebooks/results output test-artifacts build dist docs/notebooks

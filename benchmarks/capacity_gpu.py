@@ -46,8 +46,8 @@ from graphborrow.core.sizes import MB  # noqa: E402
 from graphborrow.device import get_backend  # noqa: E402
 from graphborrow.eagle import BORROW_USER, MODES, StepShape, eagle_verify  # noqa: E402
 from graphborrow.eagle.draft_tree import build_draft_tree  # noqa: E402
-from graphborrow.eagle.sequence import verify_sequence  # noqa: E402
 from graphborrow.eagle.plan import plan_verify  # noqa: E402
+from graphborrow.eagle.sequence import verify_sequence  # noqa: E402
 from graphborrow.planning.planner import ALLOC  # noqa: E402
 from graphborrow.workloads.ladder import LLAMA3_8B, GraphLadder, ModelShape  # noqa: E402
 

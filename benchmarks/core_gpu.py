@@ -16,30 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from timing import wall_us  # noqa: E402
+
 from graphborrow.core.runs import find_free_runs, summarize  # noqa: E402
 from graphborrow.core.sizes import MB  # noqa: E402
 from graphborrow.device import get_backend  # noqa: E402
 from graphborrow.workloads.ladder import LLAMA3_8B, GraphLadder  # noqa: E402
-
-
-def median_us(fn, iters=2000, warmup=200) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - t0)
-    return statistics.median(samples) / 1e3
 
 
 def physical_cost(make, backend) -> int:
@@ -152,16 +141,16 @@ def main(argv=None) -> int:
         backend.memory_snapshot(state.pool_id)
 
     timings = {
-        "plain_alloc_4MiB_us": median_us(plain_alloc),
-        "use_mem_pool_enter_exit_us": median_us(mem_pool_enter_exit),
-        "use_mem_pool_with_4MiB_alloc_us": median_us(mem_pool_alloc),
-        "borrow_enter_exit_us": median_us(borrow_enter_exit),
-        "borrow_with_4MiB_alloc_us": median_us(borrow_alloc),
-        "pool_snapshot_us": median_us(snapshot_pool, iters=200, warmup=20),
+        "plain_alloc_4MiB_us": wall_us(plain_alloc),
+        "use_mem_pool_enter_exit_us": wall_us(mem_pool_enter_exit),
+        "use_mem_pool_with_4MiB_alloc_us": wall_us(mem_pool_alloc),
+        "borrow_enter_exit_us": wall_us(borrow_enter_exit),
+        "borrow_with_4MiB_alloc_us": wall_us(borrow_alloc),
+        "pool_snapshot_us": wall_us(snapshot_pool, iters=200, warmup=20),
         # the pieces a borrow adds to use_mem_pool
-        "touch_us": median_us(backend.touch),
-        "stream_key_us": median_us(backend.current_stream_key),
-        "arena_freed_query_us": median_us(lambda: state.arena.freed_bytes),
+        "touch_us": wall_us(backend.touch),
+        "stream_key_us": wall_us(backend.current_stream_key),
+        "arena_freed_query_us": wall_us(lambda: state.arena.freed_bytes),
     }
     timings["borrow_vs_use_mem_pool"] = timings["borrow_enter_exit_us"] / timings["use_mem_pool_enter_exit_us"]
     timings["borrow_alloc_vs_use_mem_pool_alloc"] = (

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import event_us, host_us, wall_us  # noqa: E402
 
 from graphborrow.core.sizes import MB  # noqa: E402
 from graphborrow.device import get_backend  # noqa: E402
@@ -55,28 +56,11 @@ TREES = {4: (1, 3), 8: (4, 3), 16: (4, 5)}  # draft tokens -> (topk, depth)
 
 
 def event_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return event_us(fn, iters, warmup) / 1e3
 
 
 def host_ms(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return host_us(fn, iters) / 1e3
 
 
 def memory_of(fn) -> dict:
@@ -195,14 +179,7 @@ def main(argv=None) -> int:
         with state.borrow(BORROW_USER):
             pass
 
-    for _ in range(200):
-        enter_exit()
-    samples = []
-    for _ in range(2000):
-        t0 = time.perf_counter_ns()
-        enter_exit()
-        samples.append(time.perf_counter_ns() - t0)
-    result["borrow_scope_host_us"] = statistics.median(samples) / 1e3
+    result["borrow_scope_host_us"] = wall_us(enter_exit)
     print(f"borrow scope enter+exit: {result['borrow_scope_host_us']:.2f} us")
 
     budget_end = t_start + args.budget_s

@@ -1,37 +1,53 @@
-"""Fused (Triton) EAGLE verification against the PyTorch reference and the upstream kernel.
+"""Fused (Triton) EAGLE verification against the PyTorch reference and the upstream kernel, eager and replayed.
 
-    python benchmarks/verify_kernels.py --out data/verify_kernels_h200.json
+    python benchmarks/verify_kernels.py --out data/verify_kernels_h200.json --profile
     python benchmarks/verify_kernels.py --only renorm [--profile]   # the standalone renorm point alone
+    python benchmarks/verify_kernels.py --only host --out before.json  # the host-time profile alone
 
-For every bs in --batches and D in --drafts (V = --vocab, fp32 logits, draft trees as in
-the upstream measurement: D=4 topk 1 depth 3, D=8 topk 4 depth 3, D=16 topk 4 depth 5;
-each candidate holds 10-70 % of its parent's row, so paths are accepted and rejected):
+For every bs in --batches and D in --drafts (V = --vocab, fp32 logits, temperature
+--temperature, draft trees as in the upstream measurement: D=4 topk 1 depth 3, D=8 topk 4
+depth 3, D=16 topk 4 depth 5; each candidate holds 10-70 % of its parent's row, so paths
+are accepted and rejected) it times the public call, ``eagle_verify(impl="fused",
+validate=False)``, as a serving engine makes it:
 
-- ``softmax_us``: one torch.softmax pass over the same [bs*D, V] logits (CUDA events, median);
-- ``reference``: eagle_verify(mode="standard", impl="reference") — device_us, host_us, temporaries;
-- ``fused``: fused_verify eager (device_us, host_us) and replayed from a CUDA graph
-  (``graph_us``), temporaries (max_memory_allocated growth minus the outputs), whether it
-  emitted the tokens of the reference over target_probs_reference (``agrees``) and of
-  eagle_verify's reference path (``agrees_eagle_verify``; the same formula, so True is
-  expected wherever the reference ran), its candidate probabilities against
-  target_probs_reference and torch.softmax, and (``--profile``) device time per kernel;
-- ``fused_renorm``: the same with top_k=50, top_p=0.9 (reference too at small batches);
-- ``upstream``: the figures of ../shared/reference/upstream_kernel_h200.md (sgl-kernel,
-  softmax + kernel, same device class; not rebuilt here).
+- ``device_us``: *eager*, CUDA events around the Python call, one call at a time (the
+  host's launch time counts whenever the GPU waits for it); ``host_us``: the call's wall
+  time on the host; ``pipelined_us``: the time per call of --iters calls issued back to back
+  (host work overlapping the GPU's, as in a serving loop);
+- ``graph_us``: *replayed*, the same call captured by hand in a CUDA graph, events around
+  ``replay()``; ``graph_path_us`` / ``graph_path_pipelined_us``: ``eagle_verify(...,
+  graph=True)``, the built-in capture-once-replay-after path (where the package has it);
+- ``softmax_us``: one torch.softmax pass over the same logits (``softmax_with_temperature_us``:
+  with upstream's division by the temperature first); ``reference``: eagle_verify
+  with impl="reference"; the tokens checked against the reference over
+  target_probs_reference (``agrees``) and eagle_verify's reference path;
+  ``upstream_semantics``: the reference kernel over ``torch.softmax`` probabilities
+  (upstream's step: same accept decisions? same tokens? for each differing token, where
+  the coin fell relative to the CDF boundary under both sets of probabilities);
+- the same with top_k=50, top_p=0.9 (``fused_renorm``);
+- ``upstream``: the same-run figures of ../shared/reference/upstream_kernel_h200.md
+  (softmax + sgl-kernel eager and replayed; not rebuilt here).
 
-Then: the standalone top-p renorm of 32 x V against flashinfer's ~87 us class for one
-152k row (scaled by V / 152064), and fused verification chunked in borrowed memory against
-unchunked. Each point is caught and recorded on failure; a table says per point whether
-each goal is met. Triton compile times are printed and recorded.
+``--profile`` adds, at a few points, device time per kernel and the host-time profile:
+launches and allocations per call, the host time with every launch through Triton's JIT
+front end (``jit_host_us``), and the Python functions the call spends its time in
+(cProfile). Then: the standalone top-p renorm of 32 x V, and fused verification in
+borrowed memory. A table says per point whether each goal of issue 23 is met.
+
+The package is imported from this file's tree (``--package TREE``: another tree, so the
+same measurements of an older version make a before/after record; ``--before`` embeds
+such a record in this one).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import inspect
 import json
 import math
 import platform
-import statistics
+import pstats
 import sys
 import time
 import traceback
@@ -39,49 +55,48 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+def _package_tree(argv) -> Path:
+    """The tree whose graphborrow is measured: --package, else this file's (read before importing it)."""
+    for i, a in enumerate(argv):
+        if a == "--package" and i + 1 < len(argv):
+            return Path(argv[i + 1]).resolve()
+        if a.startswith("--package="):
+            return Path(a.split("=", 1)[1]).resolve()
+    return Path(__file__).resolve().parents[1]
+
+
+sys.path.insert(0, str(_package_tree(sys.argv)))
+
+from timing import captured, event_us, host_us, pipelined_us  # noqa: E402
+
+from graphborrow.core.borrow import BorrowState  # noqa: E402
+from graphborrow.device import get_backend  # noqa: E402
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only  # noqa: E402
 from graphborrow.eagle.draft_tree import build_draft_tree  # noqa: E402
+from graphborrow.eagle.probs import target_probs_reference  # noqa: E402
 from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs  # noqa: E402
-from graphborrow.eagle.triton import fused as fv  # noqa: E402
+from graphborrow.eagle.triton import select as fs  # noqa: E402
+from graphborrow.eagle.triton.fused import fused_workspace_bytes  # noqa: E402
+
+try:  # (an older version has no plans: every launch went through Triton's JIT front end)
+    from graphborrow.eagle.triton.fused import clear_plans  # noqa: E402
+except ImportError:
+    clear_plans = None
 
 TREES = {4: (1, 3), 8: (4, 3), 16: (4, 5)}
-# upstream_kernel_h200.md: (bs, D) -> (softmax us, kernel us, step us)
-UPSTREAM = {
-    (1, 4): (56, 40, 95), (4, 4): (66, 68, 134), (16, 4): (83, 63, 146), (32, 4): (133, 70, 203),
-    (64, 4): (217, 86, 303), (128, 4): (424, 101, 525), (1, 8): (58, 41, 99), (4, 8): (64, 62, 125),
-    (16, 8): (132, 67, 199), (32, 8): (213, 74, 287), (64, 8): (415, 88, 503), (128, 8): (808, 100, 908),
-    (1, 16): (62, 41, 103), (4, 16): (85, 64, 149), (16, 16): (220, 69, 289), (32, 16): (421, 73, 494),
-    (64, 16): (811, 87, 899), (128, 16): (1569, 102, 1671),
+# upstream_kernel_h200.md "Same run, both sides": (bs, D) -> (softmax, upstream eager, upstream replayed) us
+UPSTREAM_SAME_RUN = {
+    (1, 4): (61, 113, 92), (4, 4): (63, 109, 89), (16, 4): (85, 164, 151), (32, 4): (128, 223, 211),
+    (64, 4): (213, 333, 319), (128, 4): (409, 559, 546), (1, 8): (61, 122, 100), (4, 8): (54, 114, 105),
+    (16, 8): (122, 210, 200), (32, 8): (207, 314, 307), (64, 8): (402, 549, 539), (128, 8): (781, 992, 981),
+    (1, 16): (56, 104, 91), (4, 16): (78, 157, 149), (16, 16): (208, 310, 298), (32, 16): (403, 539, 527),
+    (64, 16): (781, 982, 973), (128, 16): (1534, 1860, 1846),
 }
 FLASHINFER_TOP_P_US, FLASHINFER_VOCAB = 87.0, 152064
-PROFILE_POINTS = {(1, 4), (16, 8), (128, 16), (32, 8)}
-
-
-def event_us(fn, iters, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def host_us(fn, iters):
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+PROFILE_POINTS = {(1, 4), (1, 8), (16, 8), (128, 16)}
+RENORM = {"top_ks": 50, "top_ps": 0.9}
+GOALS = {"host_us": 40.0, "replayed_vs_softmax": 0.6, "graph_path_vs_manual": 1.1, "renorm_eager_vs_replayed": 1.5}
 
 
 def temporaries(fn):
@@ -95,29 +110,16 @@ def temporaries(fn):
     return torch.cuda.max_memory_allocated() - base - kept, out
 
 
-def graph_us(fn, iters):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    value = event_us(graph.replay, iters)
-    del graph
-    return value
-
-
-def make_case(bs, d, vocab, seed):
+def make_case(bs, d, vocab, seed, temperature=1.0):
+    """Logits whose parent rows give each child ln(V) + 2 nats (the noise's log-mean) plus
+    [-2.5, 1], scaled by the temperature: a child then holds 7-73 % of its row, as a
+    trained draft's would."""
     topk, depth = TREES[d]
     tree = build_draft_tree(topk, depth, d, bs, vocab, generator=torch.Generator().manual_seed(seed), device="cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = 2.0 * torch.randn(bs * d, vocab, device="cuda", generator=g)
-    # each node's row gives its children ln(V) + 2 nats (the noise's log-mean) plus [-2.5, 1]:
-    # a child then holds 7-73 % of the row, as a trained draft's would
+    logits = 2.0 * temperature * torch.randn(bs * d, vocab, device="cuda", generator=g)
     rows = torch.arange(bs * d, device="cuda").view(bs, d)
-    centre = math.log(vocab) + 2.0
+    centre = temperature * (math.log(vocab) + 2.0)
     for n in range(d):
         child = tree.retrive_next_token[:, n]
         for _ in range(d):
@@ -125,7 +127,7 @@ def make_case(bs, d, vocab, seed):
             if not bool(ok.any()):
                 break
             spread = 3.5 * torch.rand(int(ok.sum()), device="cuda", generator=g) - 2.5
-            logits[rows[:, n][ok], tree.candidates[ok, child[ok]]] = centre + spread
+            logits[rows[:, n][ok], tree.candidates[ok, child[ok]]] = centre + temperature * spread
             child = torch.where(ok, tree.retrive_next_sibling.gather(1, child.clamp(min=0).unsqueeze(1)).squeeze(1),
                                 child)
     coins = torch.rand(bs, d, device="cuda", generator=g)
@@ -133,20 +135,76 @@ def make_case(bs, d, vocab, seed):
     return tree, logits, coins, coins_final
 
 
-def exact_reference(logits, tree, coins, coins_final, top_k=None, top_p=None):
-    """Verification over target_probs_reference (the kernels' formula) with upstream's semantics."""
+def kernel_over(probs, tree, coins, coins_final):
+    """Upstream's kernel semantics (the reference kernel) over full [bs, D, V] probabilities."""
     bs, d = tree.candidates.shape
-    probs = fv.target_probs_reference(logits, 1.0, top_k, top_p).view(bs, d, -1)
     out = (torch.zeros(bs * d, dtype=torch.int32, device="cuda"),
            torch.full((bs, tree.tree_depth), -1, dtype=torch.int32, device="cuda"),
            torch.zeros(bs, dtype=torch.int32, device="cuda"))
     tree_speculative_sampling_target_only(*out, tree.candidates, tree.retrive_index, tree.retrive_next_token,
-                                          tree.retrive_next_sibling, coins, coins_final, probs, torch.zeros_like(probs))
-    return fv.FusedResult(out[0], out[1], out[2] + 1)
+                                          tree.retrive_next_sibling, coins, coins_final, probs.view(bs, d, -1),
+                                          torch.zeros_like(probs).view(bs, d, -1))
+    return out[0], out[1], out[2] + 1
+
+
+def differing_requests(expected, got, bs, d):
+    """Requests whose accept decisions differ, and those whose emitted tokens differ."""
+    accepts = ((expected[1] != got[1]).any(dim=1) | (expected[2] != got[2])).nonzero().flatten().tolist()
+    tokens = (expected[0].view(bs, d) != got[0].view(bs, d)).any(dim=1).nonzero().flatten().tolist()
+    return accepts, tokens
+
+
+def final_residuals(probs, tree, out):
+    """Each request's final residual row (float64): its final node's row of ``probs``, its
+    rejected children zeroed unless every depth was accepted, as the sample draws from."""
+    bs, d = tree.candidates.shape
+    lengths = out[2].tolist()
+    slots = out[1].gather(1, (out[2] - 1).long().unsqueeze(1)).squeeze(1).tolist()
+    next_token, next_sibling = tree.retrive_next_token.tolist(), tree.retrive_next_sibling.tolist()
+    candidates = tree.candidates.tolist()
+    rows = probs[[s for s in slots]].double()  # slot b * D + node is the node's row
+    for b in range(bs):
+        if lengths[b] - 1 == tree.tree_depth - 1:
+            continue  # every depth accepted: nothing subtracted
+        child = next_token[b][slots[b] - b * d]
+        while child >= 0:
+            rows[b, candidates[b][child]] = 0.0
+            child = next_sibling[b][child]
+    return rows
+
+
+def upstream_semantics(logits, tree, coins, coins_final, temperature, got):
+    """Our fused tokens against upstream's step (the reference kernel over torch.softmax):
+    differing accept decisions and tokens, and ``expected_token_flips``: the number of
+    final tokens the two sets of probabilities are expected to sample differently for
+    uniform coins, the sum over requests of the L1 distance between their residual CDFs
+    (the measure of coins that land between two boundaries that moved)."""
+    bs, d = tree.candidates.shape
+    probs_up = torch.softmax(logits / temperature, dim=-1)
+    upstream = kernel_over(probs_up, tree, coins, coins_final)
+    accepts, tokens = differing_requests(upstream, got, bs, d)
+    out = {"same_accepts": not accepts, "differing_accept_requests": len(accepts), "same_tokens": not tokens,
+           "differing_token_requests": len(tokens)}
+    if not accepts:
+        ours = final_residuals(target_probs_reference(logits, temperature), tree, got)
+        theirs = final_residuals(probs_up, tree, got)
+        cdf_ours, cdf_up = ours.cumsum(1), theirs.cumsum(1)
+        distance = (cdf_ours / cdf_ours[:, -1:] - cdf_up / cdf_up[:, -1:]).abs().sum(dim=1)
+        out["expected_token_flips"] = float(distance.sum())
+        out["tokens"] = []
+        for b in tokens[:4]:  # where the coin fell: between the two sides' CDF at the lower token
+            slot = int(got[1][b, int(got[2][b]) - 1])
+            lower = min(int(got[0][slot]), int(upstream[0][slot]))
+            out["tokens"].append({
+                "request": b, "ours": int(got[0][slot]), "upstream": int(upstream[0][slot]),
+                "coin": float(coins_final[b]), "cdf_ours_at_lower": float(cdf_ours[b, lower] / cdf_ours[b, -1]),
+                "cdf_upstream_at_lower": float(cdf_up[b, lower] / cdf_up[b, -1])})
+    return out
 
 
 def kernel_breakdown(fn, iters=5):
-    """Device microseconds per kernel name for one call (torch.profiler, mean over iters)."""
+    """Device microseconds per kernel name for one call (torch.profiler, mean over iters), and
+    the number of kernels one call launches."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -155,107 +213,178 @@ def kernel_breakdown(fn, iters=5):
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    out = {}
+    per_kernel, launches = {}, 0
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None)
         if t is None:
             t = getattr(e, "cuda_time_total", 0.0)
         if t:
-            out[e.key] = round(t / iters, 2)
-    return out
+            per_kernel[e.key] = round(t / iters, 2)
+            launches += e.count
+    return per_kernel, launches / iters
 
 
-def first_mismatch(tree, expected, got, coins, coins_final):
-    d = tree.candidates.shape[1]
-    bs = tree.candidates.shape[0]
-    differs = ((expected.predicts.view(bs, d) != got.predicts.view(bs, d)).any(dim=1)
-               | (expected.accept_index != got.accept_index).any(dim=1)
-               | (expected.accept_length != got.accept_length))
-    bad = differs.nonzero().flatten().tolist()
-    if not bad:
-        return 0, None
-    b = bad[0]
-    dump = {"request": b, "candidates": tree.candidates[b].tolist(),
-            "next_token": tree.retrive_next_token[b].tolist(), "next_sibling": tree.retrive_next_sibling[b].tolist(),
-            "coins": coins[b].tolist(), "coin_final": float(coins_final[b]),
-            "reference": [expected.predicts.view(bs, d)[b].tolist(), expected.accept_index[b].tolist(),
-                          int(expected.accept_length[b])],
-            "fused": [got.predicts.view(bs, d)[b].tolist(), got.accept_index[b].tolist(), int(got.accept_length[b])]}
-    return len(bad), dump
+def host_profile(fn, iters, jit_fn=None):
+    """Where one call's host time goes: kernels launched and allocations made per call, the
+    Python functions it spends its time in (cProfile's own time per call, inflated by the
+    profiler but in proportion), and, given ``jit_fn`` (the same call with every launch
+    through Triton's JIT front end), that call's host time."""
+    _, launches = kernel_breakdown(fn)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    allocations = (torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before) / iters
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:14]
+    functions = [{"function": f"{Path(k[0]).name}:{k[1]}({k[2]})", "calls_per_call": v[1] / iters,
+                  "own_us_per_call": v[2] / iters * 1e6} for k, v in top]
+    record = {"launches_per_call": launches, "allocations_per_call": allocations, "python_functions": functions}
+    if jit_fn is not None:
+        record["jit_host_us"] = host_us(jit_fn, iters)
+    return record
+
+
+GRAPH_PATH = "graph" in inspect.signature(eagle_verify).parameters  # (an older version has none)
+
+
+def fused_row(common, step, renorm, args, tree, logits, coins, coins_final):
+    """One point's fused timings and checks (eager, replayed by hand, the graph path)."""
+    bs, d, vocab = common["bs"], common["draft_tokens"], common["vocab"]
+    t = args.temperature
+    row = {**common, "impl": "fused_renorm" if renorm else "fused"}
+    row["temporary_bytes"], got = temporaries(step)
+    row["full_vocab_temporaries"] = row["temporary_bytes"] >= 4 * bs * vocab  # not even one [bs, V] row set
+    row["workspace_bytes"] = fused_workspace_bytes(bs, d, vocab, bool(renorm), bool(renorm))  # (may share the outputs')
+    row["device_us"] = event_us(step, args.iters)
+    row["host_us"] = host_us(step, args.iters)
+    row["pipelined_us"] = pipelined_us(step, args.iters)
+    graph = captured(step)
+    row["graph_us"] = event_us(graph.replay, args.iters)
+    row["graph_pipelined_us"] = pipelined_us(graph.replay, args.iters)
+    del graph
+    if GRAPH_PATH:
+        kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, graph=True, **renorm)
+
+        def graph_path():
+            return eagle_verify(logits, None, tree, t, **kw)
+
+        same = all(torch.equal(a, b) for a, b in zip(graph_path(), got))  # (the first call captures)
+        row["graph_path_us"] = event_us(graph_path, args.iters)
+        row["graph_path_pipelined_us"] = pipelined_us(graph_path, args.iters)
+        row["graph_path_host_us"] = host_us(graph_path, args.iters)
+        row["graph_path_agrees"] = same and all(torch.equal(a, b) for a, b in zip(graph_path(), got))
+    row["vs_softmax"] = row["device_us"] / row["softmax_us"]
+    row["graph_vs_softmax"] = row["graph_us"] / row["softmax_us"]
+    probs = target_probs_reference(logits, t, renorm.get("top_ks"), renorm.get("top_ps"))
+    exact = kernel_over(probs, tree, coins, coins_final)
+    accepts, tokens = differing_requests(exact, got, bs, d)
+    row["agrees"] = not accepts and not tokens
+    row["mismatched_requests"] = len(set(accepts) | set(tokens))
+    row["accept_length_mean"] = float(got[2].float().mean())
+    if not renorm:
+        row["upstream_semantics"] = upstream_semantics(logits, tree, coins, coins_final, t, got)
+    return row, got
 
 
 def run_point(bs, d, args, rows):
-    vocab = args.vocab
-    tree, logits, coins, coins_final = make_case(bs, d, vocab, seed=bs * 100 + d)
-    softmax_us = event_us(lambda: torch.softmax(logits, dim=-1), args.iters)
-    common = {"bs": bs, "draft_tokens": d, "vocab": vocab, "softmax_us": softmax_us}
-    up = UPSTREAM.get((bs, d))
+    vocab, t = args.vocab, args.temperature
+    tree, logits, coins, coins_final = make_case(bs, d, vocab, seed=bs * 100 + d, temperature=t)
+    softmax_us = event_us(lambda: torch.softmax(logits, dim=-1), args.iters)  # one pass, the goal's yardstick
+    common = {"bs": bs, "draft_tokens": d, "vocab": vocab, "temperature": t, "softmax_us": softmax_us,
+              "softmax_with_temperature_us": event_us(lambda: torch.softmax(logits / t, dim=-1), args.iters)}
+    up = UPSTREAM_SAME_RUN.get((bs, d))
     if up and vocab == 128256:
-        rows.append({**common, "impl": "upstream", "device_us": float(up[2]), "kernel_us": float(up[1]),
-                     "softmax_us_upstream_run": float(up[0]), "host_us": None, "temporary_bytes": 4 * 2 * bs * d * vocab,
-                     "source": "shared/reference/upstream_kernel_h200.md"})
-    plain_fused = None
-    for renorm in ({}, {"top_ks": 50, "top_ps": 0.9}):
-        tag = "" if not renorm else "_renorm"
+        rows.append({**common, "impl": "upstream", "device_us": float(up[1]), "replayed_us": float(up[2]),
+                     "softmax_us_upstream_run": float(up[0]), "host_us": None,
+                     "temporary_bytes": 4 * 2 * bs * d * vocab,
+                     "source": "shared/reference/upstream_kernel_h200.md, same run, both sides"})
+    for renorm in ({}, RENORM):
         kw = dict(coins=coins, coins_final=coins_final, **renorm)
+        tag = "_renorm" if renorm else ""
         ref = None
         if not renorm or bs * d <= args.reference_renorm_rows:
             def reference():
-                return eagle_verify(logits, None, tree, 1.0, mode="standard", impl="reference", **kw)
+                return eagle_verify(logits, None, tree, t, mode="standard", impl="reference", **kw)
             row = {**common, "impl": "reference" + tag}
             try:
                 row["temporary_bytes"], ref = temporaries(reference)
                 row["device_us"] = event_us(reference, args.reference_iters, warmup=1)
-                row["host_us"] = host_us(reference, args.reference_iters)
                 row["ok"] = True
             except Exception as exc:  # noqa: BLE001 (recorded, the sweep goes on)
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
             rows.append(row)
 
-        def fused():
-            return fv.fused_verify(logits, None, tree, 1.0, validate=False, **kw)
+        def step():
+            return eagle_verify(logits, None, tree, t, impl="fused", validate=False, **kw)
 
-        row = {**common, "impl": "fused" + tag}
-        plain_fused = plain_fused or row
         try:
-            row["temporary_bytes"], got = temporaries(fused)
-            row["full_vocab_temporaries"] = row["temporary_bytes"] >= 4 * bs * vocab  # not even one [bs, V] row set
-            row["device_us"] = event_us(fused, args.iters)
-            row["graph_us"] = graph_us(fused, args.iters)
-            row["host_us"] = host_us(fused, args.iters)
-            row["vs_softmax"] = row["device_us"] / softmax_us
-            row["graph_vs_softmax"] = row["graph_us"] / softmax_us
-            exact = exact_reference(logits, tree, coins, coins_final, renorm.get("top_ks"), renorm.get("top_ps"))
-            n_bad, dump = first_mismatch(tree, exact, got, coins, coins_final)
-            row["agrees"] = n_bad == 0
-            row["mismatched_requests"] = n_bad
-            if dump:
-                row["first_mismatch"] = dump
+            row, got = fused_row(common, step, renorm, args, tree, logits, coins, coins_final)
             if ref is not None:
-                row["agrees_eagle_verify"] = first_mismatch(tree, ref, got, coins, coins_final)[0] == 0
-            row["accept_length_mean"] = float(got.accept_length.float().mean())
+                row["agrees_eagle_verify"] = not any(differing_requests(ref, got, bs, d))
             if args.profile and (bs, d) in PROFILE_POINTS:
-                row["per_kernel_us"] = kernel_breakdown(fused)
+                row["per_kernel_us"], row["launches_per_call"] = kernel_breakdown(step)
             row["ok"] = True
         except Exception as exc:  # noqa: BLE001
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=4))
+            row = {**common, "impl": "fused" + tag, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc(limit=6)}
         rows.append(row)
-    # the kernel's candidate probabilities: bitwise target_probs_reference's; how often torch.softmax's
-    toks = tree.candidates.repeat_interleave(d, dim=0)
-    kernel_p = fv.fused_token_probs(logits, 1.0, d, toks)
-    formula_p = fv.target_probs_reference(logits, 1.0).gather(1, toks)
-    torch_p = torch.softmax(logits, dim=-1).gather(1, toks)
-    plain_fused["candidate_probs_equal_target_probs_reference"] = float((kernel_p == formula_p).float().mean())
-    plain_fused["candidate_probs_equal_torch_softmax"] = float((kernel_p == torch_p).float().mean())
-    plain_fused["candidate_probs_max_rel_diff_torch_softmax"] = float(
-        ((kernel_p - torch_p).abs() / torch_p.clamp(min=1e-30)).max())
+
+
+def host_floor(args):
+    """Host time of the pieces any eager step is made of, on this machine: one CUDA
+    allocation, one torch kernel launch, one CUDA graph replay."""
+    x = torch.zeros(1024, device="cuda")
+    graph = captured(lambda: x.add_(1))
+    return {"torch_empty_us": host_us(lambda: torch.empty(1024, device="cuda"), args.iters * 10),
+            "torch_add_us": host_us(lambda: x.add_(1), args.iters * 10),
+            "graph_replay_us": host_us(graph.replay, args.iters * 10)}
+
+
+def host_rows(args):
+    """The host-time profile of the eager public call at PROFILE_POINTS, plain and with renorm."""
+    out = []
+    for bs, d in sorted(PROFILE_POINTS):
+        tree, logits, coins, coins_final = make_case(bs, d, args.vocab, seed=bs * 100 + d)
+        for renorm in ({}, RENORM):
+            kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, **renorm)
+
+            def step():
+                return eagle_verify(logits, None, tree, args.temperature, **kw)
+
+            record = {"bs": bs, "draft_tokens": d, "renorm": bool(renorm)}
+            try:
+                step()
+                record["host_us"] = host_us(step, args.iters * 5)
+                record.update(host_profile(step, args.iters * 5, jit_step(step)))
+            except Exception as exc:  # noqa: BLE001
+                record.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            out.append(record)
+    return out
+
+
+def jit_step(step):
+    """``step`` with every launch through Triton's JIT front end (each call forgets the
+    plans' compiled kernels), where the package launches compiled kernels directly."""
+    if clear_plans is None:
+        return None  # a version without plans: every launch already goes through the JIT
+
+    def slow():
+        clear_plans()
+        return step()
+
+    return slow
 
 
 def chunked_rows(args):
-    """Fused verification chunked in borrowed memory (a captured graph's idle runs) vs whole."""
-    from graphborrow.core.borrow import BorrowState
-    from graphborrow.device import get_backend
-
+    """Fused verification borrowing from a captured graph's idle runs vs without a borrow."""
     backend = get_backend("cuda")
     state = BorrowState(backend, pool_id=backend.graph_pool_handle())
     keep = []
@@ -271,16 +400,15 @@ def chunked_rows(args):
     out_rows = []
     for bs, d in ((64, 8), (128, 8), (128, 16)):
         tree, logits, coins, coins_final = make_case(bs, d, args.vocab, seed=bs + d)
-        kw = dict(coins=coins, coins_final=coins_final, validate=False)
-        row = {"bs": bs, "draft_tokens": d, "vocab": args.vocab, "chunk_requests": args.chunk_requests}
+        kw = dict(coins=coins, coins_final=coins_final, validate=False, impl="fused")
+        row = {"bs": bs, "draft_tokens": d, "vocab": args.vocab}
         try:
-            whole = event_us(lambda: fv.fused_verify(logits, None, tree, 1.0, **kw), args.iters)
+            whole = event_us(lambda: eagle_verify(logits, None, tree, 1.0, **kw), args.iters)
             state.retire()
-            chunked = event_us(lambda: fv.fused_verify(logits, None, tree, 1.0, borrow=state,
-                                                       chunk_requests=args.chunk_requests, **kw), args.iters)
-            a = fv.fused_verify(logits, None, tree, 1.0, **kw)
-            b = fv.fused_verify(logits, None, tree, 1.0, borrow=state, chunk_requests=args.chunk_requests, **kw)
-            row.update(unchunked_us=whole, chunked_borrowed_us=chunked, ratio=chunked / whole,
+            borrowed = event_us(lambda: eagle_verify(logits, None, tree, 1.0, borrow=state, **kw), args.iters)
+            a = eagle_verify(logits, None, tree, 1.0, **kw)
+            b = eagle_verify(logits, None, tree, 1.0, borrow=state, **kw)
+            row.update(unchunked_us=whole, chunked_borrowed_us=borrowed, ratio=borrowed / whole,
                        agrees=all(torch.equal(x, y) for x, y in zip(a, b)), ok=True)
         except Exception as exc:  # noqa: BLE001
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
@@ -293,127 +421,107 @@ def renorm_row(args):
     rows, vocab = 32, args.vocab
     g = torch.Generator(device="cuda").manual_seed(0)
     probs = torch.softmax(2.0 * torch.randn(rows, vocab, device="cuda", generator=g), dim=-1)
-    fused = event_us(lambda: fv.top_p_renorm(probs, 0.9, validate=False), args.iters)
+
+    def top_p():
+        return fs.top_p_renorm(probs, 0.9, validate=False)
+
+    fused = event_us(top_p, args.iters)
     reference = event_us(lambda: top_p_renorm_probs(probs, 0.9), args.reference_iters, warmup=1)
-    same = torch.equal(fv.top_p_renorm(probs, 0.9), top_p_renorm_probs(probs, 0.9))
     goal = 2 * FLASHINFER_TOP_P_US * vocab / FLASHINFER_VOCAB
+    graph = captured(top_p)
     record = {"rows": rows, "vocab": vocab, "top_p": 0.9, "fused_us": fused, "reference_us": reference,
               "flashinfer_class_us": FLASHINFER_TOP_P_US * vocab / FLASHINFER_VOCAB, "goal_us": goal,
-              "agrees": same,
-              "fused_graph_us": graph_us(lambda: fv.top_p_renorm(probs, 0.9, validate=False), args.iters),
-              "top_k50_fused_us": event_us(lambda: fv.top_k_renorm(probs, 50, validate=False), args.iters),
-              "top_k50_agrees": torch.equal(fv.top_k_renorm(probs, 50), top_k_renorm_probs(probs, 50))}
+              "agrees": torch.equal(fs.top_p_renorm(probs, 0.9), top_p_renorm_probs(probs, 0.9)),
+              "fused_graph_us": event_us(graph.replay, args.iters), "fused_host_us": host_us(top_p, args.iters),
+              "top_k50_fused_us": event_us(lambda: fs.top_k_renorm(probs, 50, validate=False), args.iters),
+              "top_k50_agrees": torch.equal(fs.top_k_renorm(probs, 50), top_k_renorm_probs(probs, 50))}
     record["meets_goal"] = min(fused, record["fused_graph_us"]) <= goal  # device time: eager may wait on the host
     if args.profile:
-        record["per_kernel_us"] = kernel_breakdown(lambda: fv.top_p_renorm(probs, 0.9, validate=False))
+        record["per_kernel_us"] = kernel_breakdown(top_p)[0]
     return record
 
 
-def compile_times():
+def compile_times(args):
     """Seconds of the first call of each kernel variant (Triton compiles then)."""
     tree, logits, coins, coins_final = make_case(2, 8, 4096, seed=1)
     times = {}
-    for name, kw in (("plain", {}), ("top_k+top_p", {"top_ks": 50, "top_ps": 0.9})):
+    for name, kw in (("plain", {}), ("top_k+top_p", RENORM)):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fv.fused_verify(logits, None, tree, 1.0, coins=coins, coins_final=coins_final, **kw)
+        eagle_verify(logits, None, tree, args.temperature, coins=coins, coins_final=coins_final, impl="fused", **kw)
         torch.cuda.synchronize()
         times[name] = time.perf_counter() - t0
-    probs = torch.softmax(logits, dim=-1)
     t0 = time.perf_counter()
-    fv.top_p_renorm(probs, 0.9)
+    fs.top_p_renorm(torch.softmax(logits, dim=-1), 0.9)
     torch.cuda.synchronize()
     times["standalone top_p"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    fv.fused_token_probs(logits, 1.0, 8, tree.candidates.repeat_interleave(8, dim=0))
-    torch.cuda.synchronize()
-    times["token probs"] = time.perf_counter() - t0
     return times
 
 
-def goals_table(rows):
-    """Print each point's goals, judged for the step replayed from a CUDA graph and for the
-    eager launch separately; returns (replayed, eager) verdicts, one bool per point each."""
-    from graphborrow.studies.measured import fused_goals_missed
-
-    print(f"\n{'bs':>4} {'D':>3} {'softmax':>8} {'upstream':>9} {'reference':>10} {'fused':>8} {'graph':>8} "
-          f"{'x softmax':>9} {'temp MiB':>9} {'accept':>6} {'agrees':>6}  "
-          f"goals (<= upstream, <= 3x softmax, no [bs,V] temporaries): replayed | eager")
+def goals(rows):
+    """Issue 23's goals per point: (bs, D) -> verdicts and the numbers they judge."""
     by = {}
     for r in rows:
         by.setdefault((r["bs"], r["draft_tokens"]), {})[r["impl"]] = r
-    replayed, eager = [], []
+    verdicts = {}
     for (bs, d), impls in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        f, up, ref = impls.get("fused", {}), impls.get("upstream", {}), impls.get("reference", {})
+        f, up, fr = impls.get("fused", {}), impls.get("upstream", {}), impls.get("fused_renorm", {})
         if not f.get("ok"):
-            print(f"{bs:>4} {d:>3}  fused failed: {f.get('error')}")
-            replayed.append(False)
-            eager.append(False)
+            verdicts[(bs, d)] = {"ok": False, "error": f.get("error")}
             continue
-        missed = [fused_goals_missed(us, up.get("device_us"), f["softmax_us"], f["full_vocab_temporaries"])
-                  for us in (f["graph_us"], f["device_us"])]
-        replayed.append(not missed[0])
-        eager.append(not missed[1])
-        print(f"{bs:>4} {d:>3} {f['softmax_us']:>8.0f} {up.get('device_us', float('nan')):>9.0f} "
-              f"{ref.get('device_us', float('nan')):>10.0f} {f['device_us']:>8.0f} {f['graph_us']:>8.0f} "
-              f"{f['graph_us'] / f['softmax_us']:>9.2f} {f['temporary_bytes'] / 2**20:>9.2f} "
-              f"{f['accept_length_mean']:>6.2f} {str(f.get('agrees')):>6}  "
-              f"{', '.join(missed[0]) or 'met'} | {', '.join(missed[1]) or 'met'}")
-    return replayed, eager
+        v = {"ok": True, "host_us": f["host_us"] <= GOALS["host_us"],
+             "eager_le_upstream_eager": "device_us" in up and f["device_us"] <= up["device_us"],
+             "replayed_le_0.6_softmax": f["graph_us"] <= GOALS["replayed_vs_softmax"] * f["softmax_us"],
+             "same_tokens_as_reference": bool(f.get("agrees"))}
+        if "graph_path_us" in f:
+            v["graph_path_le_1.1_manual"] = f["graph_path_us"] <= GOALS["graph_path_vs_manual"] * f["graph_us"]
+            v["graph_path_pipelined_le_1.1_manual"] = (f["graph_path_pipelined_us"]
+                                                       <= GOALS["graph_path_vs_manual"] * f["graph_pipelined_us"])
+        if fr.get("ok"):
+            v["renorm_eager_le_1.5_replayed"] = fr["device_us"] <= GOALS["renorm_eager_vs_replayed"] * fr["graph_us"]
+        verdicts[(bs, d)] = v
+    return by, verdicts
 
 
-def renorm_table(rows):
-    print(f"\nwith top_k=50, top_p=0.9:\n{'bs':>4} {'D':>3} {'softmax':>8} {'reference':>10} {'fused':>8} {'graph':>8} "
-          f"{'x softmax':>9} {'temp MiB':>9} {'agrees':>6}")
-    by = {}
-    for r in rows:
-        by.setdefault((r["bs"], r["draft_tokens"]), {})[r["impl"]] = r
+def print_tables(rows):
+    by, verdicts = goals(rows)
+    print(f"\n{'bs':>4} {'D':>3} {'softmax':>8} {'up eager':>8} {'up repl':>8} | {'eager':>7} {'host':>6} "
+          f"{'pipe':>6} {'replay':>7} {'gpath':>6} {'gpipe':>6} {'x smax':>6} | {'rn eager':>8} {'rn repl':>8} "
+          f"{'agree':>5} {'upstream tokens (expected)':>9}  goals missed")
     for (bs, d), impls in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        f, ref = impls.get("fused_renorm", {}), impls.get("reference_renorm", {})
+        f, up, fr = impls.get("fused", {}), impls.get("upstream", {}), impls.get("fused_renorm", {})
         if not f.get("ok"):
             print(f"{bs:>4} {d:>3}  fused failed: {f.get('error')}")
             continue
-        print(f"{bs:>4} {d:>3} {f['softmax_us']:>8.0f} {ref.get('device_us', float('nan')):>10.0f} "
-              f"{f['device_us']:>8.0f} {f['graph_us']:>8.0f} {f['graph_us'] / f['softmax_us']:>9.2f} "
-              f"{f['temporary_bytes'] / 2**20:>9.2f} {str(f.get('agrees')):>6}")
+        us = f.get("upstream_semantics", {})
+        missed = [k for k, ok in verdicts[(bs, d)].items() if ok is False]
+        print(f"{bs:>4} {d:>3} {f['softmax_us']:>8.0f} {up.get('device_us', math.nan):>8.0f} "
+              f"{up.get('replayed_us', math.nan):>8.0f} | {f['device_us']:>7.0f} {f['host_us']:>6.0f} "
+              f"{f['pipelined_us']:>6.0f} {f['graph_us']:>7.0f} {f.get('graph_path_us', math.nan):>6.0f} "
+              f"{f.get('graph_path_pipelined_us', math.nan):>6.0f} {f['graph_us'] / f['softmax_us']:>6.2f} | "
+              f"{fr.get('device_us', math.nan):>8.0f} {fr.get('graph_us', math.nan):>8.0f} "
+              f"{str(f.get('agrees')):>5} {us.get('differing_token_requests', '-')!s:>3} "
+              f"({us.get('expected_token_flips', math.nan):.3f})  {', '.join(missed) or '-'}")
     for r in rows:
         if r.get("per_kernel_us"):
-            print(f"per kernel, {r['impl']} bs={r['bs']} D={r['draft_tokens']}: "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in r["per_kernel_us"].items()))
+            print(f"per kernel, {r['impl']} bs={r['bs']} D={r['draft_tokens']} ({r['launches_per_call']:.0f} "
+                  "launches): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in r["per_kernel_us"].items()))
+    return verdicts
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON to write (default data/verify_kernels_h200.json; with --only renorm, none)")
-    ap.add_argument("--only", choices=("all", "renorm"), default="all",
-                    help="renorm: just the standalone top-p / top-k renorm of 32 x V (a quick check of the "
-                         "pivot search: time, graph replay time and bitwise agreement)")
-    ap.add_argument("--batches", default="1,4,16,32,64,128")
-    ap.add_argument("--drafts", default="4,8,16")
-    ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--reference-iters", type=int, default=3)
-    ap.add_argument("--reference-renorm-rows", type=int, default=64,
-                    help="run the (slow, sort-based) reference with renorm only up to this many rows")
-    ap.add_argument("--chunk-requests", type=int, default=16)
-    ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new points after this long")
-    ap.add_argument("--profile", action="store_true", help="device time per kernel at a few points (torch.profiler)")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("verify_kernels.py measures CUDA kernels: run it on a GPU machine")
-    started = time.monotonic()
-    record = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-              "torch": torch.__version__, "device": torch.cuda.get_device_name(), "python": platform.python_version()}
-    try:
-        import triton
-        record["triton"] = triton.__version__
-    except ImportError:
-        record["triton"] = None
-    if args.only == "renorm":
-        return renorm_only(args, record, started)
-    record["compile_s"] = compile_times()
-    print("Triton compile (first call) seconds:", {k: round(v, 2) for k, v in record["compile_s"].items()})
+def print_host(records):
+    for r in records:
+        if "host_us" not in r:
+            print(f"host profile bs={r['bs']} D={r['draft_tokens']} failed: {r.get('error')}")
+            continue
+        print(f"\nhost profile bs={r['bs']} D={r['draft_tokens']} renorm={r['renorm']}: {r['host_us']:.1f} us per call "
+              f"(every launch through the JIT: {r.get('jit_host_us', math.nan):.1f} us), "
+              f"{r['launches_per_call']:.1f} launches, {r['allocations_per_call']:.1f} allocations")
+        for f in r["python_functions"][:8]:
+            print(f"    {f['own_us_per_call']:>7.2f} us  x{f['calls_per_call']:<5.1f} {f['function']}")
+
+
+def sweep(args, record, started):
     rows = []
     for d in [int(x) for x in args.drafts.split(",")]:
         for bs in [int(x) for x in args.batches.split(",")]:
@@ -429,53 +537,73 @@ def main(argv=None):
             torch.cuda.empty_cache()
             print(f"  bs={bs} D={d} done at {time.monotonic() - started:.0f}s", flush=True)
     record["rows"] = rows
-    replayed, eager = goals_table(rows)
-    record["goals_met_points"] = sum(replayed)  # replayed from a CUDA graph
-    record["goals_met_points_eager"] = sum(eager)
-    record["goals_points"] = len(replayed)
-    renorm_table(rows)
-    for name, fn in (("top_p_renorm", lambda: renorm_row(args)), ("chunked", lambda: chunked_rows(args))):
-        try:
-            record[name] = fn()
-        except Exception as exc:  # noqa: BLE001
-            record[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=4)}
-    print_renorm(record["top_p_renorm"], args.vocab)
-    for r in record["chunked"] if isinstance(record["chunked"], list) else []:
-        if r.get("ok"):
-            print(f"chunked in borrowed memory bs={r['bs']} D={r['draft_tokens']}: {r['chunked_borrowed_us']:.0f} us vs "
-                  f"{r['unchunked_us']:.0f} us ({r['ratio']:.2f}x, goal <= 1.3x: {'met' if r['ratio'] <= 1.3 else 'MISSED'})")
-        else:
-            print(f"chunked bs={r['bs']} D={r['draft_tokens']} failed: {r.get('error')}")
-    write(record, args.out or Path("data/verify_kernels_h200.json"), started)
+    verdicts = print_tables(rows)
+    record["goals"] = {f"{bs}x{d}": v for (bs, d), v in verdicts.items()}
+    record["goals_met_points"] = {name: sum(1 for v in verdicts.values() if v.get(name))
+                                  for name in next(iter(verdicts.values()), {}) if name != "ok"}
+    record["goals_points"] = len(verdicts)
+    print("goals met (points):", record["goals_met_points"], "of", len(verdicts))
 
 
-def renorm_only(args, record, started):
-    """--only renorm: the standalone renorm point alone, in the full run's record format."""
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON to write (default data/verify_kernels_h200.json; with --only renorm/host, none)")
+    ap.add_argument("--only", choices=("all", "renorm", "host"), default="all")
+    ap.add_argument("--package", type=Path, default=None,
+                    help="the tree whose graphborrow is measured (default: this file's; read before parsing)")
+    ap.add_argument("--before", type=Path, default=None, help="a record of an older version to embed as 'before'")
+    ap.add_argument("--batches", default="1,4,16,32,64,128")
+    ap.add_argument("--drafts", default="4,8,16")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--temperature", type=float, default=0.7, help="the same-run table's (0.7)")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--reference-iters", type=int, default=3)
+    ap.add_argument("--reference-renorm-rows", type=int, default=64,
+                    help="run the (slow, sort-based) reference with renorm only up to this many rows")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new points after this long")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device time and the host profile")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("verify_kernels.py measures CUDA kernels: run it on a GPU machine")
+    started = time.monotonic()
+    record = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+              "torch": torch.__version__, "device": torch.cuda.get_device_name(), "python": platform.python_version()}
     try:
-        record["top_p_renorm"] = renorm_row(args)
-    except Exception as exc:  # noqa: BLE001
-        record["top_p_renorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                                  "traceback": traceback.format_exc(limit=4)}
-    print_renorm(record["top_p_renorm"], args.vocab)
-    if args.out is not None:
-        write(record, args.out, started)
-
-
-def print_renorm(tp, vocab):
-    if "fused_us" in tp:
-        print(f"\ntop-p renorm 32 x {vocab}: fused {tp['fused_us']:.0f} us (graph {tp['fused_graph_us']:.0f}), "
-              f"reference {tp['reference_us']:.0f} us, goal <= {tp['goal_us']:.0f} us: "
-              f"{'met' if tp['meets_goal'] else 'MISSED'}; agrees {tp['agrees']}; top-k 50 {tp['top_k50_fused_us']:.0f} us, "
-              f"agrees {tp['top_k50_agrees']}; per kernel {tp.get('per_kernel_us')}")
-    else:
-        print(f"\ntop-p renorm failed: {tp.get('error')}\n{tp.get('traceback', '')}")
-
-
-def write(record, out, started):
-    record["elapsed_s"] = time.monotonic() - started
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
-    print(f"\nwrote {out} in {record['elapsed_s']:.0f} s")
+        import triton
+        record["triton"] = triton.__version__
+    except ImportError:
+        record["triton"] = None
+    out = args.out
+    if args.only != "host":
+        record["compile_s"] = compile_times(args)
+        print("Triton compile (first call) seconds:", {k: round(v, 2) for k, v in record["compile_s"].items()})
+    if args.only in ("all", "host") and (args.profile or args.only == "host"):
+        record["host_floor"] = host_floor(args)
+        print("host floor:", {k: round(v, 1) for k, v in record["host_floor"].items()})
+        record["host_profile"] = host_rows(args)
+        print_host(record["host_profile"])
+    if args.only == "all":
+        sweep(args, record, started)
+        out = out or Path("data/verify_kernels_h200.json")
+        try:
+            record["chunked"] = chunked_rows(args)
+        except Exception as exc:  # noqa: BLE001
+            record["chunked"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    if args.only in ("all", "renorm"):
+        try:
+            record["top_p_renorm"] = renorm_row(args)
+            print(f"\ntop-p renorm 32 x V: {json.dumps(record['top_p_renorm'])}")
+        except Exception as exc:  # noqa: BLE001
+            record["top_p_renorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                      "traceback": traceback.format_exc(limit=4)}
+    if args.before is not None:
+        record["before"] = json.loads(args.before.read_text())
+    if out is not None:
+        record["elapsed_s"] = time.monotonic() - started
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1))
+        print(f"\nwrote {out} in {record['elapsed_s']:.0f} s")
 
 
 if __name__ == "__main__":

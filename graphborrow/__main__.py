@@ -1,10 +1,11 @@
-"""Command line: ``python -m graphborrow {run,demo,sweep,suite,inspect,build,replay-corpus} ...``.
+"""Command line: ``python -m graphborrow {run,demo,sweep,suite,points,check-results,inspect,build,replay-corpus} ...``.
 
 Each command is a thin layer over a public function: :func:`graphborrow.run.demo.run_demo`,
 :func:`graphborrow.run.suite.run_suite`, :func:`graphborrow.run.sweep.run_sweep`,
 :func:`graphborrow.studies.inspection.inspect_snapshot`,
-:func:`graphborrow.fidelity.corpus.replay_corpus`. Bad arguments
-exit with status 2 and one line naming the problem; Ctrl-C exits with 130.
+:func:`graphborrow.fidelity.corpus.replay_corpus`. Bad arguments, environment
+variables and output folders exit with status 2 and one line naming the problem, before
+any work; Ctrl-C exits with 130 and says what a rerun does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 from pathlib import Path
 
 from graphborrow.core.errors import ParameterError
+from graphborrow.core.snapshot import TRUST
+from graphborrow.run.folders import output_folder
 
 DEVICES = ("auto", "cuda", "sim")
 DEFAULT_OUT = Path("output")
@@ -99,16 +102,20 @@ def _run(args: argparse.Namespace) -> int:
     from graphborrow.studies.shipped import example_grid
 
     _check_device(args.device)
-    out = Path(args.out)
+    out = output_folder(args.out)
     print("== core demo ==", flush=True)
     run_demo(args.device)
-    print("\n== notebook suite ==", flush=True)
-    suite = run_suite(out / "suite", device=args.device, timeout=args.timeout)
-    print(suite.summary())
-    print("\n== example sweep ==", flush=True)
+    print("\n== example sweep ==", flush=True)  # first: notebook 06 shows its results
     grid = Grid.from_yaml(example_grid())
-    sweep = run_sweep(grid.notebook, grid, out=out, timeout=args.timeout)
+    sweep = run_sweep(grid.notebook, grid, out=out, workers=2, timeout=args.timeout)
     print(sweep.summary())
+    print("\n== notebook suite ==", flush=True)
+    from graphborrow.device.select import cuda_available
+
+    on_gpu = args.device == "cuda" or (args.device == "auto" and cuda_available())
+    suite = run_suite(out / "suite", device=args.device, timeout=args.timeout, jobs=1 if on_gpu else 2,
+                      params={"SWEEP_DIR": str((out / grid.name).resolve())} if not sweep.failed else None)
+    print(suite.summary())
     print(f"\nall results under {out.resolve()}")
     return 1 if suite.failed or sweep.failed else 0
 
@@ -155,6 +162,7 @@ def _inspect(args: argparse.Namespace) -> int:
         plot_report,
     )
 
+    out = output_folder(args.out)
     try:
         report = inspect_snapshot(args.snapshot, batches=args.batches, draft_tokens=args.draft_tokens,
                                   vocab=args.vocab, modes=args.modes, pool_id=args.pool,
@@ -162,8 +170,6 @@ def _inspect(args: argparse.Namespace) -> int:
     except SnapshotFormatError as exc:
         raise ParameterError(str(exc)) from None
     print(format_report(report))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = Path(args.snapshot).stem
     figure = out / f"{stem}_memory_map.png"
     plot_report(report).savefig(figure, dpi=110)
@@ -250,8 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a parameter in every notebook that declares it, e.g. -p VOCAB 128256")
     suite.set_defaults(func=_suite)
 
-    inspect = sub.add_parser("inspect", help="pools, free runs and fitting verification steps of your own snapshot")
-    inspect.add_argument("snapshot", help="a pickle of torch.cuda.memory._snapshot() (torch.cuda.memory._dump_snapshot)")
+    inspect = sub.add_parser("inspect", help="pools, free runs and fitting verification steps of your own snapshot",
+                             description="Pools, free runs and the verification steps that fit a borrow, read "
+                                         "from a recorded allocator snapshot.",
+                             epilog=f"Trust: {TRUST}. A refused file you made yourself can be unpickled by you "
+                                    "and passed to graphborrow.studies.inspection.inspect_snapshot as the dict.")
+    inspect.add_argument("snapshot", help="the pickle torch.cuda.memory._dump_snapshot writes, or the same dict as "
+                                          ".json (either may be .gz); read without running code from the file")
     inspect.add_argument("--batches", type=_int_list, default=[1, 4, 16, 32, 64, 128],
                          help="batch sizes to plan, comma-separated (default 1,4,16,32,64,128)")
     inspect.add_argument("--draft-tokens", type=_int_list, default=[4, 8, 16],
@@ -266,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--out", default=str(DEFAULT_OUT / "inspect"),
                          help="where the memory map and fit table go (default output/inspect)")
     inspect.set_defaults(func=_inspect)
+
+    for name, text in (("points", "run the notebooks at the points of their parameter space"),
+                       ("check-results", "check that every notebook wrote results showing device work"),
+                       ("docs", "build the documentation site from docs/ and executed notebooks")):
+        own = sub.add_parser(name, help=text, add_help=False)  # each owns its options (see main)
+        own.add_argument("rest", nargs=argparse.REMAINDER)
 
     build = sub.add_parser("build", help="compile the simulated allocator with Cython (no-op when built)")
     build.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")
@@ -282,22 +299,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_environment() -> None:
+    """Every environment variable graphborrow reads, before any work (imports torch: after parsing)."""
+    from graphborrow.run.environment import check_environment
+
+    check_environment()
+
+
+# What a rerun after Ctrl-C does, per command (the suite says it itself: SuiteInterrupted).
+_AFTER_CTRL_C = {
+    "sweep": "finished points are stored; run the same command again to finish the rest",
+    "run": "the example sweep's finished points are stored; running the same command again repeats the demo and "
+           "the notebook suite, then finishes the sweep",
+}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else None
     try:
-        if argv[:1] == ["demo"]:  # the demo owns its options
+        if command == "demo":  # the demo owns its options
+            _check_environment()
             from graphborrow.run.demo import main as demo_main
 
             return demo_main(argv[1:]) or 0
-        args = build_parser().parse_args(argv)
+        if argv[:1] in (["points"], ["check-results"], ["docs"]):  # so do the notebook checks and the site
+            from graphborrow.run import docs, guard, points
+
+            return {"points": points, "check-results": guard, "docs": docs}[argv[0]].main(argv[1:])
+        args = build_parser().parse_args(argv)  # --help and usage errors first: they need no torch
         args.argv = argv[1:]
+        _check_environment()
         return args.func(args)
     except (ParameterError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: finished points and notebooks are stored; run the same command again to "
-              "finish the rest", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        advice = getattr(exc, "advice", None)
+        if command == "suite" and advice is not None:
+            print(advice(), file=sys.stderr)
+        else:
+            after = _AFTER_CTRL_C.get(command)
+            print(f"interrupted: {after}" if after else "interrupted", file=sys.stderr)
         return 130
 
 

@@ -3,7 +3,7 @@
     TRITON_INTERPRET=0 python scripts/compile_kernels.py [--json out.json]
 
 Triton ships ptxas, so its compiler runs without a device: this drives the host code of
-graphborrow.eagle.triton.fused / fused_select with CPU tensors in place of CUDA ones, turning
+graphborrow.eagle.triton.fused / select with CPU tensors in place of CUDA ones, turning
 every kernel launch into a compile-only warmup (a stand-in driver reports an sm_90 target),
 so each variant the step uses is compiled with the argument types it really gets. It
 catches what the interpreter cannot (code that does not compile for CUDA) and reports
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
 
     JITFunction.run = compile_only
     from graphborrow.eagle.draft_tree import build_draft_tree
+    from graphborrow.eagle.step import VerifyStep
     from graphborrow.eagle.triton import fused as fv
     from graphborrow.eagle.triton import select as fs
 
@@ -88,16 +89,17 @@ def main(argv=None) -> int:
     started = time.monotonic()
     bs, d, vocab = 4, 8, 128256
     tree = build_draft_tree(4, 3, d, bs, vocab, generator=torch.Generator().manual_seed(0))
+    per_request = dict(temperatures=torch.full((bs,), 0.7), top_ks=torch.full((bs,), 50), top_ps=torch.full((bs,), 0.9))
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.zeros(bs * d, vocab, dtype=dtype)
         coins, final = torch.zeros(bs, d), torch.zeros(bs)
-        for renorm in ({}, {"top_ks": 50}, {"top_ps": 0.9}, {"top_ks": 50, "top_ps": 0.9}):
+        for renorm in ({}, {"top_ks": 50}, {"top_ps": 0.9}, {"top_ks": 50, "top_ps": 0.9}, per_request):
             if dtype != torch.float32 and renorm:
                 continue
-            ws = fv.fused_workspace(logits, bs, d, vocab, 1.0, renorm.get("top_ks"), renorm.get("top_ps"))
-            out = (torch.zeros(bs * d, dtype=torch.int32), torch.zeros(bs, 3, dtype=torch.int32),
-                   torch.zeros(bs, dtype=torch.int32))
-            fv._launch(fv._Launch(logits, tree.candidates, tree, coins, final, bs, d, vocab, 3, 1.0, 1.0, *out), ws)
+            params = {"temperatures": 1.0, **renorm}
+            step = VerifyStep(logits, tree.candidates, tree, params["temperatures"], params.get("top_ks"),
+                              params.get("top_ps"), coins, final).check()
+            fv.run_step(step, fv.allocate_outputs(step))  # every launch a compile-only warmup
     fv.fused_token_probs(torch.zeros(bs * d, vocab), 1.0, d, torch.zeros(bs * d, 4, dtype=torch.int64))
     probs = torch.zeros(32, vocab)
     fs.top_p_renorm(probs, 0.9, validate=False)

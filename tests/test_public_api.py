@@ -30,6 +30,7 @@ CORE_MODULES = [
     "graphborrow.eagle.plan",
     "graphborrow.device.select",
     "graphborrow.eagle.verify",
+    "graphborrow.eagle.scope",
     "graphborrow.eagle.draft_tree",
     "graphborrow.workloads.ladder",
     "graphborrow.fidelity.replay",
@@ -40,6 +41,10 @@ CORE_MODULES = [
     "graphborrow.eagle.sequence",
     "graphborrow.planning.planner",
     "graphborrow.run.sweep",
+    "graphborrow.core.checks",
+    "graphborrow.run.environment",
+    "graphborrow.run.folders",
+    "graphborrow.run.sweep.points",
 ]
 
 SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Example|Examples|Note|Notes|Warning|See Also):\s*$")

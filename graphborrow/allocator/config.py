@@ -16,14 +16,16 @@ decide over the string: :meth:`AllocatorConfig.from_settings`.
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Any
+from typing import Any, Mapping
 
 from graphborrow.core.listsyntax import split_top_level
 from graphborrow.core.sizes import LARGE_BUFFER, MB, ROUNDUP_INTERVALS
 
-__all__ = ["AllocatorConfig", "SIZE_MAX", "torch_version_tuple"]
+__all__ = ["AllocatorConfig", "ENVIRONMENT", "SIZE_MAX", "torch_version_tuple"]
 
+ENVIRONMENT = "PYTORCH_CUDA_ALLOC_CONF"  # where torch's allocator reads its settings from
 SIZE_MAX = 2**64 - 1
 _ACCELERATOR_CONFIG = (2, 9)  # first torch with c10/core/AllocatorConfig.cpp
 _IGNORED = (  # accepted and recorded, without effect on the device allocator's decisions
@@ -86,6 +88,28 @@ class AllocatorConfig:
     @property
     def legacy(self) -> bool:
         return self.version < _ACCELERATOR_CONFIG
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None,
+                         torch_version: str | None = None) -> "AllocatorConfig":
+        """The settings ``PYTORCH_CUDA_ALLOC_CONF`` gives torch's allocator (torch's defaults when unset).
+
+        Args:
+            environ: where to read the variable (default ``os.environ``).
+            torch_version: the torch whose parsing rules apply (default: the installed one).
+
+        Returns:
+            The :class:`AllocatorConfig`.
+
+        Raises:
+            ValueError, NotImplementedError: as the constructor, the message starting with
+                the variable and its value.
+        """
+        text = (os.environ if environ is None else environ).get(ENVIRONMENT, "")
+        try:
+            return cls(text or None, torch_version)
+        except (ValueError, NotImplementedError) as exc:
+            raise type(exc)(f"{ENVIRONMENT}={text!r}: {exc}; fix it or unset it") from None
 
     @classmethod
     def from_settings(cls, settings: dict, torch_version: str | None = None) -> "AllocatorConfig":

@@ -30,7 +30,6 @@
 
 #define GB_MAX_EXTENTS 64
 #define GB_MAX_SLOTS 64
-#define GB_DEFAULT_ALIGN 512
 
 enum {
     GB_OK = 0,
@@ -172,9 +171,10 @@ static void record_error(arena_t *a, int code, uintptr_t p, int64_t size, size_t
 int gb_arena_max_slots(void) { return GB_MAX_SLOTS; }
 int gb_arena_max_extents(void) { return GB_MAX_EXTENTS; }
 
-/* Claim a free slot with fresh state; -1 when all are taken, GB_BAD_ALIGN for a bad align. */
-int gb_arena_acquire(int align, int best_fit) {
-    if (align < 0 || (align > 0 && !is_power_of_two((size_t)align))) return GB_BAD_ALIGN;
+/* Claim a free slot with fresh state; -1 when all are taken, GB_BAD_ALIGN unless align is a
+ * power of two. align is a size_t, as in gb_arena_set_align: no width between the two. */
+int gb_arena_acquire(size_t align, int best_fit) {
+    if (!is_power_of_two(align)) return GB_BAD_ALIGN;
     int slot = -1;
     pthread_mutex_lock(&slots_mu);
     for (int i = 0; i < GB_MAX_SLOTS; i++) {
@@ -183,7 +183,7 @@ int gb_arena_acquire(int align, int best_fit) {
             memset(a, 0, sizeof(*a));
             pthread_mutex_init(&a->mu, NULL);
             a->in_use = 1;
-            a->align = align > 0 ? (size_t)align : GB_DEFAULT_ALIGN;
+            a->align = align;
             a->best_fit = best_fit != 0;
             slot = i;
             break;

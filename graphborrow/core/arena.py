@@ -11,7 +11,6 @@ at once. The library is built and verified by the native-build cache
 from __future__ import annotations
 
 import ctypes
-import operator
 import os
 import shutil
 import subprocess
@@ -22,12 +21,13 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import native
+from .checks import ADDRESS_LIMIT, as_flag, as_integer
 from .errors import ArenaFreeError
 
-__all__ = ["BumpArena", "library_path", "first_overlap", "describe_free_error", "ADDRESS_LIMIT"]
+__all__ = ["BumpArena", "library_path", "first_overlap", "check_extents", "describe_free_error", "ADDRESS_LIMIT"]
 
 SOURCE = Path(__file__).with_name("arena.c")
-ADDRESS_LIMIT = 1 << 64  # extents must end below this; sizes must be below it
+FREE_SIZE_LIMIT = 1 << 63  # the C free takes an int64 size: no allocation is this large
 _ERRORS = {
     -1: "the arena slot is not acquired",
     -2: "too many extents",
@@ -93,7 +93,7 @@ def _library() -> ctypes.CDLL:
     global _lib
     if _lib is None:
         lib = ctypes.CDLL(str(library_path()))
-        lib.gb_arena_acquire.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.gb_arena_acquire.argtypes = [ctypes.c_size_t, ctypes.c_int]
         lib.gb_arena_release.argtypes = [ctypes.c_int]
         lib.gb_arena_set_extents.argtypes = [
             ctypes.c_int,
@@ -144,22 +144,69 @@ def first_overlap(ranges: Iterable[Sequence[int]]):
     return None
 
 
+def check_extents(extents: Iterable[Sequence[int]], align: int, noun: str = "extent") -> list[tuple[int, int]]:
+    """``extents`` as ``(base, nbytes)`` int pairs, or an error naming the first bad one.
+
+    The rules of the arena's extents, stated once: the borrow state's static runs obey
+    them too. Every value is checked against the 64-bit width the C library takes before
+    it reaches ctypes, which would otherwise keep only the low bits.
+
+    Args:
+        extents: ``(base, nbytes)`` pairs in bytes.
+        align: each base must be a multiple of this.
+        noun: what the caller calls an extent, for messages ("static run").
+
+    Returns:
+        The pairs as Python ints, in the given order.
+
+    Raises:
+        TypeError: an extent is not a pair of integers (bools and floats are not).
+        ValueError: an extent is empty, not at a positive address, misaligned, not below
+            2**64 or overlapping another.
+    """
+    checked = []
+    for i, extent in enumerate(extents):
+        try:
+            base, nbytes = extent
+        except (TypeError, ValueError):
+            raise TypeError(f"{noun} {i} is {extent!r}; each {noun} is a (base, nbytes) pair") from None
+        checked.append((as_integer(base, f"{noun} {i} base"), as_integer(nbytes, f"{noun} {i} size")))
+    for i, (base, nbytes) in enumerate(checked):
+        if nbytes <= 0:
+            raise ValueError(f"{noun} {i} at {base:#x} has non-positive size {nbytes}")
+        if base <= 0:
+            raise ValueError(f"{noun} {i} has base {base:#x}; a base must be a positive address")
+        if base + nbytes >= ADDRESS_LIMIT:
+            raise ValueError(
+                f"{noun} {i} [{base:#x}, {base + nbytes:#x}) runs past the end of the 64-bit "
+                f"address space; every {noun} must end below 2**64"
+            )
+        if base % align:
+            raise ValueError(
+                f"{noun} {i} base {base:#x} is not aligned to {align} bytes; "
+                "round the base up (and the size down to match)"
+            )
+    overlap = first_overlap(checked)
+    if overlap:
+        (b0, n0), (b1, n1) = overlap
+        raise ValueError(
+            f"{noun}s overlap: [{b0:#x}, {b0 + n0:#x}) and [{b1:#x}, {b1 + n1:#x}); "
+            f"each byte may belong to one {noun} only: merge them or pass disjoint ranges"
+        )
+    return checked
+
+
 def _check(code: int, what: str) -> None:
     if code != 0:
         raise ValueError(f"{what}: {_ERRORS.get(code, f'error {code}')}")
 
 
-def _integer(value, what: str) -> int:
-    """``value`` as a Python int; floats, strings and other non-integers are refused."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an integer number of bytes, got a bool ({value!r})")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{what} must be an integer, got {type(value).__name__} ({value!r}); "
-            "pass addresses and sizes as ints"
-        ) from None
+def _alignment(value) -> int:
+    """A valid alignment as an int: a power of two, below 2**64 (the C library's size_t)."""
+    align = as_integer(value, "align")
+    if align <= 0 or align & (align - 1) or align >= ADDRESS_LIMIT:
+        raise ValueError(f"align must be a power of two below 2**64, got {align}")
+    return align
 
 
 def describe_free_error(code: int, ptr: int, nbytes: int, live_size: int = 0) -> str:
@@ -214,7 +261,8 @@ class BumpArena:
             instead of the first one that does.
 
     Raises:
-        ValueError: ``align`` is not a positive power of two.
+        TypeError: ``align`` is not an integer or ``best_fit`` not a bool.
+        ValueError: ``align`` is not a power of two below 2**64.
         RuntimeError: all ``MAX_SLOTS`` arenas of this process are in use.
     """
 
@@ -222,9 +270,7 @@ class BumpArena:
     MAX_SLOTS = 64
 
     def __init__(self, align: int = 512, best_fit: bool = True) -> None:
-        align = _integer(align, "align")
-        if align <= 0 or align & (align - 1):
-            raise ValueError(f"align must be a positive power of two, got {align}")
+        align, best_fit = _alignment(align), as_flag(best_fit, "best_fit")
         self._lib = _library()
         self.slot = self._lib.gb_arena_acquire(align, int(best_fit))
         if self.slot < 0:
@@ -253,44 +299,15 @@ class BumpArena:
         Raises:
             TypeError: an extent is not a pair of integers.
             ValueError: too many extents, or one is empty, misaligned, past 2**64 or
-                overlapping another.
+                overlapping another (see :func:`check_extents`).
         """
-        checked = []
-        for i, extent in enumerate(extents):
-            try:
-                base, nbytes = extent
-            except (TypeError, ValueError):
-                raise TypeError(f"extent {i} is {extent!r}; each extent is a (base, nbytes) pair") from None
-            checked.append((_integer(base, f"extent {i} base"), _integer(nbytes, f"extent {i} size")))
-        extents = checked
+        extents = list(extents)
         if len(extents) > self.MAX_EXTENTS:
             raise ValueError(
                 f"{len(extents)} extents given, at most {self.MAX_EXTENTS} are supported; "
                 "pass the largest ones (free runs come sorted largest first)"
             )
-        align = self.align
-        for i, (base, nbytes) in enumerate(extents):
-            if nbytes <= 0:
-                raise ValueError(f"extent {i} at {base:#x} has non-positive size {nbytes}")
-            if base <= 0:
-                raise ValueError(f"extent {i} has base {base:#x}; a base must be a positive address")
-            if base + nbytes >= ADDRESS_LIMIT:
-                raise ValueError(
-                    f"extent {i} [{base:#x}, {base + nbytes:#x}) runs past the end of the 64-bit "
-                    "address space; an extent must end below 2**64"
-                )
-            if base % align:
-                raise ValueError(
-                    f"extent {i} base {base:#x} is not aligned to {align} bytes; "
-                    f"round the base up (and the size down) or lower BumpArena.align"
-                )
-        overlap = first_overlap(extents)
-        if overlap:
-            (b0, n0), (b1, n1) = overlap
-            raise ValueError(
-                f"extents overlap: [{b0:#x}, {b0 + n0:#x}) and [{b1:#x}, {b1 + n1:#x}); "
-                "each byte may belong to one extent only"
-            )
+        extents = check_extents(extents, self.align)
         n = len(extents)
         bases = (ctypes.c_uint64 * max(n, 1))(*[b for b, _ in extents])
         sizes = (ctypes.c_size_t * max(n, 1))(*[s for _, s in extents])
@@ -322,7 +339,7 @@ class BumpArena:
             TypeError: ``nbytes`` is not an integer.
             ValueError: ``nbytes`` is negative or not below 2**64.
         """
-        nbytes = _integer(nbytes, "malloc size")
+        nbytes = as_integer(nbytes, "malloc size")
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size ({nbytes})")
         if nbytes >= ADDRESS_LIMIT:
@@ -347,11 +364,13 @@ class BumpArena:
             raise ArenaFreeError(describe_free_error(code, int(ptr), int(nbytes), self._last_live_size()))
 
     def _free(self, ptr, nbytes) -> int:
-        ptr, nbytes = _integer(ptr, "free pointer"), _integer(nbytes, "free size")
+        ptr, nbytes = as_integer(ptr, "free pointer"), as_integer(nbytes, "free size")
         if not 0 <= ptr < ADDRESS_LIMIT:
             raise ValueError(f"free({ptr}, {nbytes}): a pointer is an address in [0, 2**64)")
-        if nbytes >= 2**63:
-            nbytes = -1  # no size this large was ever allocated; counted like a negative one
+        if not 0 <= nbytes < FREE_SIZE_LIMIT:
+            # outside the int64 the C call takes, ctypes would keep the low 64 bits (-(2**64) + 1000
+            # would free 1000 bytes); no allocation has such a size: refused as a negative one
+            nbytes = -1
         return self._lib.gb_arena_free_checked(self.slot, ptr, nbytes)
 
     def _last_live_size(self) -> int:
@@ -415,7 +434,7 @@ class BumpArena:
 
     @best_fit.setter
     def best_fit(self, value: bool) -> None:
-        _check(self._lib.gb_arena_set_best_fit(self.slot, int(bool(value))), "best_fit")
+        _check(self._lib.gb_arena_set_best_fit(self.slot, int(as_flag(value, "best_fit"))), "best_fit")
 
     @property
     def align(self) -> int:
@@ -424,10 +443,7 @@ class BumpArena:
     @align.setter
     def align(self, value: int) -> None:
         """Applies to later allocations: each starts at a multiple of the new alignment."""
-        value = _integer(value, "align")
-        if value <= 0 or value & (value - 1):
-            raise ValueError(f"align must be a positive power of two, got {value}")
-        _check(self._lib.gb_arena_set_align(self.slot, value), "align")
+        _check(self._lib.gb_arena_set_align(self.slot, _alignment(value)), "align")
 
     # torch
     @property

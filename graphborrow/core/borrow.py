@@ -24,13 +24,17 @@ when the next claimant finds it gone.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import traceback
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from .arena import BumpArena, first_overlap
+from .arena import BumpArena, check_extents
+from .checks import ADDRESS_LIMIT, as_flag, as_integer
+from .device_api import DeviceAPI
 from .errors import (
     ArenaIntegrityError,
     BorrowLeakError,
@@ -39,8 +43,8 @@ from .errors import (
     WrongStreamError,
 )
 from .interrupts import CRITICAL, CRITICAL_ENTRY
-from .runs import find_free_runs
-from .sizes import MB, MIN_BLOCK_SIZE, allocation_size, is_small, round_size
+from .runs import POLICIES, find_free_runs
+from .sizes import LARGE_BUFFER, MB, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, allocation_size, is_small, round_size
 
 __all__ = ["BorrowState", "BorrowScope", "CaptureScope", "ReplayScope", "CAPTURE_USER", "REPLAY_USER"]
 
@@ -54,6 +58,16 @@ def precarve_bytes(run: int, reserve: int = 32 * MB, minimum: int = 64 * MB) -> 
     least ``minimum``."""
     seed = (run - reserve) // (2 * MB) * (2 * MB)
     return seed if seed >= minimum else 0
+
+
+def _pool_handle(value: Any) -> tuple[int, int]:
+    """A graph pool handle as ``backend.graph_pool_handle()`` gives it: a pair of ints."""
+    try:
+        first, second = value
+        return as_integer(first, "pool_id[0]"), as_integer(second, "pool_id[1]")
+    except (TypeError, ValueError):
+        raise TypeError(f"pool_id must be a graph pool handle, the pair of ints backend.graph_pool_handle() "
+                        f"returns (or None); got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +103,12 @@ class BorrowState:
         precarve_reserve: bytes of each run left out of its seed segment, for small-pool
             segments.
         precarve_min: smallest seed segment worth carving, in bytes.
+
+    Raises:
+        TypeError: ``backend`` is not a device, ``pool_id`` not a pair of ints, a switch not a
+            bool or a size not an int.
+        ValueError: an unknown ``policy``, a negative size (or one not below 2**64), or a
+            ``precarve_min`` below 10 MiB (such a seed would take a 20 MiB segment).
     """
 
     backend: Any
@@ -115,8 +135,28 @@ class BorrowState:
     _holder_ref: Any = dataclasses.field(default=None, init=False, repr=False)
     _routing: Any = dataclasses.field(default=None, init=False, repr=False)  # the borrow's routing context
     _arena_errors_seen: int = dataclasses.field(default=0, init=False, repr=False)
+    _earlier_arena_errors: int = dataclasses.field(default=0, init=False, repr=False)  # of arenas replaced
 
     def __post_init__(self) -> None:
+        if not isinstance(self.backend, DeviceAPI):
+            raise TypeError(f"backend must be a device, get_backend('cuda') or get_backend('sim'); got "
+                            f"{type(self.backend).__name__}")
+        if self.pool_id is not None:
+            self.pool_id = _pool_handle(self.pool_id)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("best_fit", "precarve"):
+            as_flag(getattr(self, name), name)
+        for name in ("precarve_reserve", "precarve_min"):
+            value = as_integer(getattr(self, name), name)
+            if not 0 <= value < ADDRESS_LIMIT:
+                raise ValueError(f"{name}={value} must be a number of bytes in [0, 2**64)")
+            setattr(self, name, value)
+        if self.precarve_min < MIN_LARGE_ALLOC:
+            raise ValueError(
+                f"precarve_min={self.precarve_min} is below {MIN_LARGE_ALLOC // MB} MiB: a seed that small is a "
+                f"medium request, which the allocator serves from a {LARGE_BUFFER // MB} MiB segment its run "
+                f"may not hold; pass precarve_min >= {MIN_LARGE_ALLOC} (or precarve=False)")
         # bound once: checked and entered on every borrow
         self._stream_key = self.backend.current_stream_key
         self._route = self.backend.route_to_pool
@@ -166,25 +206,12 @@ class BorrowState:
                 (use memory from ``backend.external_alloc``).
 
         Raises:
-            ValueError: a range is empty, misaligned, overlaps another or a live block.
+            TypeError: a range is not a pair of ints (floats, strings and bools are refused).
+            ValueError: a range is empty, misaligned, not below 2**64, overlaps another or a
+                live block (the arena's rules: :func:`~graphborrow.core.arena.check_extents`).
             PoolBusyError: a scope holds the pool.
         """
-        runs = [(int(a), int(n)) for a, n in runs]
-        for a, n in runs:
-            if n <= 0 or a <= 0:
-                raise ValueError(f"static run ({a:#x}, {n}) needs a positive address and size")
-            if a % MIN_BLOCK_SIZE:
-                raise ValueError(
-                    f"static run at {a:#x} is not {MIN_BLOCK_SIZE}-byte aligned; round its start up to a "
-                    f"multiple of {MIN_BLOCK_SIZE} (and shrink its size to match)"
-                )
-        overlap = first_overlap(runs)
-        if overlap:
-            (a0, n0), (a1, n1) = overlap
-            raise ValueError(
-                f"static runs [{a0:#x}, {a0 + n0:#x}) and [{a1:#x}, {a1 + n1:#x}) overlap; "
-                "merge them into one run or pass disjoint ranges"
-            )
+        runs = check_extents(runs, MIN_BLOCK_SIZE, "static run")
         self._refuse_live_overlap(runs)
         runs.sort(key=lambda r: (-r[1], r[0]))
         with CRITICAL:
@@ -193,16 +220,23 @@ class BorrowState:
             self.static_runs = runs[: BumpArena.MAX_EXTENTS]
 
     def _refuse_live_overlap(self, runs: list) -> None:
-        """Static runs must not cover blocks the caching allocator still hands out."""
+        """Static runs must not cover blocks the caching allocator still hands out.
+
+        The runs are disjoint, so sorted by address their ends ascend too: each block needs
+        one bisection, not a pass over every run."""
         if not runs:
             return
+        ordered = sorted(runs)
+        ends = [a + n for a, n in ordered]
         for segment in self.backend.memory_snapshot():
             for block in segment["blocks"]:
                 if block["state"] == "inactive":
                     continue
                 b0, b1 = block["address"], block["address"] + block["size"]
-                for a, n in runs:
-                    if a < b1 and b0 < a + n:
+                i = bisect.bisect_right(ends, b0)  # the first run ending after the block starts
+                if i < len(ordered):
+                    a, n = ordered[i]
+                    if a < b1:
                         raise ValueError(
                             f"static run [{a:#x}, {a + n:#x}) overlaps a live tensor's block "
                             f"[{b0:#x}, {b1:#x}) of the caching allocator; static runs are for "
@@ -292,7 +326,11 @@ class BorrowState:
         Returns:
             True if the allocator would place it in the borrow pool; False when borrowing
             is disabled, ``nbytes`` is not positive, or no run has room.
+
+        Raises:
+            TypeError: ``nbytes`` is not an int (a bool or a float is not a size).
         """
+        nbytes = as_integer(nbytes, "can_fit's nbytes")
         if nbytes <= 0 or not self.enabled:
             return False
         size = round_size(nbytes)
@@ -411,6 +449,13 @@ class BorrowState:
 
     # ------------------------------------------------------------------ pool life
     def _build(self) -> None:
+        """Build the borrow pool over the current runs, all or nothing.
+
+        The pool is assembled on a fresh arena and only then becomes the state's: a failure
+        on the way (the device or the arena refusing a precarved segment, a bad run) drops
+        the half-built pool, whose segments go back to that arena, and leaves every field of
+        the state (the previous arena and its counters included) as it was.
+        """
         runs = self.free_runs()
         if self.static_runs is None and self._pool_segments == 0:
             raise EmptyGraphPoolError(
@@ -420,20 +465,38 @@ class BorrowState:
                 "allocations. Capture into state.pool_id first (inside state.capture_scope()), or use "
                 "set_static_runs() for memory the caching allocator does not manage."
             )
-        if self.arena is None:
-            self.arena = BumpArena(best_fit=self.best_fit)
-        self.arena.best_fit = self.best_fit
-        self.arena.set_extents(runs)
-        self.mem_pool = self.backend.arena_pool(self.arena)
+        arena = BumpArena(best_fit=self.best_fit)
+        arena.set_extents(runs)
+        pool = self.backend.arena_pool(arena)
+        try:
+            self._precarve(pool, self.precarve_sizes(runs))
+        except BaseException as failure:
+            # the traceback keeps the frames it passed through (a notebook keeps the last one):
+            # clear them, or they would keep the half-built pool and its segments alive
+            del pool, arena
+            traceback.clear_frames(failure.__traceback__)
+            raise
+        if self.arena is not None:
+            self._earlier_arena_errors += self.arena.errors
+        self.arena, self.mem_pool, self._arena_errors_seen = arena, pool, 0
         self.stream = self.backend.current_stream()
         self.stream_key = self._stream_key()
         self.builds += 1
-        seeds = self.precarve_sizes(runs)
-        if seeds:
-            # hold every seed until all exist: a freed seed would otherwise serve the next
-            with self.backend.use_mem_pool(self.mem_pool):
-                held = [torch.empty(s, dtype=torch.uint8, device=self.backend.device) for s in seeds]
-                held.clear()
+
+    def _precarve(self, pool: Any, seeds: Sequence[int]) -> None:
+        """Allocate and free one segment per seed size in ``pool``; nothing stays allocated,
+        whether it completes or not."""
+        if not seeds:
+            return
+        held: list = []
+        try:
+            # hold every seed until all exist: a freed seed would otherwise serve the next;
+            # activated: "cuda" must mean this device, even while another simulated one is active
+            with self.backend.activated(), self.backend.use_mem_pool(pool):
+                for size in seeds:
+                    held.append(torch.empty(size, dtype=torch.uint8, device=self.backend.device))
+        finally:
+            held.clear()
 
     def live_borrowed_bytes(self) -> int:
         """Bytes of the borrow pool still allocated to live tensors.
@@ -530,7 +593,8 @@ class BorrowState:
         Returns:
             A dict: ``enabled``, ``disabled_reason``, ``holder``, the free ``runs`` (count),
             ``run_bytes``, ``largest_run``, ``pool_built``, ``builds``, the arena's
-            ``cursor_bytes``, ``freed_bytes`` and ``arena_errors``, and ``high_water``;
+            ``cursor_bytes`` and ``freed_bytes`` (of the latest pool's arena), ``arena_errors``
+            (frees refused by every arena this state built on) and ``high_water``;
             sizes in bytes.
         """
         runs = self.free_runs() if self.enabled else []
@@ -545,7 +609,7 @@ class BorrowState:
             "builds": self.builds,
             "cursor_bytes": self.arena.cursor_bytes if self.arena else 0,
             "freed_bytes": self.arena.freed_bytes if self.arena else 0,
-            "arena_errors": self.arena.errors if self.arena else 0,
+            "arena_errors": self._earlier_arena_errors + (self.arena.errors if self.arena else 0),
             "high_water": self.high_water,
         }
 

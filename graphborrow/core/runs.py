@@ -109,7 +109,8 @@ def summarize(segments: Any) -> dict[str, int]:
         and ``whole_segment_bytes`` (the seed's rule, for comparison).
     """
     segs = load_snapshot(segments)["segments"]
-    outer = [s for i, s in enumerate(segs) if i not in nested_in(segs)]
+    nested = nested_in(segs)
+    outer = [s for i, s in enumerate(segs) if i not in nested]
     reserved = sum(s["total_size"] for s in outer)
     runs = find_free_runs(segs, "runs")
     whole = find_free_runs(segs, "whole_segments")

@@ -1,15 +1,18 @@
 """One validated reader for allocator snapshots in torch's format, whatever their source.
 
-A snapshot comes as a path to a pickle (``torch.cuda.memory._dump_snapshot``, or
-:func:`graphborrow.sim.export.dump_snapshot`; gzipped when the name ends in ``.gz``), as the dict of
-``torch.cuda.memory._snapshot()``, or as the segment list of
-``torch.cuda.memory_snapshot()``. :func:`load_snapshot` accepts all three, checks
-every segment and block, and returns ``{"segments": [...], ...}`` with the input's
-other keys kept. Anything that would make later arithmetic silently wrong is refused
-with a :class:`~graphborrow.core.errors.SnapshotFormatError` that names the segment and
-block and says what is wrong:
+A snapshot comes as a path to a file: a pickle (``torch.cuda.memory._dump_snapshot``, or
+:func:`graphborrow.sim.export.dump_snapshot`) or the same dict as JSON (``.json``), either
+gzipped when the name ends in ``.gz``; as the dict of ``torch.cuda.memory._snapshot()``;
+or as the segment list of ``torch.cuda.memory_snapshot()``. :func:`load_snapshot` accepts
+all of them, checks every segment and block, and returns ``{"segments": [...], ...}``
+with the input's other keys kept. Anything that would make later arithmetic silently
+wrong is refused with a :class:`~graphborrow.core.errors.SnapshotFormatError` that names
+the segment and block and says what is wrong:
 
-* a value of the wrong type (a size that is a string, a float, a bool, None);
+* a value of the wrong type (a size that is a string, a float, a bool, None); numpy
+  integers are integers, and come back as Python ints (the segment and its blocks are
+  then copies);
+* a segment that runs past the end of the 64-bit address space;
 * a block of zero or negative size, or with an unknown state;
 * blocks that leave a gap, overlap, or do not start at the segment's address;
 * block sizes that do not add up to ``total_size`` (or to ``allocated_size`` /
@@ -22,25 +25,44 @@ segments inside the graph pool's ``inactive`` blocks. They are kept, and
 :func:`nested_in` tells which segment hosts which, so free-run discovery can leave
 them out.
 
-Pickles can run code when loaded: read only snapshot files you trust.
+Trust: unpickling a file can run any code the file names. A snapshot file is therefore
+read with an unpickler that builds only what a snapshot holds (dicts, lists, tuples,
+strings, numbers, bools, None; torch's version string is read as a plain string) and
+refuses any other object by name, before building it: a file from elsewhere cannot run
+code here. A file refused that way that you made yourself and trust can be unpickled by
+you and passed as the dict; the JSON form needs no trust at all.
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
+import json
+import operator
 import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .checks import ADDRESS_LIMIT
 from .errors import SnapshotFormatError
 
-__all__ = ["load_snapshot", "check_segments", "nested_in", "BLOCK_STATES", "FREE_STATE"]
+__all__ = ["load_snapshot", "check_segments", "nested_in", "read_snapshot_file", "BLOCK_STATES", "FREE_STATE",
+           "SNAPSHOT_GLOBALS", "TRUST"]
 
 FREE_STATE = "inactive"
 # torch's C++ emits active_pending_free; the _snapshot docstring says active_awaiting_free
 BLOCK_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", FREE_STATE)
+# The only objects other than built-in containers and scalars a snapshot file may name, and what
+# each is read as: torch records its version as a TorchVersion (a str subclass).
+SNAPSHOT_GLOBALS = {("torch.torch_version", "TorchVersion"): str}
+TRUST = (
+    "snapshot and trace files are read without running code: the unpickler builds only dicts, lists, tuples, "
+    "strings, numbers, bools and None, and refuses any other object by name; a .json file (the same dict as JSON) "
+    "needs no trust at all"
+)
+_INTEGER_KEYS = ("address", "total_size", "allocated_size", "active_size")
 _HOW_TO_TAKE = (
     "take it with torch.cuda.memory_snapshot() (a list of segments), "
     "torch.cuda.memory._snapshot() (a dict) or torch.cuda.memory._dump_snapshot(path)"
@@ -51,8 +73,9 @@ def load_snapshot(source: Any, *, need_traces: bool = False, block_addresses: bo
     """Read and check a snapshot from a path, a ``_snapshot()`` dict or a segment list.
 
     Args:
-        source: a ``str`` / ``os.PathLike`` naming a pickle, a dict with ``"segments"``
-            (and maybe ``"device_traces"``), or a list of segment dicts.
+        source: a ``str`` / ``os.PathLike`` naming a snapshot file (:func:`read_snapshot_file`),
+            a dict with ``"segments"`` (and maybe ``"device_traces"``), or a list of
+            segment dicts.
         need_traces: also require ``"device_traces"`` (a list per device of trace
             entries), as recorded after ``torch.cuda.memory._record_memory_history()``.
         block_addresses: require every block's ``"address"`` (torch writes it; free-run
@@ -61,7 +84,8 @@ def load_snapshot(source: Any, *, need_traces: bool = False, block_addresses: bo
 
     Returns:
         A new dict: ``"segments"`` is the checked segment list (the segment dicts
-        themselves are not copied); the source dict's other keys are kept.
+        themselves are not copied, unless a value had to become a Python int); the
+        source dict's other keys are kept.
 
     Raises:
         SnapshotFormatError: naming the segment / block / trace entry and the problem.
@@ -70,7 +94,7 @@ def load_snapshot(source: Any, *, need_traces: bool = False, block_addresses: bo
     origin = "snapshot"
     if isinstance(source, (str, os.PathLike)):
         origin = os.fspath(source)
-        source = _read_pickle(Path(source))
+        source = read_snapshot_file(source)
     if isinstance(source, Mapping):
         if "segments" not in source:
             raise SnapshotFormatError(
@@ -91,28 +115,78 @@ def load_snapshot(source: Any, *, need_traces: bool = False, block_addresses: bo
     return result
 
 
-def _read_pickle(path: Path) -> Any:
+class _Refused(Exception):
+    """A snapshot file named an object no snapshot holds (raised before it is built)."""
+
+
+class _SnapshotUnpickler(pickle.Unpickler):
+    """Builds what a snapshot holds and nothing else: every object a pickle builds other than
+    the built-in containers and scalars comes through ``find_class`` (extension codes too),
+    and only :data:`SNAPSHOT_GLOBALS` pass it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        admitted = SNAPSHOT_GLOBALS.get((module, name))
+        if admitted is None:
+            raise _Refused(f"{module}.{name}")
+        return admitted
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused(f"a persistent reference ({pid!r:.40})")
+
+
+def read_snapshot_file(path: str | os.PathLike) -> Any:
+    """The object a snapshot file holds, read without running any code from the file.
+
+    ``.json`` (or ``.json.gz``) files are JSON; anything else is a pickle, read by an
+    unpickler that builds only dicts, lists, tuples, strings, numbers, bools and None (and
+    torch's version string, as a str). Files are gunzipped when their name ends in ``.gz``.
+
+    Args:
+        path: the file.
+
+    Returns:
+        What the file holds (not yet checked as a snapshot: :func:`load_snapshot` does that).
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        SnapshotFormatError: the file is a directory, unreadable, not JSON / a pickle, or a
+            pickle that names another kind of object (refused by name, never built).
+    """
+    path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open  # the trace corpus is stored compressed
+    is_json = path.name.removesuffix(".gz").endswith(".json")
     try:
         with opener(path, "rb") as f:
-            return pickle.load(f)
+            return json.load(f) if is_json else _SnapshotUnpickler(f).load()
     except FileNotFoundError:
         raise
     except IsADirectoryError:
-        raise SnapshotFormatError(f"{path} is a directory; pass the snapshot pickle inside it") from None
-    except Exception as exc:  # truncated or foreign file: unpickling raises many kinds
+        raise SnapshotFormatError(f"{path} is a directory; pass the snapshot file inside it") from None
+    except _Refused as refused:
         raise SnapshotFormatError(
-            f"{path} is not a readable snapshot pickle ({type(exc).__name__}: {exc}); "
+            f"{path} holds {refused}, which no memory snapshot holds; it was not built, because unpickling "
+            "an object can run code the file names. If you made the file yourself and trust it, unpickle it "
+            "yourself and pass the dict (load_snapshot(pickle.load(open(path, 'rb')))); for a file from "
+            "elsewhere, ask for its JSON form (json.dump of torch.cuda.memory._snapshot())"
+        ) from None
+    except Exception as exc:  # truncated or foreign file: reading raises many kinds
+        kind = "JSON" if is_json else "pickle"
+        raise SnapshotFormatError(
+            f"{path} is not a readable snapshot {kind} ({type(exc).__name__}: {exc}); "
             "write it with torch.cuda.memory._dump_snapshot or graphborrow.sim.export.dump_snapshot"
         ) from exc
 
 
 def _integer(value: Any, where: str, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SnapshotFormatError(
-            f"{where}: {key!r} is {value!r} ({type(value).__name__}); it must be an integer"
-        )
-    return value
+    """An integer field as a Python int (numpy integers become ints; bools and floats are refused)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise SnapshotFormatError(
+        f"{where}: {key!r} is {value!r} ({type(value).__name__}); it must be an integer"
+    )
 
 
 def check_segments(segments: Any, *, block_addresses: bool = True) -> list:
@@ -133,14 +207,24 @@ def check_segments(segments: Any, *, block_addresses: bool = True) -> list:
         raise SnapshotFormatError(
             f"'segments' is a {type(segments).__name__}; expected a list of segment dicts"
         )
-    segments = list(segments)
-    for i, segment in enumerate(segments):
-        _check_segment(i, segment, block_addresses)
+    segments = [_check_segment(i, segment, block_addresses) for i, segment in enumerate(segments)]
     nested_in(segments)  # refuses partial overlaps and segments nested in live blocks
     return segments
 
 
-def _check_segment(i: int, segment: Any, block_addresses: bool = True) -> None:
+def _as_ints(record: Mapping, keys) -> Mapping:
+    """``record`` itself when its integer fields are Python ints, else a copy where they are."""
+    odd = [k for k in keys if k in record and type(record[k]) is not int]
+    if not odd:
+        return record
+    copy = dict(record)
+    for k in odd:
+        copy[k] = operator.index(copy[k])  # checked to be an integer already
+    return copy
+
+
+def _check_segment(i: int, segment: Any, block_addresses: bool = True) -> Mapping:
+    """Check one segment; returns it, or a copy whose integers are Python ints."""
     where = f"segment {i}"
     if not isinstance(segment, Mapping):
         raise SnapshotFormatError(f"{where} is a {type(segment).__name__}, not a dict")
@@ -158,11 +242,16 @@ def _check_segment(i: int, segment: Any, block_addresses: bool = True) -> None:
     total = _integer(segment["total_size"], where, "total_size")
     if total <= 0:
         raise SnapshotFormatError(f"{where}: total_size {total} is not positive")
+    if address + total > ADDRESS_LIMIT:
+        raise SnapshotFormatError(
+            f"{where}: its {total} bytes run past the end of the 64-bit address space "
+            f"(to {address + total:#x}); no device address lies there")
     blocks = segment["blocks"]
     if not isinstance(blocks, (list, tuple)) or not blocks:
         raise SnapshotFormatError(f"{where}: 'blocks' must be a non-empty list, got {blocks!r:.60}")
     at = address
     allocated = active = 0
+    converted = False  # a block held a numpy integer: the blocks become copies with ints
     for j, block in enumerate(blocks):
         here = f"{where} block {j}"
         if not isinstance(block, Mapping):
@@ -176,6 +265,7 @@ def _check_segment(i: int, segment: Any, block_addresses: bool = True) -> None:
             )
         start = _integer(block["address"], here, "address") if "address" in block else at
         size = _integer(block["size"], here, "size")
+        converted = converted or type(block["size"]) is not int or type(block.get("address", 0)) is not int
         state = block["state"]
         if size <= 0:
             raise SnapshotFormatError(f"{here} has size {size}; block sizes are positive")
@@ -203,6 +293,9 @@ def _check_segment(i: int, segment: Any, block_addresses: bool = True) -> None:
             raise SnapshotFormatError(
                 f"{where}: {key} is {segment[key]} but its blocks add up to {value}"
             )
+    if converted:
+        segment = {**segment, "blocks": [_as_ints(b, ("address", "size")) for b in blocks]}
+    return _as_ints(segment, _INTEGER_KEYS)
 
 
 def nested_in(segments: list) -> dict[int, int]:
@@ -232,6 +325,7 @@ def nested_in(segments: list) -> dict[int, int]:
         key=lambda k: (segments[k]["address"], -segments[k]["total_size"], not wholly_free(k)),
     )
     hosts: dict[int, int] = {}
+    starts: dict[int, list[int]] = {}  # a host's block starts, for bisection (built when first needed)
     open_: list[int] = []  # segments containing the current address, outermost first
     for k in order:
         start = segments[k]["address"]
@@ -247,7 +341,7 @@ def nested_in(segments: list) -> dict[int, int]:
                     f"[{h['address']:#x}, {h['address'] + h['total_size']:#x}) overlap partly; "
                     "segments are disjoint, or one lies inside a free block of the other"
                 )
-            block, at = _block_at(h, start)
+            block, at = _block_at(h, start, starts)
             if block["state"] != FREE_STATE or end > at + block["size"]:
                 raise SnapshotFormatError(
                     f"segment {k} [{start:#x}, {end:#x}) lies inside segment {host} but not inside "
@@ -259,14 +353,22 @@ def nested_in(segments: list) -> dict[int, int]:
     return hosts
 
 
-def _block_at(segment: Mapping, address: int) -> tuple[Mapping, int]:
-    """The block of a checked segment that holds ``address``, and the block's start."""
-    at = segment["address"]
-    for block in segment["blocks"]:
-        if at <= address < at + block["size"]:
-            return block, at
-        at += block["size"]
-    raise AssertionError("address outside a checked segment")
+def _block_at(segment: Mapping, address: int, starts: dict) -> tuple[Mapping, int]:
+    """The block of a checked segment that holds ``address``, and the block's start.
+
+    ``starts`` caches each segment's block starts (keyed by ``id``), so a host with many
+    nested segments is bisected, not walked once per nested segment."""
+    key = id(segment)
+    if key not in starts:
+        at, mine = segment["address"], []
+        for block in segment["blocks"]:
+            mine.append(at)
+            at += block["size"]
+        starts[key] = mine
+    j = bisect.bisect_right(starts[key], address) - 1
+    if j < 0 or address >= starts[key][j] + segment["blocks"][j]["size"]:
+        raise AssertionError("address outside a checked segment")
+    return segment["blocks"][j], starts[key][j]
 
 
 _TRACE_NEEDS = {"oom": ("device_free", "size"), "annotate": ()}
@@ -286,14 +388,20 @@ def _check_traces(snapshot: dict, required: bool) -> None:
             "'device_traces' is empty: no history was recorded; call "
             "torch.cuda.memory._record_memory_history() before the work you want traced"
         )
+    checked = []
     for d, entries in enumerate(traces):
+        out = []
         for e, entry in enumerate(entries):
             where = f"device_traces[{d}][{e}]"
             if not isinstance(entry, Mapping) or not isinstance(entry.get("action"), str):
                 raise SnapshotFormatError(f"{where} is not a trace entry (a dict with an 'action' string)")
-            for key in _TRACE_NEEDS.get(entry["action"], ("addr", "size", "stream")):
+            keys = _TRACE_NEEDS.get(entry["action"], ("addr", "size", "stream"))
+            for key in keys:
                 if key not in entry:
                     raise SnapshotFormatError(f"{where} ({entry['action']}) lacks {key!r}")
                 if _integer(entry[key], f"{where} ({entry['action']})", key) < 0:
                     raise SnapshotFormatError(f"{where} ({entry['action']}) has {key} {entry[key]}; addresses, "
                                               "sizes and streams in a trace are never negative")
+            out.append(_as_ints(entry, keys))
+        checked.append(out)
+    snapshot["device_traces"] = checked

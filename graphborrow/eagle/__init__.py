@@ -10,17 +10,23 @@ One concept per module:
 - :mod:`.modes` — the reference step's modes (standard, lean, chunked);
 - :mod:`.sequence` — the step's allocation sequence, for the capacity planner;
 - :mod:`.verify` — :func:`eagle_verify`, the whole step, reference or fused;
-- :mod:`.fused`, :mod:`.fused_probs`, :mod:`.fused_select` — the Triton kernels (imported
-  only when used: they need triton, and select its interpreter on a machine without CUDA).
+- :mod:`.graphs` — ``eagle_verify(..., graph=True)``: steps captured in CUDA graphs on
+  first use and replayed after;
+- :mod:`.triton` — the Triton kernels: ``fused`` (the step and its per-shape plans),
+  ``select`` (top-k / top-p pivots), ``probs`` (the formula as Triton helpers),
+  ``launch`` (compiled kernels launched directly), ``workspace`` (one allocation carved
+  into slots). Imported only when used (with :mod:`.graphs`): they need triton, and
+  select its interpreter on a machine without CUDA.
 """
 
 from .draft_tree import DraftTree, build_draft_tree, tree_from_parents
 from .kernel import tree_speculative_sampling_target_only
 from .modes import MODES, VerifyResult
 from .renorm import top_k_renorm_probs, top_p_renorm_probs
+from .scope import BORROW_USER
 from .sequence import verify_bytes
 from .step import StepShape, VerifyStep
-from .verify import BORROW_USER, IMPLS, eagle_verify, fused_available, resolve_impl
+from .verify import IMPLS, eagle_verify, fused_available, resolve_impl
 
 __all__ = [
     "BORROW_USER",

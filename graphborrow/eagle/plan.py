@@ -23,7 +23,9 @@ from .sequence import plan_fused_step, plan_step, requests_per_chunk
 from .step import StepShape
 from .verify import IMPLS, fused_available
 
-__all__ = ["VerifyPlan", "describe_plan", "plan_verify"]
+__all__ = ["VerifyPlan", "describe_plan", "plan_verify", "MAX_STEP_BYTES"]
+
+MAX_STEP_BYTES = 1 << 40  # 1 TiB: one probability tensor of a step no GPU holds (an H200 has 141 GB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +83,19 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
         sequence against the pool's current state, not from a byte formula.
 
     Raises:
-        ValueError: a size that is not an int in range, an unknown ``mode`` or ``impl``, or
+        ValueError: a size that is not an int in range, a step whose float32 probabilities
+            alone exceed :data:`MAX_STEP_BYTES`, an unknown ``mode`` or ``impl``, or
             ``top_k`` / ``top_p`` that are not bools.
     """
     for name, value, least in (("batch_size", batch_size, 0), ("draft_tokens", draft_tokens, 1), ("vocab", vocab, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    probabilities = 4 * batch_size * draft_tokens * vocab
+    if probabilities > MAX_STEP_BYTES:
+        raise ValueError(
+            f"batch_size={batch_size} x draft_tokens={draft_tokens} x vocab={vocab}: the step's float32 probabilities "
+            f"alone would take {probabilities / 2**40:.3g} TiB, more than any GPU holds (the planner stops at "
+            f"{MAX_STEP_BYTES >> 40} TiB); plan a smaller batch")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for name, value in (("top_k", top_k), ("top_p", top_p)):

@@ -29,7 +29,9 @@ from .validate import (
     expect,
 )
 
-__all__ = ["DeviceParams", "StepShape", "VerifyStep", "prepare"]
+TREE_TABLES = ("tree.retrive_index", "tree.retrive_next_token", "tree.retrive_next_sibling")
+
+__all__ = ["DeviceParams", "StepShape", "VerifyStep", "check_outputs", "draw", "draw_into", "prepare"]
 
 
 class StepShape(NamedTuple):
@@ -86,6 +88,15 @@ class VerifyStep:
         return StepShape(self.batch_size, self.draft_tokens, self.vocab, self.top_ks is not None,
                          self.top_ps is not None, self.logits.dtype)
 
+    @classmethod
+    def of(cls, logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coins=None, coins_final=None,
+           generator=None, threshold_single=1.0, threshold_acc=1.0) -> "VerifyStep":
+        """The checked step of a call's arguments (``candidates`` None: the tree's); see :meth:`check`."""
+        if candidates is None:
+            candidates = getattr(tree, "candidates", None)
+        return cls(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final, generator,
+                   threshold_single, threshold_acc).check()
+
     def check(self) -> "VerifyStep":
         """Shapes, dtypes and plain numbers (reads no tensor values). Returns self."""
         if not isinstance(self.tree, DraftTree) and not hasattr(self.tree, "retrive_next_token"):
@@ -108,8 +119,9 @@ class VerifyStep:
             raise ValueError("logits must be contiguous; call .contiguous() first")
         if logits.shape[1] < 1:
             raise ValueError("logits have an empty vocabulary dimension")
-        for name in ("retrive_index", "retrive_next_token", "retrive_next_sibling"):
-            expect(getattr(self.tree, name), f"tree.{name}", (bs, d), torch.int64)
+        tree = self.tree
+        for t, name in zip((tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling), TREE_TABLES):
+            expect(t, name, c.shape, torch.int64)
         depth = self.tree.tree_depth
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"tree.tree_depth must be an int >= 1 (the accept width S), got {depth!r}")
@@ -118,9 +130,23 @@ class VerifyStep:
         if self.coins_final is not None:
             expect(self.coins_final, "coins_final", (bs,), torch.float32)
         self.threshold_single, self.threshold_acc = check_thresholds(self.threshold_single, self.threshold_acc)
-        for name, integer in (("temperatures", False), ("top_ks", True), ("top_ps", False)):
-            _check_per_request(getattr(self, name), bs, name, integer)
+        _check_per_request(self.temperatures, bs, "temperatures", False)
+        if self.top_ks is not None:
+            _check_per_request(self.top_ks, bs, "top_ks", True)
+        if self.top_ps is not None:
+            _check_per_request(self.top_ps, bs, "top_ps", False)
         return self
+
+    def require_contiguous(self) -> None:
+        """The fused kernels read the candidates, tree and coins as raw memory (the reference
+        takes any layout): each must be contiguous."""
+        tree = self.tree
+        for t, name in ((self.candidates, "candidates"), (tree.retrive_index, "tree.retrive_index"),
+                        (tree.retrive_next_token, "tree.retrive_next_token"),
+                        (tree.retrive_next_sibling, "tree.retrive_next_sibling"), (self.coins, "coins"),
+                        (self.coins_final, "coins_final")):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous for the fused kernels; call .contiguous() first")
 
     def validate(self) -> None:
         """The value checks (they read on the host): tree, candidates, parameters, logits rows."""
@@ -132,11 +158,10 @@ class VerifyStep:
             raise ValueError("temperatures must be finite and > 0 (greedy requests take the argmax path instead)")
         if self.top_ks is not None and bool((_as_rows(self.top_ks, bs, torch.long) < 1).any()):
             raise ValueError(f"top_k must be >= 1 (a value >= the vocabulary {self.vocab} keeps all)")
-        if isinstance(self.top_ks, torch.Tensor) and bool((self.top_ks >= 2**31).any()):
-            raise ValueError(f"top_k must be < 2**31 (the fused kernels read int32; pass the vocabulary "
-                             f"{self.vocab} to keep all)")
-        if self.top_ps is not None and bool((~(_as_rows(self.top_ps, bs, torch.float32) > 0)).any()):
-            raise ValueError("top_p must be in (0, 1] (1 keeps all)")
+        if self.top_ps is not None:
+            top_p = _as_rows(self.top_ps, bs, torch.float32)
+            if bool((~(top_p > 0) | (top_p > 1)).any()):
+                raise ValueError("top_p must be in (0, 1] (1 keeps all)")
         for name in ("coins", "coins_final"):
             coins = getattr(self, name)
             if coins is not None and coins.numel() and not bool(((coins >= 0) & (coins < 1)).all()):
@@ -192,11 +217,31 @@ def draw(given, shape, generator, like) -> torch.Tensor:
     out = like.new_empty(shape, dtype=torch.float32)
     if given is not None:
         return out.copy_(given)
+    return draw_into(out, generator)
+
+
+def draw_into(out: torch.Tensor, generator) -> torch.Tensor:
+    """Fill float32 ``out`` with uniforms in [0, 1), from ``generator`` when given (a CPU
+    generator draws on the host, as ``torch.rand`` would, then copies). Returns ``out``."""
     if generator is None:
         return out.uniform_()
     if generator.device.type == "cpu":
-        return out.copy_(torch.rand(shape, generator=generator))
+        return out.copy_(torch.rand(out.shape, generator=generator))
     return out.uniform_(generator=generator)
+
+
+def check_outputs(out, step: VerifyStep) -> tuple:
+    """Caller-given output buffers: ``(predicts [bs*D], accept_index [bs, S], accept_length
+    [bs])``, int32 and contiguous (the kernels write them whole). Returns them as a tuple."""
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ValueError("out must be (predicts [bs*D] int32, accept_index [bs, S] int32, accept_length [bs] int32)")
+    bs, d = step.batch_size, step.draft_tokens
+    for t, name, shape in zip(out, ("predicts", "accept_index", "accept_length"),
+                              ((bs * d,), (bs, step.tree_depth), (bs,))):
+        expect(t, f"out {name}", shape, torch.int32)
+        if not t.is_contiguous():
+            raise ValueError(f"out {name} must be contiguous; call .contiguous() first")
+    return tuple(out)
 
 
 def _per_request(value, bs, like, dtype) -> torch.Tensor:

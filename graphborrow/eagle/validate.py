@@ -21,7 +21,7 @@ def expect(t, name, shape, dtype) -> None:
     """``t`` is a tensor of exactly this shape and dtype."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:  # (torch.Size is a tuple)
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}; convert with .to({dtype})")

@@ -26,10 +26,9 @@ inside it. Value checks (:mod:`.validate`) run before it and can be skipped.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import importlib
 import importlib.util
-import traceback
 
 import torch
 
@@ -38,14 +37,15 @@ from graphborrow.sim.tensor import is_sim_tensor
 
 from .draft_tree import DraftTree
 from .modes import MODES, VerifyResult, run_reference
+from .scope import run_borrowing
 from .sequence import requests_per_chunk
 from .step import VerifyStep
 
-__all__ = ["BORROW_USER", "IMPLS", "eagle_verify", "fused_available", "resolve_impl"]
+__all__ = ["IMPLS", "eagle_verify", "fused_available", "resolve_impl"]
 
 IMPLS = ("auto", "reference", "fused")
-BORROW_USER = "EAGLE verify"
 FUSED_MODULE = "graphborrow.eagle.triton.fused"
+GRAPHS_MODULE = "graphborrow.eagle.graphs"
 
 
 def eagle_verify(
@@ -65,6 +65,7 @@ def eagle_verify(
     chunk_rows: int | None = None,
     impl: str = "auto",
     validate: bool = True,
+    graph: bool = False,
 ) -> VerifyResult:
     """Non-greedy EAGLE verification of ``tree`` against ``logits`` [bs*D, V].
 
@@ -98,6 +99,11 @@ def eagle_verify(
         validate: run the value checks (tree shape, parameter ranges, logits rows a
             sampler can draw from); they read on the host, so a step captured in a CUDA
             graph passes False and checks its inputs where they are made.
+        graph: replay the fused step from a CUDA graph captured on the first call with
+            these tensors (same addresses, shapes, dtypes) and parameters; the result's
+            tensors are that graph's outputs, rewritten by its next replay. See
+            :mod:`graphborrow.eagle.graphs` for what invalidates an entry, the memory it
+            holds and how to clear it.
 
     Returns:
         A :class:`VerifyResult`.
@@ -107,41 +113,33 @@ def eagle_verify(
         BorrowCapacityError: chunked mode, when not even one request's step fits the
             borrow pool (raised before anything is allocated).
     """
+    if graph:
+        return _graph_steps().verify(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final,
+                                     generator, borrow, threshold_single, threshold_acc, impl, validate)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if not isinstance(tree, DraftTree) and not hasattr(tree, "retrive_next_token"):
-        raise ValueError("tree must be a DraftTree (see build_draft_tree / tree_from_parents)")
-    step = VerifyStep(logits, tree.candidates if candidates is None else candidates, tree, temperatures,
-                      top_ks, top_ps, coins, coins_final, generator, threshold_single, threshold_acc).check()
+    step = VerifyStep.of(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final, generator,
+                         threshold_single, threshold_acc)
+    fused = _fused_module(resolve_impl(impl, step.logits))
+    if fused is not None:
+        step.require_contiguous()
     if validate:
         step.validate()
-    fused = _fused_module(resolve_impl(impl, step.logits))
+    if fused is not None:
+        return fused.verify(step, borrow)
     borrowing = borrow is not None and bool(borrow.enabled)
-    bs = step.batch_size
-    per_chunk = bs
-    if mode == "chunked" and fused is None:  # the fused step holds no [rows, V] matrix: never chunked
+    per_chunk = step.batch_size
+    if mode == "chunked":
         per_chunk = _chunk_requests(step, borrow if borrowing else None, chunk_rows)
-
+    bs = step.batch_size
     predicts = step.candidates.new_zeros(bs * step.draft_tokens, dtype=torch.int32)
     accept_index = step.candidates.new_full((bs, step.tree_depth), -1, dtype=torch.int32)
     accept_length = step.candidates.new_zeros(bs, dtype=torch.int32)
     out = VerifyResult(predicts, accept_index, accept_length)
-    if bs == 0:
-        return out
-
-    scope = borrow.borrow(BORROW_USER) if borrowing else contextlib.nullcontext()
-    with scope:
-        try:
-            if fused is None:
-                run_reference(step, mode, per_chunk, out)
-            else:
-                fused.run_step(step, out)
-        except BaseException as exc:
-            traceback.clear_frames(exc.__traceback__)  # the failed step's temporaries die here too
-            raise
-    if fused is None:
+    if bs:
+        run_borrowing(borrow, run_reference, step, mode, per_chunk, out)
         accept_length += 1
     return out
 
@@ -189,7 +187,9 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "reference":
         return impl
-    simulated = is_sim_tensor(logits)
+    simulated = type(logits) is not torch.Tensor and is_sim_tensor(logits)
+    if impl == "auto" and logits.is_cuda and fused_available():
+        return "reference" if simulated else "fused"  # (a real CUDA tensor: CUDA is available)
     if impl == "fused":
         if simulated:
             raise ValueError("impl='fused' launches Triton kernels, which the simulated device cannot run; use "
@@ -203,6 +203,7 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
     return "fused" if on_gpu and fused_available() else "reference"
 
 
+@functools.cache
 def fused_available() -> bool:
     """Whether the fused kernels can be imported (triton is installed).
 
@@ -214,4 +215,16 @@ def fused_available() -> bool:
 
 def _fused_module(impl: str):
     """The fused kernels' module for a resolved ``impl``, or None to run the reference."""
-    return importlib.import_module(FUSED_MODULE) if impl == "fused" else None
+    return _import(FUSED_MODULE) if impl == "fused" else None
+
+
+@functools.cache
+def _import(name: str):
+    """A module imported on first use (the kernels' module imports triton, which selects its
+    interpreter on a machine without CUDA; the graph cache, torch.cuda graphs)."""
+    return importlib.import_module(name)
+
+
+def _graph_steps():
+    """The process's cache of captured verification steps (:mod:`graphborrow.eagle.graphs`)."""
+    return _import(GRAPHS_MODULE).GRAPH_STEPS

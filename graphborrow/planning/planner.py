@@ -287,14 +287,12 @@ def _allocator_config(backend):
 @functools.lru_cache(maxsize=None)
 def _cuda_allocator_config():
     """The CUDA allocator's settings as its snapshot records them (read once per process)."""
-    import os
-
     from graphborrow.allocator.config import AllocatorConfig
 
     settings = torch.cuda.memory._snapshot().get("allocator_settings")
     if settings:
         return AllocatorConfig.from_settings(settings)
-    return AllocatorConfig(os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None)
+    return AllocatorConfig.from_environment()
 
 
 # ----------------------------------------------------------------------------- replay

@@ -13,6 +13,7 @@ import argparse
 
 import torch
 
+from graphborrow.core.errors import ParameterError
 from graphborrow.core.runs import find_free_runs, summarize
 from graphborrow.core.sizes import MB
 from graphborrow.device import get_backend
@@ -26,6 +27,10 @@ __all__ = ["main", "run_demo"]
 SIM_SHAPE = ModelShape(hidden=256, intermediate=1024, layers=2, vocab=32000, dtype=torch.float32)
 
 
+CUDA_BATCHES = (64, 32, 16, 8, 4, 2, 1)  # the decode graphs the demo captures on a GPU
+SIM_BATCHES = (16, 8, 4, 2, 1)  # and on the simulated device
+
+
 def run_demo(device: str = "auto", batch: int = 16, draft_tokens: int = 4, out=print) -> dict:
     """Capture, borrow, measure, plan and verify; returns the numbers it printed.
 
@@ -37,12 +42,21 @@ def run_demo(device: str = "auto", batch: int = 16, draft_tokens: int = 4, out=p
     Returns:
         A dict: device, pool summary, where the borrow landed, device bytes borrowed and
         plain, and the verification step's plan and outcome.
+
+    Raises:
+        ParameterError: ``batch`` is larger than the largest decode graph the demo captures
+            on that device (checked before anything is captured).
     """
     backend = get_backend(device)
     cuda = backend.name == "cuda"
+    batches = CUDA_BATCHES if cuda else SIM_BATCHES
+    if batch > max(batches):
+        raise ParameterError(
+            f"--batch {batch}: the demo captures decode graphs for batches {list(batches)} on the {backend.name} "
+            f"device, and a step can only replay a captured batch or a smaller one; pass --batch {max(batches)} "
+            "or less")
     shape = LLAMA3_8B if cuda else SIM_SHAPE
     prefill = 8192 if cuda else 4096
-    batches = (64, 32, 16, 8, 4, 2, 1) if cuda else (16, 8, 4, 2, 1)
     out(f"device: {backend.describe()}")
     out(f"capturing a prefill graph ({prefill} tokens) and decode graphs for batch {list(batches)} "
         f"x {draft_tokens} draft tokens into one pool (hidden {shape.hidden}, vocab {shape.vocab})")
@@ -119,14 +133,13 @@ def _verify_step(ladder, logits, batch, draft_tokens, state) -> int:
 
 
 def main(argv=None) -> int:
-    from graphborrow.core.errors import ParameterError
-
     from .sweep.parameters import argument_type
 
     p = argparse.ArgumentParser(prog="python -m graphborrow demo", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--batch", type=argument_type("BATCH_SIZE"), default=16,
-                   help="requests in the verified batch (at most the largest captured batch)")
+                   help=f"requests in the verified batch: at most the largest captured batch, {max(CUDA_BATCHES)} "
+                        f"on a GPU and {max(SIM_BATCHES)} on the simulated device")
     p.add_argument("--draft-tokens", type=argument_type("DRAFT_TOKENS"), default=4)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from graphborrow.allocator.caching import CachingAllocator
+from graphborrow.allocator.config import AllocatorConfig
 from graphborrow.allocator.memory import PhysicalMemory
 from graphborrow.allocator.streams import Clockwork, Event, Stream
 from graphborrow.core.device_api import ExternalBuffer
@@ -158,7 +159,8 @@ class SimBackend:
     ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM).
     ``backed``: real bytes behind every segment; ``False`` is layout-only (META tensors:
     exact shapes and allocator state, no arithmetic; for big sweeps).
-    ``config``: allocator settings (e.g. ``{"roundup_power2_divisions": 4}``).
+    ``config``: allocator settings (e.g. ``{"roundup_power2_divisions": 4}``); None takes them
+    from ``PYTORCH_CUDA_ALLOC_CONF``, as torch's allocator does (its defaults when unset).
     ``activate``: make ``device="cuda"`` mean this device on the calling thread.
     ``blas_workspace``: bytes of the cuBLAS workspace the first matmul on each stream
     allocates and keeps (32 MiB, as torch 2.11 on an H200); 0 leaves it out.
@@ -192,6 +194,8 @@ class SimBackend:
         self.backed = bool(backed)
         self.memory = PhysicalMemory(capacity=capacity, backed=self.backed)
         self.clock = Clockwork()
+        if config is None:
+            config = AllocatorConfig.from_environment()  # a bad value is refused here, before any work
         self.allocator = CachingAllocator(self.memory, self.clock, config)
         self._lock = threading.RLock()
         self._depth = 0  # > 0 while inside an allocator call (frees then wait in _pending)
@@ -257,6 +261,9 @@ class SimBackend:
             This backend; on exit the simulated device active before, if any, is active again.
         """
         previous = getattr(_active, "backend", None)
+        if previous is self:  # already active: leave it so
+            yield self
+            return
         self.activate()
         try:
             yield self
@@ -722,11 +729,15 @@ class SimBackend:
                     self._depth -= 1
                 if self._pending and not self._depth:
                     self._drain()
-            if self.backed:
-                host = self.memory.host_view(block.ptr, nbytes)
-                storage = _BackedStorage(self, block, host, nbytes)
-            else:
-                storage = SimStorage(self, block, 0, nbytes, 0)
+            try:
+                if self.backed:
+                    host = self.memory.host_view(block.ptr, nbytes)
+                    storage = _BackedStorage(self, block, host, nbytes)
+                else:
+                    storage = SimStorage(self, block, 0, nbytes, 0)
+            except BaseException:
+                self.release_block(block)  # no storage will ever free it (e.g. memory never mapped)
+                raise
             self._owners[block] = _StorageOwner(storage, self._dead.append, block)
         return storage
 

@@ -1,5 +1,5 @@
-"""What the notebooks show: capacity and pool studies, snapshot inspection, hazards, deferred frees,
-the H200's measured numbers, the explorer and the plots.
-"""
+"""What the notebooks show, as library functions: presets and setup, pool studies, capacity grids,
+hazards, sampling checks, plots, the explorer and the H200's measured data. Import the modules
+(``from graphborrow.studies import plots``); the package itself exports nothing."""
 
-__all__: list[str] = []  # the modules are the API: import them by name
+__all__: list[str] = []

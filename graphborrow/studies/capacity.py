@@ -146,9 +146,13 @@ def fit_grid_figure(rows: Sequence[dict], title: str = ""):
         raise ValueError("fit_grid_figure needs at least one row")
     xs = len({r["draft_tokens"] for r in rows})
     ys = len({r["batch_size"] for r in rows})
-    fig = Figure(figsize=(max(3.2, 1.4 + 0.75 * xs) * len(modes), 1.8 + 0.42 * ys), layout="constrained")
-    for ax, mode in zip(fig.subplots(1, len(modes), squeeze=False)[0], modes):
-        capacity_map([r for r in rows if r["mode"] == mode], value="peak_bytes", ax=ax, title=f"{mode}")
+    fig = Figure(figsize=(max(3.2, 1.4 + 0.75 * xs) * len(modes) + 1.2, 1.8 + 0.42 * ys), layout="constrained")
+    peaks = [max(r["peak_bytes"], 1) for r in rows]
+    limits = (min(peaks), max(peaks))  # one colour scale for every mode, so colours compare across grids
+    axes = fig.subplots(1, len(modes), squeeze=False)[0]
+    for k, (ax, mode) in enumerate(zip(axes, modes)):
+        capacity_map([r for r in rows if r["mode"] == mode], value="peak_bytes", ax=ax, title=f"{mode}",
+                     limits=limits, colorbar=k == len(modes) - 1)
     fig.suptitle(title or "peak MiB of each verification step; hatched: does not fit the free runs")
     return fig
 

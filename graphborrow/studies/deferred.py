@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from .writes import merged_writes, overlap_bytes
+
 __all__ = ["EarlyReleaseReport", "early_release_hazard"]
 
 
@@ -37,14 +39,6 @@ class EarlyReleaseReport:
     @property
     def pending_bytes(self) -> int:
         return sum(n for _, n in self.pending)
-
-
-def _overlap(spans, ranges) -> int:
-    total = 0
-    for a, n in spans:
-        for b, m in ranges:
-            total += max(0, min(a + n, b + m) - max(a, b))
-    return total
 
 
 def early_release_hazard(ladder, nbytes: int, busy_us: float = 50_000) -> EarlyReleaseReport:
@@ -78,21 +72,30 @@ def early_release_hazard(ladder, nbytes: int, busy_us: float = 50_000) -> EarlyR
     segments = backend.memory_snapshot(backend.pool_id(state.mem_pool))
     pending = [(b["address"], b["size"]) for seg in segments for b in seg["blocks"]
                if b["state"] == "active_pending_free"]
-    writers, overwritten = [], 0
-    union = []
-    for key, graph in ladder.graphs.items():
-        ranges = graph.written_ranges()
-        if _overlap(pending, ranges):
-            writers.append(key)
-        union += ranges
-    union.sort()
-    merged: list[list[int]] = []
-    for a, n in union:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], a + n)
-        else:
-            merged.append([a, a + n])
-    overwritten = _overlap(pending, [(a, b - a) for a, b in merged])
+    writers = [key for key, graph in ladder.graphs.items() if overlap_bytes(pending, graph.written_ranges())]
+    overwritten = overlap_bytes(pending, merged_writes(ladder.graphs.values()))
     busy = max(0.0, side.queued_until - side.clock)
     state.retire()
     return EarlyReleaseReport(pending, overwritten, busy, writers)
+
+
+def timeline_lanes(busy_us: float) -> tuple[dict, list]:
+    """The deferred free of notebook 03 as lanes for :func:`graphborrow.studies.plots.stream_timeline`,
+    in milliseconds from the moment the main stream wrote the borrowed tensor.
+
+    Args:
+        busy_us: how long the side stream was busy before it used the tensor.
+
+    Returns:
+        ``(lanes, marks)``: what the main stream, the side stream and the tensor's block do, and
+        the moments Python dropped the tensor and the side stream's event completed.
+    """
+    busy = busy_us / 1000
+    tick = busy * 0.03  # the short kernels, drawn visibly
+    lanes = {
+        "main stream": [(0.0, tick, "write t")],
+        "side stream": [(0.0, busy, "busy (other work)"), (busy, busy + tick, "t.mul_")],
+        "t's block": [(0.0, busy + tick, "active_pending_free"), (busy + tick, busy * 1.25, "inactive")],
+    }
+    marks = [(tick, "del t"), (busy + tick, "event completes: retire() may release")]
+    return lanes, marks

@@ -30,7 +30,8 @@ from .plots import capacity_map, memory_map
 
 __all__ = [
     "DRAFT_CHOICES", "FIT_POLICIES", "LADDERS", "MODELS", "MODES", "POOLS", "VOCABS",
-    "Explorer", "ExplorerResult", "ExplorerSettings", "explore", "figure_png", "render_explorer", "render_result",
+    "Explorer", "ExplorerResult", "ExplorerSettings", "explore", "figure_png", "fresh_state", "preset_settings",
+    "render_explorer", "render_result",
 ]
 
 MODELS = {
@@ -43,6 +44,7 @@ LADDERS = {
     "64 … 1": (64, 32, 16, 8, 4, 2, 1),
     "16 … 1": (16, 8, 4, 2, 1),
     "8, 4, 2, 1": (8, 4, 2, 1),
+    "256 … 1": (256, 128, 64, 32, 16, 8, 4, 2, 1),  # SGLang's largest default captured batch
 }
 POOLS = ("graph ladder", "fit-policy demo")
 VOCABS = (2048, 8192, 32000, 128256)
@@ -201,6 +203,43 @@ def _layout(s: ExplorerSettings) -> _Layout:
     return layout
 
 
+def preset_settings(preset: str = "teaching", **changes: Any) -> ExplorerSettings:
+    """Where the explorer starts for a notebook ``PRESET``: the teaching shapes (a small model, an
+    8192-token prefill, Llama-2's 32000-word vocabulary, batch 32 ... 1) or the H200's (Llama-3-8B
+    widths, an 8192-token prefill, 128256 words, batch 64 ... 1 at 8 draft tokens).
+
+    Args:
+        preset: ``"teaching"`` or ``"h200"``.
+        changes: fields to replace, e.g. ``batch_size=4``.
+
+    Raises:
+        ParameterError: an unknown preset, or settings the explorer cannot draw.
+    """
+    starts = {
+        "teaching": ExplorerSettings(model="small (h512, i1536)", vocab=32000, ladder="32 … 1", prefill_tokens=8192,
+                                     batch_size=8, draft_tokens=4),
+        "h200": ExplorerSettings(model="Llama-3-8B (h4096, i14336)", vocab=128256, ladder="64 … 1",
+                                 prefill_tokens=8192, batch_size=32, draft_tokens=8),
+    }
+    if preset not in starts:
+        raise ParameterError(f"PRESET={preset!r} is not a preset; choose one of {list(starts)}")
+    start = dataclasses.replace(starts[preset], **{k: v for k, v in changes.items() if v is not None and k != "batch_size"})
+    batch = changes.get("batch_size") or start.batch_size
+    if batch > max(LADDERS[start.ladder]):  # a larger batch needs a ladder that captured it
+        holding = [name for name, sizes in LADDERS.items() if max(sizes) >= batch]
+        if not holding:
+            raise ParameterError(f"batch_size={batch} is larger than every ladder the explorer captures "
+                                 f"(at most {max(max(v) for v in LADDERS.values())})")
+        start = dataclasses.replace(start, ladder=min(holding, key=lambda name: max(LADDERS[name])))
+    return dataclasses.replace(start, batch_size=batch)
+
+
+def fresh_state(settings: ExplorerSettings):
+    """The borrow state of the pool ``settings`` draw, with no borrow pool built and the settings'
+    fit policy: what ``plan_verify`` should be asked about to check the explorer's answer."""
+    return _layout(settings).fresh(settings.fit_policy)
+
+
 def explore(settings: ExplorerSettings | None = None, **changes: Any) -> ExplorerResult:
     """Capture (cached), run the chosen step borrowing from the pool, plan every grid cell.
 
@@ -297,6 +336,7 @@ class Explorer:
                               self.status, self.image])
         self.figure = None
         self.result: Optional[ExplorerResult] = None
+        self._held = False
         self.redraw()
 
     def settings(self) -> ExplorerSettings:
@@ -309,10 +349,30 @@ class Explorer:
         """The layout-only simulated device the current picture was computed on."""
         return _layout(self.result.settings).backend
 
+    def update(self, **values: Any) -> None:
+        """Move several controls at once and redraw once (moving them one by one redraws each time).
+
+        Args:
+            values: control name -> value, e.g. ``vocab=128256, draft_tokens=16``.
+        """
+        unknown = sorted(set(values) - set(self.controls))
+        if unknown:
+            raise ParameterError(f"{unknown} are not explorer controls; they are {sorted(self.controls)}")
+        self._held = True
+        try:
+            if "ladder" in values:
+                self.controls["batch_size"].max = max(LADDERS[values["ladder"]])
+            for name, value in values.items():
+                self.controls[name].value = value
+        finally:
+            self._held = False
+        self.redraw()
+
     def _changed(self, change) -> None:
         if change["owner"] is self.controls["ladder"]:
             self.controls["batch_size"].max = max(LADDERS[change["new"]])
-        self.redraw()
+        if not self._held:
+            self.redraw()
 
     def redraw(self) -> None:
         self.result = explore(self.settings())

@@ -14,6 +14,9 @@ and replays each step's allocation sequence against it (:func:`graphborrow.plann
     plot_report(report)          # the graph pool's memory map, runs outlined
 
 The command line is ``python -m graphborrow inspect SNAPSHOT.pickle``.
+
+Snapshot files are read without running code from them (:func:`graphborrow.core.snapshot.read_snapshot_file`):
+a pickle may hold only what a snapshot holds, and the same dict as ``.json`` is read too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from graphborrow.core.errors import SnapshotFormatError
+from graphborrow.core.errors import ParameterError, SnapshotFormatError
 from graphborrow.core.runs import find_free_runs, load_snapshot
 from graphborrow.core.sizes import MB
 
@@ -159,6 +162,31 @@ def _config(settings: dict):
         raise SnapshotFormatError(f"the snapshot's allocator_settings cannot be read ({exc})") from exc
 
 
+def _steps(batches: Iterable[int], draft_tokens: Iterable[int], vocab: int,
+           modes: Optional[Iterable[str]]) -> tuple[list, list, list]:
+    """The steps to plan as lists, each value checked (before any snapshot is read)."""
+    from graphborrow.eagle.modes import MODES
+    from graphborrow.eagle.plan import MAX_STEP_BYTES
+
+    batches, draft_tokens, modes = list(batches), list(draft_tokens), list(MODES if modes is None else modes)
+    for name, values in (("batches", batches), ("draft_tokens", draft_tokens), ("modes", modes)):
+        if not values:
+            raise ParameterError(f"{name} is empty: name at least one")
+    for name, values in (("batches", batches), ("draft_tokens", draft_tokens), ("vocab", [vocab])):
+        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1), None)
+        if bad is not None:
+            raise ParameterError(f"{name}: {bad!r} is not a whole number of 1 or more")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ParameterError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
+    largest = 4 * max(batches) * max(draft_tokens) * vocab
+    if largest > MAX_STEP_BYTES:
+        raise ParameterError(
+            f"batch {max(batches)} x {max(draft_tokens)} draft tokens x vocab {vocab}: the step's float32 "
+            f"probabilities alone would take {largest / 2**40:.3g} TiB, more than any GPU holds; plan smaller steps")
+    return batches, draft_tokens, modes
+
+
 def inspect_snapshot(snapshot: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 128),
                      draft_tokens: Iterable[int] = (4, 8, 16), vocab: int = 128256,
                      modes: Optional[Iterable[str]] = None, pool_id: Optional[Sequence[int]] = None,
@@ -180,19 +208,17 @@ def inspect_snapshot(snapshot: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
         A :class:`SnapshotReport`.
 
     Raises:
+        ParameterError: a bad batch, draft-token count, vocabulary or mode, or steps no device
+            could hold; checked before the snapshot is read.
         SnapshotFormatError: the input is not an allocator snapshot, or names a pool it lacks.
     """
     from graphborrow.core.borrow import precarve_bytes
-    from graphborrow.eagle.modes import MODES
     from graphborrow.planning.planner import PoolImage
 
     from .capacity import plan_table
 
+    batches, draft_tokens, modes = _steps(batches, draft_tokens, vocab, modes)
     segments, settings, source = read_snapshot(snapshot)
-    batches, draft_tokens, modes = list(batches), list(draft_tokens), list(MODES if modes is None else modes)
-    for name, values in (("batches", batches), ("draft_tokens", draft_tokens), ("modes", modes)):
-        if not values:
-            raise ValueError(f"{name} is empty: name at least one")
     pools = _summaries(segments)
     notes = []
     if pool_id is None:

@@ -90,6 +90,7 @@ def plot_mode_costs(rows: Iterable[Mapping], title: Optional[str] = None, draft_
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("batch size")
+        ax.set_ylim(bottom=0)  # amounts and durations read from zero, so heights compare
         ax.grid(alpha=0.3)
     mem.set_ylabel("new device memory per step (MiB)")
     time.set_ylabel("device time per step (ms, median)")

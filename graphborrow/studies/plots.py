@@ -18,7 +18,8 @@ from matplotlib.patches import Patch, Rectangle
 from graphborrow.core.snapshot import load_snapshot
 from graphborrow.planning.capacity import unborrowable_runs
 
-__all__ = ["BORROWED_COLOR", "RUN_COLOR", "STATE_COLORS", "UNBORROWABLE_COLOR", "bar_policy_comparison", "capacity_map", "largest_borrowable_plot", "memory_map", "sweep_plot"]
+__all__ = ["BORROWED_COLOR", "RUN_COLOR", "STATE_COLORS", "UNBORROWABLE_COLOR", "WRITTEN_COLOR", "bar_policy_comparison",
+           "capacity_map", "largest_borrowable_plot", "memory_map", "stream_timeline", "sweep_plot"]
 
 STATE_COLORS = {
     "active_allocated": "#d95f02",
@@ -28,6 +29,7 @@ STATE_COLORS = {
 RUN_COLOR = "#1b9e77"
 UNBORROWABLE_COLOR = "#a6761d"
 BORROWED_COLOR = "#e7298a"
+WRITTEN_COLOR = "#1f78b4"
 MiB = 2**20
 
 
@@ -69,14 +71,16 @@ def memory_map(
     ax=None,
     title: str | None = None,
     pool_id: tuple[int, int] | None = None,
+    written: Iterable[tuple[int, int]] | None = None,
 ) -> Figure:
     """Draw each segment as a row of blocks coloured by state.
 
     ``runs`` are ``(address, nbytes)`` free runs, outlined: solid where a borrow can use
     them, dashed where it never can (too small for even a 2 MiB small-pool segment; see
     :func:`graphborrow.planning.capacity.unborrowable_runs`). ``borrowed`` are ``(address,
-    nbytes)`` of borrowed tensors, hatched. ``pool_id`` keeps only the segments of one
-    private pool. Offsets are measured from each segment's start.
+    nbytes)`` of borrowed tensors, hatched. ``written`` are ``(address, nbytes)`` ranges a
+    replay writes, drawn as a strip along the top of their segment's row. ``pool_id`` keeps
+    only the segments of one private pool. Offsets are measured from each segment's start.
     """
     segs = _segment_list(segments)
     if pool_id is not None:
@@ -111,6 +115,14 @@ def memory_map(
             gid="run:unborrowable")
     outline(borrowed, fill=False, edgecolor=BORROWED_COLOR, hatch="///", linewidth=1.0,
             gid="borrowed")
+    written = list(written) if written is not None else None
+    for row, seg in enumerate(segs):  # each range clipped to every segment it crosses
+        start, end = seg["address"], seg["address"] + _segment_size(seg)
+        for address, nbytes in written or ():
+            lo, hi = max(address, start), min(address + nbytes, end)
+            if hi > lo:
+                ax.add_patch(Rectangle(((lo - start) / scale, row - 0.45), (hi - lo) / scale, 0.22,
+                                       facecolor=WRITTEN_COLOR, edgecolor="none", alpha=0.85, gid="written"))
 
     ax.set_xlim(0, max(biggest / scale, 1e-9) * 1.02)
     ax.set_ylim(len(segs) - 0.5, -0.5)
@@ -127,6 +139,8 @@ def memory_map(
                             label="free run too small to borrow"))
     if borrowed is not None:
         legend.append(Patch(fill=False, edgecolor=BORROWED_COLOR, hatch="///", label="borrowed"))
+    if written is not None:
+        legend.append(Patch(facecolor=WRITTEN_COLOR, alpha=0.85, label="written by a replay"))
     # outside the axes, right of the map: a legend inside would hide the widest segments
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, framealpha=0.9, borderaxespad=0)
     ax.set_title(title or f"{len(segs)} segments")
@@ -141,10 +155,13 @@ def capacity_map(
     fits: str = "fits",
     ax=None,
     title: str | None = None,
+    limits: tuple[float, float] | None = None,
+    colorbar: bool = True,
 ) -> Figure:
     """A batch size × draft tokens grid: colour = bytes needed (log), hatched = does not fit.
 
-    ``table`` rows are dicts with keys ``x``, ``y``, ``value`` and ``fits``.
+    ``table`` rows are dicts with keys ``x``, ``y``, ``value`` and ``fits``. ``limits`` fixes
+    the colour scale (bytes, low and high) so several grids share one; ``colorbar`` draws its key.
     """
     rows = list(table)
     if not rows:
@@ -157,10 +174,10 @@ def capacity_map(
     fig, ax = _new_axes(ax, (1.6 + 0.8 * len(xs), 1.2 + 0.45 * len(ys)))
     cmap = matplotlib.colormaps["viridis"]
     values = [max(r[value], 1) for r in rows]
-    lo, hi = math.log10(min(values)), math.log10(max(values))
+    lo, hi = (math.log10(max(v, 1)) for v in (limits or (min(values), max(values))))
     for r in rows:
         i, j = xs.index(r[x]), ys.index(r[y])
-        level = 0.5 if hi == lo else (math.log10(max(r[value], 1)) - lo) / (hi - lo)
+        level = 0.5 if hi == lo else min(1.0, max(0.0, (math.log10(max(r[value], 1)) - lo) / (hi - lo)))
         ok = bool(r[fits])
         ax.add_patch(Rectangle(
             (i - 0.5, j - 0.5), 1, 1, facecolor=cmap(level), edgecolor="white",
@@ -176,6 +193,44 @@ def capacity_map(
     ax.set_xlabel(x.replace("_", " "))
     ax.set_ylabel(y.replace("_", " "))
     ax.set_title(title or f"{value} (MiB) needed; hatched: does not fit")
+    if colorbar:
+        norm = matplotlib.colors.LogNorm(10 ** lo / MiB, max(10 ** hi, 10 ** lo * 1.0001) / MiB)
+        bar = fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.9)
+        bar.set_label("MiB (log scale)")
+    return fig
+
+
+def stream_timeline(lanes: Mapping[str, Sequence[tuple[float, float, str]]],
+                    marks: Sequence[tuple[float, str]] = (), unit: str = "ms", ax=None,
+                    title: str | None = None) -> Figure:
+    """What each stream (or block) does over time: one lane per name, bars from time zero.
+
+    Args:
+        lanes: lane name -> ``(start, end, label)`` intervals, in ``unit``.
+        marks: ``(time, label)`` moments drawn as vertical lines across every lane.
+        unit: the time unit of the axis.
+        ax: an axes to draw into, else a new figure.
+        title: the figure's title.
+    """
+    if not lanes:
+        raise ValueError("stream_timeline needs at least one lane")
+    fig, ax = _new_axes(ax, (9, 0.9 + 0.6 * len(lanes)))
+    palette = ("#66a61e", "#7570b3", "#e6ab02", "#d95f02", "#1f78b4")
+    end = max([e for spans in lanes.values() for _, e, _ in spans] + [t for t, _ in marks] + [1e-9])
+    for row, (name, spans) in enumerate(lanes.items()):
+        for k, (a, b, label) in enumerate(spans):  # a block state keeps its memory-map colour
+            colour = STATE_COLORS.get(label, palette[k % len(palette)])
+            ax.add_patch(Rectangle((a, row - 0.35), max(b - a, end * 0.004), 0.7, facecolor=colour,
+                                   edgecolor="white", gid=f"lane:{name}"))
+            ax.text(a + max(b - a, end * 0.004) / 2, row, label, ha="center", va="center", fontsize=8)
+    for t, label in marks:
+        ax.axvline(t, color="#333333", linestyle="--", linewidth=1)
+        ax.text(t, -0.55, label, ha="center", va="bottom", fontsize=8)
+    ax.set_xlim(0, end * 1.05)
+    ax.set_ylim(len(lanes) - 0.5, -0.9)
+    ax.set_yticks(range(len(lanes)), list(lanes))
+    ax.set_xlabel(f"time since the borrowed tensor was written ({unit})")
+    ax.set_title(title or "streams over time")
     return fig
 
 
@@ -254,8 +309,13 @@ def sweep_plot(
     hue: str | None = None,
     ax=None,
     title: str | None = None,
+    scale: float = 1.0,
+    ylabel: str | None = None,
 ) -> Figure:
-    """``y`` against ``x``, one line per ``hue`` value; rows that failed or lack numbers are skipped."""
+    """``y`` against ``x``, one line per ``hue`` value; rows that failed or lack numbers are skipped.
+
+    ``scale`` divides ``y`` (``2**20`` plots bytes as MiB); ``ylabel`` names the axis (default ``y``).
+    """
     rows = [r for r in csv_rows if r.get("status", "ok") == "ok"]
     fig, ax = _new_axes(ax, (6, 3.6))
     groups: dict[Any, list[tuple[float, float]]] = {}
@@ -263,14 +323,15 @@ def sweep_plot(
         xv, yv = _number(r.get(x)), _number(r.get(y))
         if xv is None or yv is None:
             continue
-        groups.setdefault(r.get(hue) if hue else None, []).append((xv, yv))
+        groups.setdefault(r.get(hue) if hue else None, []).append((xv, yv / scale))
     for key in sorted(groups, key=lambda k: (_number(k) is None, _number(k) or 0, str(k))):
         pts = sorted(groups[key])
         label = f"{hue}={key}" if hue else y
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel(x)
-    ax.set_ylabel(y)
+    ax.set_ylabel(ylabel or y)
+    ax.set_ylim(bottom=0)
     if groups:
         ax.legend(fontsize=8)
-    ax.set_title(title or f"{y} vs {x}")
+    ax.set_title(title or f"{ylabel or y} vs {x}")
     return fig

@@ -12,7 +12,9 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["notebooks_dir", "data_dir", "example_grid", "numbered_notebooks", "find_notebook"]
+__all__ = ["notebooks_dir", "data_dir", "example_grid", "example_sweep_results", "numbered_notebooks", "find_notebook"]
+
+EXAMPLE_SWEEP = "capacity-example"  # the name in sweep_example.yaml: its folder under the sweep's --out
 
 
 def _folder(package: str) -> Path:
@@ -42,6 +44,21 @@ def data_dir() -> Path:
 def example_grid() -> Path:
     """The example sweep grid that ``python -m graphborrow run`` executes."""
     return notebooks_dir() / "sweep_example.yaml"
+
+
+def example_sweep_results(search: tuple[str, ...] = ("output", "../output")) -> Path:
+    """The example sweep's ``results.csv``: the one ``make run`` wrote (``output/capacity-example/``
+    under the working directory or its parent, where a notebook in ``notebooks/`` runs), else the
+    copy recorded under ``data/sweep_example/``.
+
+    Args:
+        search: folders, relative to the working directory, that may hold the sweep's output.
+    """
+    for folder in search:
+        path = Path(folder) / EXAMPLE_SWEEP / "results.csv"
+        if path.is_file():
+            return path.resolve()
+    return data_dir() / "sweep_example" / "results.csv"
 
 
 def numbered_notebooks() -> list[Path]:

@@ -300,7 +300,7 @@ def test_an_extent_past_the_end_is_refused_naming_its_range(arena):
         arena.set_extents([(1 << 30, MiB), (ADDRESS_LIMIT - 4096, 8192)])
     assert str(info.value) == (
         "extent 1 [0xfffffffffffff000, 0x10000000000001000) runs past the end of the 64-bit "
-        "address space; an extent must end below 2**64"
+        "address space; every extent must end below 2**64"
     )
 
 

@@ -1,5 +1,6 @@
 """BorrowState rules that need no graph: switches, validation, capacity arithmetic, no-ops."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import Ladder, free_while_a_side_stream_uses
@@ -43,11 +44,13 @@ def test_disable_needs_a_reason_and_enable_restores(external):
 @pytest.mark.parametrize(
     "runs, fragment",
     [
-        ([(0x1000, 0)], "positive address and size"),
-        ([(0, 4096)], "positive address and size"),
-        ([(0x1000 + 100, 4096)], "not 512-byte aligned"),
-        ([(1, 4096)], "not 512-byte aligned"),  # 1 is a positive address, only misaligned
-        ([(0x10000, 8192), (0x11000, 8192)], r"static runs \[0x10000, 0x12000\) and \[0x11000, 0x13000\) overlap"),
+        ([(0x1000, 0)], "static run 0 at 0x1000 has non-positive size 0"),
+        ([(0, 4096)], "static run 0 has base 0x0; a base must be a positive address"),
+        ([(0x1000 + 100, 4096)], "static run 0 base 0x1064 is not aligned to 512 bytes"),
+        ([(1, 4096)], "not aligned to 512 bytes"),  # 1 is a positive address, only misaligned
+        ([(0x10000, 8192), (0x11000, 8192)], r"static runs overlap: \[0x10000, 0x12000\) and \[0x11000, 0x13000\)"),
+        ([(2**64 - 4096, 8192)], r"static run 0 \[0xfffffffffffff000, 0x10000000000001000\) runs past the end"),
+        ([(2**64 + 4096, 4096)], "runs past the end of the 64-bit address space"),
     ],
 )
 def test_bad_static_runs_are_refused_and_lose_nothing(external, runs, fragment):
@@ -57,6 +60,19 @@ def test_bad_static_runs_are_refused_and_lose_nothing(external, runs, fragment):
     with pytest.raises(ValueError, match=fragment):
         state.set_static_runs(runs)
     assert state.static_runs == [(buf.address, 64 * MB)]
+
+
+@pytest.mark.parametrize("run", [(0x10000, 4096.0), (float(0x10000), 4096), ("0x10000", 4096), (0x10000, "4096"),
+                                 (True, 4096), (0x10000, True), (0x10000,), 0x10000])
+def test_static_runs_are_integers_never_coerced(external, run):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with pytest.raises(TypeError, match="static run 0"):
+        state.set_static_runs([run])
+    assert state.static_runs == [(buf.address, 64 * MB)]
+    state.set_static_runs([(np.int64(buf.address), np.int64(4096))])  # numpy integers are integers
+    assert state.static_runs == [(buf.address, 4096)] and type(state.static_runs[0][0]) is int
 
 
 def test_a_one_byte_static_run_is_a_positive_size_and_kept(external):
@@ -427,3 +443,39 @@ def test_stats_report_the_bytes_the_arena_got_back(external):
         del t
     state.retire()
     assert state.arena.freed_bytes > 0 and state.stats()["freed_bytes"] == state.arena.freed_bytes
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(backend=object()), TypeError, "backend must be a device, get_backend('cuda') or get_backend('sim'); got object"),
+    (dict(pool_id=5), TypeError, "pool_id must be a graph pool handle, the pair of ints"),
+    (dict(pool_id=(0, 1.5)), TypeError, "pool_id must be a graph pool handle"),
+    (dict(pool_id=(0, 1, 2)), TypeError, "pool_id must be a graph pool handle"),
+    (dict(policy="largest"), ValueError, "policy must be one of ('runs', 'whole_segments'), got 'largest'"),
+    (dict(best_fit=1), TypeError, "best_fit must be True or False, got int (1)"),
+    (dict(precarve="yes"), TypeError, "precarve must be True or False, got str ('yes')"),
+    (dict(precarve_reserve=-64 * MB), ValueError, "precarve_reserve=-67108864 must be a number of bytes in [0, 2**64)"),
+    (dict(precarve_reserve=1.5), TypeError, "precarve_reserve must be an integer, got float"),
+    (dict(precarve_min=2**64), ValueError, "precarve_min=18446744073709551616 must be a number of bytes"),
+    (dict(precarve_min=MB), ValueError, "precarve_min=1048576 is below 10 MiB"),
+])
+def test_every_constructor_argument_is_checked(sim, kwargs, error, message):
+    kwargs = {"backend": sim, **kwargs}
+    with pytest.raises(error) as refused:
+        BorrowState(**kwargs)
+    assert message in str(refused.value)
+
+
+def test_a_valid_pool_handle_is_kept_as_a_tuple_of_ints(sim):
+    handle = sim.graph_pool_handle()
+    state = BorrowState(sim, pool_id=list(handle), precarve_reserve=np.int64(0))
+    assert state.pool_id == tuple(handle) and type(state.precarve_reserve) is int
+
+
+@pytest.mark.parametrize("nbytes", [True, 1.5, "4096", None])
+def test_can_fit_takes_a_size_in_bytes_only(external, nbytes):
+    sim, buf = external
+    state = BorrowState(sim)
+    state.set_static_runs([(buf.address, 64 * MB)])
+    with pytest.raises(TypeError, match="can_fit's nbytes must be an integer"):
+        state.can_fit(nbytes)
+    assert state.can_fit(np.int64(4096))

@@ -270,32 +270,33 @@ def test_bad_arguments_are_named():
 
 
 def test_fused_implementation_plugs_in(monkeypatch):
-    """impl="fused" runs the Triton kernels (here in Triton's interpreter) inside the borrow
-    scope, into the outputs made before it, after the checks ran once; "auto" keeps CPU
-    tensors on the reference. Both emit the same tokens (the fused tests show why)."""
+    """impl="fused" runs the Triton kernels (here in Triton's interpreter) once, inside the
+    borrow scope, into the outputs made before it, after the checks ran once; "auto" keeps
+    CPU tensors on the reference. Both emit the same tokens (the fused tests show why)."""
     from graphborrow.eagle.triton import fused
     from graphborrow.eagle.triton import select as fused_select
 
     monkeypatch.setattr(fused_select, "SELECT_CAP", 16)  # the interpreter sorts slowly: a short exact sort
     calls = []
-    real = fused.fused_verify
+    real = fused.run_step
+    state = RecordingBorrow()
 
-    def spy(*args, **kwargs):  # the real kernels run; the spy only notes how they were called
-        calls.append(kwargs)
-        return real(*args, **kwargs)
+    def spy(step, out, launch=True):  # the real kernels run; the spy only notes how they were called
+        calls.append((step, out, launch, list(state.events)))
+        return real(step, out, launch)
 
-    monkeypatch.setattr(fused, "fused_verify", spy)
+    monkeypatch.setattr(fused, "run_step", spy)
     tree, logits, _ = make_case(11, bs=5)
     expected = verify(tree, logits, "standard", impl="reference", top_ks=7)
     assert_same(verify(tree, logits, "standard", impl="auto", top_ks=7), expected)
     assert calls == []  # auto: CPU tensors take the reference
-    state = RecordingBorrow()
     got = verify(tree, logits, "standard", impl="fused", top_ks=7, borrow=state)
     assert_same(got, expected)
     (call,) = calls
-    assert call["validate"] is False and call["launch"] is True  # the checks ran once, before the scope
-    assert all(a is b for a, b in zip(call["out"], got))  # written into the outputs made outside the scope
-    assert call["coins"].shape == tree.candidates.shape  # coins drawn from the generator, in the scope
+    step, out, launch, events_then = call
+    assert launch is True and events_then == [("enter", "EAGLE verify")]  # inside the scope
+    assert all(a is b for a, b in zip(out, got))  # written into the outputs made outside the scope
+    assert step.coins is None  # coins drawn from the generator inside the step, in the scope
     assert state.events == [("enter", "EAGLE verify"), ("exit", "EAGLE verify")]
 
 
@@ -315,3 +316,17 @@ def test_the_fused_path_is_refused_where_it_cannot_run(sim, monkeypatch):
     tree, logits, _ = make_case(3, bs=2)
     with pytest.raises(ValueError, match="triton is not installed"):
         verify(tree, logits, "standard", impl="fused")
+
+
+def test_the_graph_path_is_refused_where_it_cannot_run():
+    """graph=True replays the fused kernels from a CUDA graph: on CPU tensors (or with the
+    reference implementation) the error names what it needs, and nothing is cached."""
+    from graphborrow.eagle.graphs import GRAPH_STEPS
+
+    tree, logits, _ = make_case(3, bs=2)
+    for impl in ("auto", "reference"):
+        with pytest.raises(ValueError, match="graph=True replays the fused kernels"):
+            eagle_verify(logits, None, tree, 1.0, impl=impl, graph=True)
+    with pytest.raises(ValueError, match="logits must be"):
+        eagle_verify(logits[:-1], None, tree, 1.0, graph=True)
+    assert not GRAPH_STEPS.entries

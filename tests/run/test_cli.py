@@ -91,3 +91,76 @@ def test_bad_grid_exits_2_and_leaves_the_old_table(tmp_path, tiny, capsys, grid_
 def test_empty_cli_values_exit_2(tmp_path, tiny, capsys):
     code, err = exit_code(["sweep", str(tiny), "-p", "batch_size", "", "--out", str(tmp_path / "out")], capsys)
     assert code == 2 and "no values" in err
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    return blocker
+
+
+@pytest.mark.parametrize("command", [
+    ["suite", "--only", "01", "--device", "sim"],
+    ["run", "--device", "sim"],
+    ["inspect", "data/h200_ladder_segments.pickle"],
+    ["sweep", "01", "-p", "vocab", "64"],
+])
+def test_an_output_folder_under_a_file_is_refused_before_anything_runs(capsys, a_file, command):
+    code, err = exit_code([*command, "--out", str(a_file / "sub")], capsys)
+    assert code == 2 and f"{a_file} is a file, not a folder; choose another one" in err
+    assert "Traceback" not in err and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("command", [["sweep", "01", "-p", "OUTPUT_DIR", "x"], ["suite", "--only", "01", "-p", "OUTPUT_DIR", "x"]])
+def test_output_dir_is_the_runners_and_is_refused_as_a_parameter(capsys, tmp_path, command):
+    code, err = exit_code([*command, "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "OUTPUT_DIR is set by the runner for each notebook" in err and "--out" in err
+
+
+def test_a_bad_environment_variable_exits_2_before_any_work(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRAPHBORROW_SIM_PURE", "false")
+    code, err = exit_code(["suite", "--only", "01", "--out", str(tmp_path / "s")], capsys)
+    assert code == 2 and "GRAPHBORROW_SIM_PURE='false' must be one of" in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_demo_refuses_a_batch_larger_than_it_captures_before_capturing():
+    proc = run_cli("demo", "--device", "sim", "--batch", "256")
+    assert proc.returncode == 2
+    assert "--batch 256: the demo captures decode graphs for batches [16, 8, 4, 2, 1] on the sim device" in proc.stderr
+    assert "capturing" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_inspect_help_states_the_trust_model():
+    proc = run_cli("inspect", "--help")
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0
+    assert "Trust: snapshot and trace files are read without running code" in text
+    assert "read without running code from the file" in text and ".json" in text
+
+
+def test_ctrl_c_in_the_suite_says_which_notebooks_a_rerun_repeats(capsys, monkeypatch, tmp_path):
+    """Issue 24: the suite used to say "run the same command again to finish the rest" and then run
+    every notebook again. Ctrl-C arrives while the first notebook runs (papermill is where it lands)."""
+    import graphborrow.run.suite as suite
+
+    def interrupted(job, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(suite, "execute", interrupted)
+    out = tmp_path / "s"
+    code, err = exit_code(["suite", "--only", "01", "02", "--device", "sim", "--out", str(out)], capsys)
+    assert code == 130
+    assert "0 notebook(s) finished" in err and "running the same command again runs every notebook again" in err
+    assert f"--only 01 02 --out {out}" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batches", "1000000000", "--draft-tokens", "8"], "more than any GPU holds"),
+    (["--vocab", str(2**40)], "more than any GPU holds"),
+])
+def test_inspect_refuses_steps_no_device_holds_before_reading_the_file(capsys, tmp_path, args, message):
+    missing = tmp_path / "not-read.pickle"  # the arguments are checked before the file is opened
+    code, err = exit_code(["inspect", str(missing), "--out", str(tmp_path / "out"), *args], capsys)
+    assert code == 2 and message in err and "Traceback" not in err

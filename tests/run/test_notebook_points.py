@@ -1,6 +1,6 @@
 """The points a notebook must hold at, the figure check, and the harness that runs them.
 
-The harness itself (``scripts/notebook_points.py``) runs in ``make test-notebooks``; here it
+The harness itself (``python -m graphborrow points``) runs in ``make test``; here it
 runs on a tiny notebook that fails on purpose, so the report is shown to name the notebook,
 the point and the failed assert's message.
 """
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import load_script
 
 from graphborrow.core.errors import ParameterError
+from graphborrow.run import points as harness
 from graphborrow.run.results import check_figures
 from graphborrow.run.sweep.parameters import PARAMETERS, validate
 from graphborrow.run.sweep.space import (
@@ -30,7 +30,6 @@ from tests.sweep_notebooks import tiny_notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-harness = load_script("scripts/notebook_points.py")
 
 SHAPES = {"HIDDEN", "INTERMEDIATE", "LAYERS", "VOCAB", "PREFILL_TOKENS", "LADDER", "DRAFT_TOKENS", "LAYOUT_ONLY"}
 
@@ -52,7 +51,7 @@ def test_corners_are_the_range_ends():
     assert low["LADDER"] == [1]
     assert high["LADDER"][0] == PARAMETERS["LADDER"].hi and high["LADDER"][-1] == 1
     assert all(a == 2 * b for a, b in zip(high["LADDER"], high["LADDER"][1:])), "a serving ladder halves"
-    assert low["LAYOUT_ONLY"] is True and high["LAYOUT_ONLY"] is False
+    assert low["LAYOUT_ONLY"] is True and high["LAYOUT_ONLY"] is None, "the high end is the automatic choice"
     validate(low), validate(high)
     with pytest.raises(ValueError, match="'low' or 'high'"):
         corner(SHAPES, "middle")
@@ -114,12 +113,21 @@ def test_check_figures_wants_an_image_in_each_tagged_cell():
     assert "cell 2 shows a figure as text" in problems[1] and "%matplotlib inline" in problems[1]
 
 
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem[:2] in ("00", "01", "02", "04")], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_plotting_cells_are_tagged(path):
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
-        if cell.cell_type == "code" and "plots." in cell.source:
+        draws = any(call in cell.source for call in ("plots.", "figure(", "ui.figure", "plot_mode_costs"))
+        if cell.cell_type == "code" and draws:
             assert "figure" in cell.metadata.get("tags", []), f"{path.name}: a plotting cell is not tagged 'figure'"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_h200_point_is_the_preset(path):
+    """Every notebook declares PRESET; its H200 point sets that and nothing else (the notebook then
+    picks layout-only by itself)."""
+    h200 = next(p for p in notebook_points(path, samples=0) if p.label == "h200")
+    assert h200.params == {"PRESET": "h200"}
 
 
 @pytest.mark.slow

@@ -44,26 +44,44 @@ def test_strip_removes_outputs_and_counts():
     assert not strip_notebooks.strip(nb)
 
 
-# Notebooks rewritten to the teaching layout so far; the others join as they are rewritten.
-TEACHING = [p for p in NOTEBOOKS if p.stem[:2] in ("00", "01", "02", "03", "04")]
+# Private names of the package (a module's _helper, an object's _attribute) never appear in a notebook.
+PRIVATE = re.compile(r"(?<![A-Za-z0-9_])(?:[a-z][a-z0-9_]*)\._[a-z]")
 
 
-@pytest.mark.parametrize("path", TEACHING, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_shows_figures_and_teaches(path):
+    """Every notebook: goals, prerequisites, time, summary, exercises naming a parameter, next."""
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])]
     assert code[0].source.startswith("%matplotlib inline"), f"{path.name}: the first code cell must start with %matplotlib inline"
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    for needed in ("What you will learn", "What you need first", "## Summary", "## Exercises", "https://"):
+    for needed in ("What you will learn", "What you need first", "**Time**: about", "## Summary", "## Exercises",
+                   "https://"):
         assert needed in text, f"{path.name} lacks {needed!r}"
+    assert text.index("What you will learn") < text.index("What you need first") < text.index("## Summary") \
+        < text.index("## Exercises") < text.index("**Next**"), f"{path.name}: goals, prerequisites, summary, exercises, next"
     exercises = text.split("## Exercises", 1)[1].split("**Next**")[0]
     items = re.findall(r"^\d+\. .*`[A-Z_]+ = ", exercises, re.M)
     assert 2 <= len(items) <= 4, f"{path.name}: 2-4 exercises, each naming a parameter to change; found {len(items)}"
-    nxt = re.search(r"\*\*Next\*\*: \[[^\]]+\]\((\d\d_[a-z_]+\.ipynb)\)", text)
+    nxt = re.search(r"\*\*Next\*\*:[^\n]*\[[^\]]+\]\((\d\d_[a-z_]+\.ipynb)\)", text)
     assert nxt and (path.parent / nxt.group(1)).exists(), f"{path.name}: link to the next notebook"
     params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
-    assert re.search(r"^LAYOUT_ONLY = False", params.source, re.M), f"{path.name}: LAYOUT_ONLY switch, off by default"
+    assert re.search(r'^PRESET = "teaching"', params.source, re.M), f"{path.name}: a PRESET parameter, teaching by default"
+    if "LAYOUT_ONLY" in params.source:
+        assert re.search(r"^LAYOUT_ONLY = None", params.source, re.M), f"{path.name}: LAYOUT_ONLY automatic by default"
+    source = "\n".join(c.source for c in code)
+    assert not PRIVATE.findall(source), f"{path.name} calls private names: {PRIVATE.findall(source)}"
     last = nb.cells[-1]
     assert last.cell_type == "code" and "results.save(" in last.source
     assert not last.source.rstrip().splitlines()[-1].startswith(("results.save", "print(")), (
         f"{path.name}: the last cell ends with the results it shows, not a path")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_cells_stay_thin(path):
+    """Heavy work lives in graphborrow.studies: no code cell longer than 40 lines."""
+    nb = nbformat.read(path, as_version=4)
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            lines = len(cell.source.splitlines())
+            assert lines <= 40, f"{path.name}: cell {index} has {lines} lines; move its work into graphborrow.studies"

@@ -4,11 +4,10 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from graphborrow.run import results
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_notebook_results.py"
+GUARD = [sys.executable, "-m", "graphborrow", "check-results"]
 
 
 def test_check_results_names_every_kind_of_problem(tmp_path):
@@ -42,14 +41,14 @@ def test_saving_and_reading_results_do_not_import_torch(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["n.json"], "no temporary file is left behind"
 
 
-def test_guard_script_fails_on_missing_results(tmp_path):
+def test_guard_command_fails_on_missing_results(tmp_path):
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
     (nbs / "01_x.ipynb").write_text("{}")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--notebooks", str(nbs)],
+    proc = subprocess.run([*GUARD, "--notebooks", str(nbs)],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and "FAIL 01_x: no results file" in proc.stderr
     results.save("01_x", {"a": 1}, nbs / "results", device_work=1)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--notebooks", str(nbs)],
+    proc = subprocess.run([*GUARD, "--notebooks", str(nbs)],
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "ok: 1 notebooks" in proc.stdout

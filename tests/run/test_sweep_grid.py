@@ -83,7 +83,8 @@ def test_plain_grid_file_list_valued_parameter_is_one_value(tmp_path):
     ("name: ../elsewhere\nVOCAB: 64\n", "must be one folder name"),
     ("name: [a]\nVOCAB: 64\n", "'name' must be non-empty text"),
     ("3: 4\n", "parameter names are text"),
-    ("notebook: 06\nVOCAB: 64\n", "YAML read 6 as a number; quote it"),
+    ("notebook: 06\nVOCAB: 64\n", "YAML read 06 as the number 6; quote it: notebook: \"06\""),
+    ("name: 0755\nVOCAB: 64\n", "YAML read 0755 as the number 493; quote it: name: \"0755\""),
 ])
 def test_bad_grid_files_name_the_problem(tmp_path, text, message):
     path = write(tmp_path, text)

@@ -10,7 +10,9 @@ from graphborrow.core.atomicfile import write_atomic
 from graphborrow.run.sweep import read_csv, write_csv
 from graphborrow.run.sweep.execute import Execution
 from graphborrow.run.sweep.points import (
+    CHECKSUM,
     PointStore,
+    _record_checksum,
     notebook_digest,
     point_identity,
     point_ids,
@@ -44,6 +46,28 @@ def test_point_ids_are_readable_and_unique():
     assert len(long) <= 90 and long.endswith("-ffffffff")
 
 
+DIGEST = "d" * 64
+
+
+def save(store, point_id, params, run, digest=DIGEST):
+    """Store ``run`` as the point of ``params`` (its identity computed as a sweep computes it)."""
+    return store.save(point_id, point_identity(params, digest), params, run, notebook_name="nb.ipynb",
+                      notebook_digest=digest)
+
+
+def load(store, point_id, params, digest=DIGEST):
+    return store.load(point_id, point_identity(params, digest), params, "nb.ipynb")
+
+
+def rewrite_record(folder, change, checksum=True):
+    """Edit a point's record; with ``checksum`` as a writer that knows the format would (recomputed)."""
+    record = json.loads((folder / "point.json").read_text())
+    change(record)
+    if checksum:
+        record[CHECKSUM] = _record_checksum(record)
+    (folder / "point.json").write_text(json.dumps(record))
+
+
 def execution(code=0, results=None, notebook=b'{"cells": []}'):
     results = {"results/nb.json": json.dumps({"device_work": 1, "results": {"bytes": 7}}).encode()} \
         if results is None else results
@@ -53,55 +77,68 @@ def execution(code=0, results=None, notebook=b'{"cells": []}'):
 
 def test_saved_point_loads_back_as_done(tmp_path):
     store = PointStore(tmp_path)
-    saved = store.save("p", "id1", {"BATCH_SIZE": 1}, execution(), notebook_name="nb.ipynb")
+    saved = save(store, "p", {"BATCH_SIZE": 1}, execution())
     assert saved.status == "ok" and saved.results["results.bytes"] == 7
     assert sorted(os.listdir(tmp_path / "p")) == ["nb.ipynb", "papermill.log", "point.json", "results"]
-    loaded, why = store.load("p", "id1")
+    loaded, why = load(store, "p", {"BATCH_SIZE": 1})
     assert why is None and loaded.status == "done"
     assert loaded.results == saved.results and (loaded.worker, loaded.host) == ("tcp://127.0.0.1:1", "hostA")
-    assert store.load("never-ran", "id1") == (None, None)
+    assert load(store, "never-ran", {"BATCH_SIZE": 1}) == (None, None)
 
 
 def test_changed_identity_is_not_done(tmp_path):
     store = PointStore(tmp_path)
-    store.save("p", "id1", {"VOCAB": 64}, execution(), notebook_name="nb.ipynb")
-    loaded, why = store.load("p", "id2")
+    save(store, "p", {"VOCAB": 64}, execution())
+    loaded, why = load(store, "p", {"VOCAB": 128})
     assert loaded is None and "other parameters or another version of the notebook" in why
+    assert "_superseded/p-" in why
 
 
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "results" / "nb.json").write_text("{not json"), "results/nb.json is damaged"),
     (lambda d: (d / "results" / "nb.json").unlink(), "results/nb.json is missing"),
     (lambda d: (d / "nb.ipynb").write_bytes(b""), "nb.ipynb is damaged"),
-    (lambda d: (d / "point.json").write_text('{"schema": 2, "iden'), "point.json is damaged"),
-    (lambda d: (d / "point.json").write_text(
-        (d / "point.json").read_text().replace('"results/nb.json"', '"../../elsewhere.json"')), "outside the point"),
+    (lambda d: (d / "point.json").write_text('{"schema": 3, "iden'), "point.json is damaged"),
+    (lambda d: rewrite_record(d, lambda r: r["files"].update({"../../elsewhere.json": r["files"].pop("results/nb.json")})),
+     "outside the point"),
 ])
 def test_damaged_point_is_named_and_not_done(tmp_path, damage, message):
     store = PointStore(tmp_path)
-    store.save("p", "id1", {}, execution(), notebook_name="nb.ipynb")
+    save(store, "p", {}, execution())
     damage(tmp_path / "p")
-    loaded, why = store.load("p", "id1")
+    loaded, why = load(store, "p", {})
     assert loaded is None and message in why
 
 
 def test_failed_and_result_less_points_run_again(tmp_path):
     store = PointStore(tmp_path)
-    failed = store.save("f", "i", {}, execution(code=1), notebook_name="nb.ipynb")
+    failed = save(store, "f", {}, execution(code=1))
     assert failed.status == "failed" and failed.error == "ValueError: boom"
-    assert "failed last time (ValueError: boom)" in store.load("f", "i")[1]
-    empty = store.save("e", "i", {}, execution(results={}), notebook_name="nb.ipynb")
+    assert "failed last time (ValueError: boom)" in load(store, "f", {})[1]
+    empty = save(store, "e", {}, execution(results={}))
     assert empty.status == "failed" and "wrote no results file" in empty.error
-    bad = store.save("b", "i", {}, execution(results={"results/x.json": b"[1, 2]"}), notebook_name="nb.ipynb")
+    bad = save(store, "b", {}, execution(results={"results/x.json": b"[1, 2]"}))
     assert bad.status == "failed" and "holds a list" in bad.error
 
 
 def test_saving_again_replaces_the_whole_folder(tmp_path):
     store = PointStore(tmp_path)
-    store.save("p", "id1", {}, execution(results={"results/old.json": b'{"a": 1}'}), notebook_name="nb.ipynb")
-    store.save("p", "id2", {}, execution(), notebook_name="nb.ipynb")
+    save(store, "p", {}, execution(code=1, results={"results/old.json": b'{"a": 1}'}))
+    save(store, "p", {}, execution())
     assert sorted(os.listdir(tmp_path / "p" / "results")) == ["nb.json"], "no file of the old run survives"
     assert [p.name for p in tmp_path.iterdir()] == ["p"], "no staging folder is left behind"
+
+
+def test_a_finished_point_of_other_parameters_is_kept_aside_not_deleted(tmp_path):
+    """Issue 24: changing a fixed parameter used to delete the old point folder with one log line."""
+    store = PointStore(tmp_path)
+    save(store, "p", {"VOCAB": 64}, execution(results={"results/nb.json": b'{"results": {"bytes": 64}}'}))
+    save(store, "p", {"VOCAB": 128}, execution())
+    kept = tmp_path / "_superseded" / f"p-{point_identity({'VOCAB': 64}, DIGEST)[:8]}"
+    assert json.loads((kept / "results" / "nb.json").read_text()) == {"results": {"bytes": 64}}
+    assert json.loads((kept / "point.json").read_text())["params"] == {"VOCAB": 64}
+    assert load(store, "p", {"VOCAB": 128})[0].status == "done"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_superseded", "p"]
 
 
 def test_leftover_staging_folders_are_cleared(tmp_path):
@@ -113,7 +150,7 @@ def test_leftover_staging_folders_are_cleared(tmp_path):
 
 def test_results_csv_has_worker_and_host_and_no_output_folder(tmp_path):
     store = PointStore(tmp_path)
-    point = store.save("p", "i", {"LADDER": [4, 2], "OUTPUT_DIR": "/x"}, execution(), notebook_name="nb.ipynb")
+    point = save(store, "p", {"LADDER": [4, 2], "OUTPUT_DIR": "/x"}, execution())
     rows = read_csv(write_csv(tmp_path / "results.csv", [point]))
     assert rows[0]["worker"] == "tcp://127.0.0.1:1" and rows[0]["host"] == "hostA"
     assert rows[0]["LADDER"] == "[4, 2]" and "OUTPUT_DIR" not in rows[0]

@@ -84,6 +84,9 @@ def test_changed_fixed_parameter_is_not_already_done(tmp_path):
     assert [p.results["results.bytes"] for p in second.points] == [8 * 1024, 3 * 8 * 1024]
     assert [r["DRAFT_TOKENS"] for r in read_csv(second.csv_path)] == ["8", "8"]
     assert sum("other parameters" in m for m in messages) == 2
+    kept = sorted((out / "s" / "_superseded").iterdir())  # the first run's points, not deleted
+    assert [p.name.split("-")[0] for p in kept] == ["batch_size=1", "batch_size=3"]
+    assert [results.load("tiny", p / "results")["results"]["bytes"] for p in kept] == [4 * 1024, 3 * 4 * 1024]
 
 
 def cli(*args, **kwargs):

@@ -49,18 +49,18 @@ def test_fused_kernel_table_reads_every_point_and_its_goals():
         (bs, d) for bs in (1, 4, 16, 32, 64, 128) for d in (4, 8, 16)}
     for r in table:
         assert r["replayed_us"] <= r["eager_us"]
-        for launch in ("replayed", "eager"):
+        for launch, upstream in (("replayed", r["upstream_replayed_us"]), ("eager", r["upstream_us"])):
             us = r[f"{launch}_us"]
-            expected = [goal for goal, ok in zip(measured.FUSED_GOALS, (us <= r["upstream_us"], us <= 3 * r["softmax_us"],
+            expected = [goal for goal, ok in zip(measured.FUSED_GOALS, (us <= upstream, us <= 3 * r["softmax_us"],
                                                                        True)) if not ok]
             assert r[f"goals_missed_{launch}"] == expected
         assert r["renorm_us"] > r["replayed_us"]
-    # as recorded: replayed, every goal at every point; eager, launch-bound at small batches
-    assert sum(not r["goals_missed_replayed"] for r in table) == verify["goals_met_points"] == 18
+    # as recorded: replayed, every goal at every point; eager, still launch-bound at the smallest batches
+    assert sum(not r["goals_missed_replayed"] for r in table) == 18
     eager_missed = {(r["batch_size"], r["draft_tokens"]): r["goals_missed_eager"] for r in table if r["goals_missed_eager"]}
-    assert sum("<= upstream" in m for m in eager_missed.values()) == 10
-    assert sum("<= 3x softmax" in m for m in eager_missed.values()) == 8
-    assert max(bs for bs, _ in eager_missed) == 32
+    assert sum("<= upstream" in m for m in eager_missed.values()) == 5
+    assert sum("<= 3x softmax" in m for m in eager_missed.values()) == 0
+    assert max(bs for bs, _ in eager_missed) == 4
 
 
 def made_up_point(eager_us, replayed_us, upstream_us=95.0, softmax_us=40.0, wide=False):
@@ -89,21 +89,22 @@ def test_fused_goals_are_judged_for_each_launch_on_its_own_time():
     assert measured.fused_kernel_table(no_upstream)[0]["goals_missed_replayed"] == ["<= upstream"]
 
 
-def test_fused_kernel_markdown_is_the_readme_table():
-    """The README's table is this function's output for the shipped data, line for line."""
+def test_fused_kernel_markdown_is_the_kernels_page_table():
+    """docs/kernels.md's table is this function's output for the shipped data, line for line."""
     text = measured.fused_kernel_markdown(measured.fused_kernel_table(measured.load("verify_kernels_h200")))
     lines = text.splitlines()
     assert "goals (replayed)" in lines[0] and "goals (eager)" in lines[0] and len(lines) == 2 + 18
-    assert lines[2].startswith("| 1 | 4 | 22 | 260 |") and "| met | missed <= upstream, <= 3x softmax |" in lines[2]
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert text in readme, "README's fused-kernel table is stale: paste measured.fused_kernel_markdown's output"
+    assert lines[2].startswith("| 1 | 4 | 28 | 120 |") and "| met | missed <= upstream |" in lines[2]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "kernels.md").read_text()
+    assert text in page, "docs/kernels.md's fused-kernel table is stale: paste measured.fused_kernel_markdown's output"
 
 
 def test_fused_summary_reports_the_renorm_against_its_goal():
     verify = measured.load("verify_kernels_h200")
     summary = measured.fused_summary(verify)
-    assert (summary["points"], summary["goals_met_replayed"], summary["goals_met_eager"]) == (18, 18, 8)
-    assert summary["max_temporary_bytes"] == max(r["temporary_bytes"] for r in verify["rows"] if r["impl"] == "fused")
+    assert (summary["points"], summary["goals_met_replayed"], summary["goals_met_eager"]) == (18, 18, 13)
+    fused = [r for r in verify["rows"] if r["impl"] == "fused"]
+    assert summary["max_temporary_bytes"] == max(max(r["temporary_bytes"], r["workspace_bytes"]) for r in fused)
     assert summary["max_temporary_bytes"] < 64 * 1024
     renorm = summary["renorm"]
     assert (renorm["rows"], renorm["vocab"]) == (32, 128256)
@@ -139,9 +140,9 @@ def test_planned_capacity_of_the_h200_pool():
 def test_fused_summary_text_states_the_recorded_numbers():
     summary = measured.fused_summary(measured.load("verify_kernels_h200"))
     text = measured.fused_summary_text(summary)
-    assert "18 of 18 points replayed" in text and "8 of 18 launched eagerly" in text
-    assert "32 x 128256 (top-p 0.9): 135 us replayed against a goal of 147 us (met)" in text
-    assert "at most 48.5 KiB of temporaries" in text
+    assert "18 of 18 points replayed" in text and "13 of 18 launched eagerly" in text
+    assert "32 x 128256 (top-p 0.9): 138 us replayed against a goal of 147 us (met)" in text
+    assert "at most 57.0 KiB of temporaries" in text
     slower = dict(summary, renorm=dict(summary["renorm"], replayed_us=202.0, meets_goal=False))
     assert "202 us replayed against a goal of 147 us (missed)" in measured.fused_summary_text(slower)
     assert "renorm: not recorded" in measured.fused_summary_text(dict(summary, renorm=None))

@@ -1,13 +1,15 @@
 """EAGLE verification at kernel speed: Triton kernels that read the logits directly.
 
-:func:`fused_verify` is :func:`graphborrow.eagle.eagle_verify` (mode ``"standard"``)
-without the [bs*D, V] probability matrices; ``eagle_verify`` runs it on CUDA tensors
-(``impl="auto"``) through :func:`run_step`. Each row's target distribution is the
-formula of :mod:`graphborrow.eagle.probs`, which the reference computes too (its torch
-form, :func:`target_probs_reference`, is re-exported here), computed where it is needed. The step is three launches:
+:func:`run_step` is :func:`graphborrow.eagle.eagle_verify`'s fused body (every mode is
+this one step: it holds no [bs*D, V] matrix); :func:`fused_verify` is the same call with
+static output buffers. Each row's target distribution is the formula of
+:mod:`graphborrow.eagle.probs`, which the reference computes too, computed where it is
+needed. The step is three launches:
 
-1. ``_row_max_kernel`` — per (row, vocabulary slice): the largest logit. It also zeroes
-   ``predicts`` and the step's counters, so nothing else runs before it;
+1. ``_row_max_kernel`` — per (row, vocabulary slice): the largest logit. Its first slices
+   also zero ``predicts`` and the step's counters and write the per-request parameters
+   (temperature, top-k, top-p: numbers or the caller's tensors) into the workspace, so
+   nothing runs before it;
 2. ``_row_sum_kernel`` — per (row, slice): the fixed-point sum of ``exp(x / t - m)``.
    The last slice of a request to finish (an atomic counter) walks the request's draft
    tree: upstream's acceptance rule, each tried candidate's probability from its logit
@@ -16,58 +18,53 @@ form, :func:`target_probs_reference`, is re-exported here), computed where it is
    residual (its rejected children removed unless every depth was accepted); the last
    slice to finish finds the slice where ``coin * mass`` falls and scans only that one.
 
-With top-k / top-p, :func:`graphborrow.eagle.triton.select.select_pivots` finds every row's
+With top-k / top-p, :func:`graphborrow.eagle.triton.select.select_launches` finds every row's
 pivots and kept sums between 2 and 3 (a sort-free search, a few launches), and the walk
-runs in its own launch. Nothing synchronises with the host when ``validate=False``, so
-the step can be captured in a CUDA graph. Temporaries grow with bs * D (row statistics,
-per-slice partial results), never with V; :func:`fused_workspace` allocates them on any
-device, the simulated one included (``launch=False`` records the step's allocations
-without running it), so the capacity planner can replay them. Without CUDA the kernels
-run in Triton's interpreter (slow, for tests).
+runs in its own launch. Nothing synchronises with the host, so the step can be captured
+in a CUDA graph.
+
+Host time. Everything a call would otherwise redo is computed once per *plan* — the
+step's shape and the form of its arguments (a number or a tensor, and its dtype) —
+and cached (:class:`StepPlan`): the vocabulary split, grids, the workspace layout and,
+after the plan's first call, the compiled kernels, which later calls launch directly
+(:mod:`.launch`). Per call that leaves one workspace allocation (:mod:`.workspace`: a
+size fixed by the shape, so the capacity planner replays exactly this request, recorded
+by ``run_step(..., launch=False)`` on the layout-only device), the caller's device
+addresses, and the launches. The caller's coins are read where they are; coins not
+given are drawn into the workspace. Without CUDA the kernels run in Triton's
+interpreter (slow, for tests).
 
 The same coins give the reference's tokens: every probability is bitwise the
 reference's; the float64 running sums of the residual and of top-k / top-p kept mass are
 added in another order than torch's, which matters only when a coin lands within about
 1e-16 of a boundary (see :mod:`graphborrow.eagle.triton.probs`).
-
-Chunking: the fused step holds no vocabulary-wide temporary, so it never splits a batch;
-``chunk_requests`` is accepted for parity with the reference's chunked mode and the step
-still runs as one launch sequence over every request (a per-chunk sequence would only add
-launches: the workspace it would bound is a few KiB per request, about 4 KiB more per row
-with top-k / top-p).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-from typing import NamedTuple
-
 import torch
 
 from ..draft_tree import DraftTree
-from ..step import VerifyStep, draw
-from ..validate import expect
+from ..modes import VerifyResult
+from ..scope import run_borrowing
+from ..step import VerifyStep, check_outputs, draw_into
 from . import select as _select
+from .launch import Launcher, PlanCache, aligned
 from .probs import (
     INTERPRETED,
     TRITON_AVAILABLE,
-    any_true,
     compile_options,
-    per_request,
     sum_bits,
     target_probs_reference,
 )
 from .select import (
-    SPLIT_MAX,
-    SelectWorkspace,
-    select_pivots,
-    select_workspace,
-    select_workspace_bytes,
+    select_launches,
+    select_slots,
     split_layout,
     top_k_renorm,
     top_p_renorm,
 )
+from .workspace import Layout
 
 if TRITON_AVAILABLE:
     import triton
@@ -77,101 +74,26 @@ if TRITON_AVAILABLE:
     from .select import arrive
 
 __all__ = [
-    "FusedResult",
-    "FusedWorkspace",
     "TRITON_AVAILABLE",
-    "fused_verify",
-    "run_step",
-    "fused_workspace",
-    "fused_workspace_bytes",
+    "StepPlan",
+    "clear_plans",
     "fused_token_probs",
+    "fused_verify",
+    "fused_workspace_bytes",
+    "run_step",
     "split_layout",
     "target_probs_reference",
     "top_k_renorm",
     "top_p_renorm",
 ]
 
-BORROW_USER = "EAGLE verify"
 WALK_WARPS = 1
 WALK_FIELDS = 4  # final node, its slot, last rejected token, dropped-token count; then the dropped tokens
+MERGED_WORKSPACE = 64 * 1024  # bytes: a workspace this small shares its outputs' allocation (without a borrow)
+INT32_MAX = 2**31 - 1
 
-
-class FusedResult(NamedTuple):
-    """``predicts`` [bs*D] int32, ``accept_index`` [bs, S] int32 (-1 past the path),
-    ``accept_length`` [bs] int32 (accepted drafts + 1): as :class:`eagle.VerifyResult`."""
-
-    predicts: torch.Tensor
-    accept_index: torch.Tensor
-    accept_length: torch.Tensor
-
-
-class FusedWorkspace(NamedTuple):
-    """Every temporary of one fused step (outputs excluded), in allocation order.
-
-    Per request: ``temps`` [bs] float32, ``top_k`` [bs] int32 or None, ``top_p`` [bs]
-    float32 or None (as the reference takes it). Per row (rows = bs * D) and slice: ``part_max`` float32, ``part_sum``
-    int64. Per request: ``walk_state`` [bs, 4 + D] int32 (final node, its slot, last
-    rejected token, how many tokens the residual drops, then those tokens), ``res_sum`` [bs, rsplits] float64 and ``res_last``
-    [bs, rsplits] int32 (residual mass and last positive index per slice), ``counters``
-    [bs] int32. With top-k / top-p: ``pivots`` [rows, 4] float32 and the search's
-    :class:`~graphborrow.eagle.triton.select.SelectWorkspace`.
-    """
-
-    temps: torch.Tensor
-    top_k: torch.Tensor | None
-    top_p: torch.Tensor | None
-    part_max: torch.Tensor
-    part_sum: torch.Tensor
-    walk_state: torch.Tensor
-    res_sum: torch.Tensor
-    res_last: torch.Tensor
-    counters: torch.Tensor
-    pivots: torch.Tensor | None
-    select: SelectWorkspace | None
-    splits: int
-    chunk: int
-    rsplits: int
-    rchunk: int
-
-
-def fused_workspace(like: torch.Tensor, bs: int, d: int, vocab: int, temperatures=1.0, top_ks=None,
-                    top_ps=None) -> FusedWorkspace:
-    """Allocate (and fill the per-request values of) every temporary of a fused step.
-
-    Runs on any device, the layout-only simulated one included: this is the fused path's
-    allocation sequence. ``like`` gives the device (usually the logits).
-    """
-    rows = bs * d
-    splits, chunk = split_layout(rows, vocab)
-    rsplits, rchunk = split_layout(bs, vocab)
-    temps = per_request(temperatures, bs, "temperatures", like, torch.float32)
-    top_k = None if top_ks is None else per_request(top_ks, bs, "top_ks", like, torch.int32)
-    top_p = None if top_ps is None else per_request(top_ps, bs, "top_ps", like, torch.float32)
-    part_max = like.new_empty((rows, splits), dtype=torch.float32)
-    part_sum = like.new_empty((rows, splits), dtype=torch.int64)
-    walk_state = like.new_empty((bs, WALK_FIELDS + d), dtype=torch.int32)
-    res_sum = like.new_empty((bs, rsplits), dtype=torch.float64)
-    res_last = like.new_empty((bs, rsplits), dtype=torch.int32)
-    counters = like.new_empty(bs, dtype=torch.int32)  # zeroed by the first kernel
-    pivots = select = None
-    if top_k is not None or top_p is not None:
-        pivots = like.new_empty((rows, 4), dtype=torch.float32)
-        select = select_workspace(like, rows, splits, zero_counters=False)
-    return FusedWorkspace(temps, top_k, top_p, part_max, part_sum, walk_state, res_sum, res_last, counters,
-                          pivots, select, splits, chunk, rsplits, rchunk)
-
-
-def fused_workspace_bytes(bs: int, d: int, vocab: int, top_k: bool = False, top_p: bool = False) -> int:
-    """Requested bytes of :func:`fused_workspace` (before allocator rounding): it grows
-    with bs * D, never with bs * D * V."""
-    rows = bs * d
-    splits, _ = split_layout(rows, vocab)
-    rsplits, _ = split_layout(bs, vocab)
-    total = 4 * bs + (4 * bs if top_k else 0) + (4 * bs if top_p else 0)
-    total += 12 * rows * splits + 4 * bs * (WALK_FIELDS + d) + 12 * bs * rsplits + 4 * bs
-    if top_k or top_p:
-        total += 16 * rows + select_workspace_bytes(rows, splits)
-    return total
+# How a per-request parameter reaches the kernels (the first kernel writes it into the workspace)
+ABSENT, NUMBER, PER_REQUEST, ONE_VALUE = 0, 1, 2, 3
 
 
 def fused_verify(
@@ -191,146 +113,334 @@ def fused_verify(
     borrow=None,
     chunk_requests: int | None = None,
     launch: bool = True,
-) -> FusedResult:
+) -> VerifyResult:
     """Non-greedy EAGLE verification of ``tree`` against ``logits`` [bs*D, V], fused.
 
-    Arguments mean what they mean for :func:`graphborrow.eagle.eagle_verify`; the same
-    coins give the same tokens (see the module docstring).
+    :func:`graphborrow.eagle.eagle_verify` with ``impl="fused"``, plus what a caller that
+    manages buffers needs: output buffers to write into and a dry run. Arguments mean what
+    they mean there; the same coins give the same tokens (see the module docstring).
 
     Args:
-        out: optional ``(predicts, accept_index, accept_length)`` to write into (static
-            buffers for graph capture); every entry is rewritten.
-        validate: check values on the host (syncs). ``False`` skips every such check, so
-            the step can be captured in a CUDA graph; shapes and dtypes are still checked.
-        generator: draws missing coins (as eagle_verify does).
-        borrow: a borrow state; when enabled, every temporary lives in its borrow scope.
+        out: optional ``(predicts [bs*D], accept_index [bs, S], accept_length [bs])`` int32
+            contiguous buffers to write into (static buffers for graph capture); every entry
+            is rewritten.
+        validate: check values on the host (syncs); ``False`` skips those checks, so the
+            step can be captured in a CUDA graph. Shapes and dtypes are always checked.
         chunk_requests: accepted (a positive int) for parity with the chunked reference; the
             fused step needs no chunking and runs over every request at once.
-        launch: ``False`` allocates the workspace and outputs and returns without running a
-            kernel — the allocation sequence, for the capacity planner and the simulated device.
+        launch: ``False`` allocates the workspace (and outputs) and returns without running
+            a kernel: the allocation sequence, for the capacity planner and the simulated device.
 
     Returns:
-        a :class:`FusedResult` (predicts, accept_index, accept_length).
+        A :class:`~graphborrow.eagle.modes.VerifyResult` (predicts, accept_index, accept_length).
+
+    Raises:
+        ValueError: a bad argument, named (see :class:`~graphborrow.eagle.step.VerifyStep`).
+        RuntimeError: ``launch=True`` without triton, or CPU tensors outside Triton's interpreter.
     """
-    candidates = tree.candidates if candidates is None else candidates
-    bs, d, vocab = _check_shapes(logits, candidates, tree, coins, coins_final, out)
-    thr_single, thr_acc = _check_thresholds(threshold_single, threshold_acc)
-    steps = int(tree.tree_depth)
-    if steps < 1:
-        raise ValueError(f"tree.tree_depth must be >= 1, got {steps}")
     if chunk_requests is not None and (isinstance(chunk_requests, bool) or not isinstance(chunk_requests, int)
                                        or chunk_requests < 1):
         raise ValueError(f"chunk_requests must be a positive int (requests per chunk), got {chunk_requests!r}")
+    step = VerifyStep.of(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final, generator,
+                         threshold_single, threshold_acc)
+    step.require_contiguous()
     if validate:
-        _check_values(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final)
-    if launch and not TRITON_AVAILABLE:
-        raise RuntimeError("fused_verify needs triton (pip install triton, or the 'kernels' extra); "
+        step.validate()
+    if launch:
+        _check_launchable(step.logits)
+    if out is None:
+        return verify(step, borrow, launch)
+    out = VerifyResult(*check_outputs(out, step))
+    if step.batch_size:
+        run_borrowing(borrow, run_step, step, out, launch)
+    return out
+
+
+def verify(step: VerifyStep, borrow=None, launch: bool = True) -> VerifyResult:
+    """:func:`~graphborrow.eagle.eagle_verify`'s fused path for a checked (and, if asked,
+    validated) ``step``: new outputs, then the step, its temporaries in ``borrow``'s scope
+    when it is enabled.
+
+    Without a borrow a step whose workspace is small (``MERGED_WORKSPACE`` bytes at most)
+    makes one allocation, not two: its outputs and its workspace share one buffer, so the
+    workspace lives as long as the caller keeps the outputs.
+
+    Returns:
+        The step's :class:`~graphborrow.eagle.modes.VerifyResult`.
+    """
+    plan = plan_for(step)
+    if not step.batch_size or (borrow is not None and borrow.enabled) or plan.layout.nbytes > MERGED_WORKSPACE:
+        out = plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
+        if step.batch_size:
+            run_borrowing(borrow, run_step, step, out, launch)
+        return out
+    buffer = step.candidates.new_empty(plan.output_words + plan.layout.nbytes // 4, dtype=torch.int32)
+    out = plan.outputs(buffer)
+    if launch:
+        _launch(plan, step, out, buffer, 4 * plan.output_words)
+    return out
+
+
+def allocate_outputs(step: VerifyStep) -> VerifyResult:
+    """The fused step's outputs, uninitialised (the kernels write every entry): three views
+    of one int32 allocation, each starting 16-byte aligned."""
+    plan = plan_for(step)
+    return plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
+
+
+def _check_launchable(logits: torch.Tensor) -> None:
+    if not TRITON_AVAILABLE:
+        raise RuntimeError("the fused kernels need triton (pip install triton, or the 'kernels' extra); "
                            "launch=False records the allocations without it")
-    if launch and logits.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"fused_verify launches on CUDA (or CPU tensors in Triton's interpreter), "
+    if logits.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"the fused kernels launch on CUDA (or CPU tensors in Triton's interpreter), "
                          f"got {logits.device}; pass launch=False to record allocations only")
-    if launch and logits.device.type == "cpu" and not INTERPRETED:
+    if logits.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing "
                            "graphborrow.eagle.triton.fused")
 
-    if out is None:  # filled entirely by the kernels: no fill launches
-        predicts = candidates.new_empty(bs * d, dtype=torch.int32)
-        accept_index = candidates.new_empty((bs, steps), dtype=torch.int32)
-        accept_length = candidates.new_empty(bs, dtype=torch.int32)
-        if not launch:
-            predicts.zero_()
-            accept_index.fill_(-1)
-            accept_length.zero_()
-    else:
-        predicts, accept_index, accept_length = out
 
-    borrowing = borrow is not None and bool(borrow.enabled)
-    scope = borrow.borrow(BORROW_USER) if borrowing else contextlib.nullcontext()
-    with scope:
-        coins = _draw(coins, (bs, d), generator, logits)
-        coins_final = _draw(coins_final, (bs,), generator, logits)
-        ws = fused_workspace(logits, bs, d, vocab, temperatures, top_ks, top_ps)
-        if launch:
-            _launch(_Launch(logits, candidates, tree, coins, coins_final, bs, d, vocab, steps, thr_single, thr_acc,
-                            predicts, accept_index, accept_length), ws)
-        del ws, coins, coins_final
-    return FusedResult(predicts, accept_index, accept_length)
+# ---------------------------------------------------------------------------------
+# Plans: what a call of one shape and argument form computes once
 
 
-def run_step(step: VerifyStep, out, launch: bool = True) -> None:
-    """:func:`~graphborrow.eagle.eagle_verify`'s fused body, inside its borrow scope.
+class StepPlan:
+    """Everything about a fused step that its shape and argument forms decide.
 
-    The step was checked (and validated) by the caller; the coins are copied next to the
-    logits (or drawn) as the reference does, then :func:`fused_verify` writes ``out``
-    (its ``accept_length`` counting the emitted token). With ``launch=False`` nothing
-    runs: the capacity planner records this function on the layout-only device, so its
-    plan is the allocation sequence of exactly this path.
+    ``layout``: the workspace's slots; ``grid_rows`` / ``grid_walk`` / ``grid_residual``:
+    the launch grids; ``forms``: how temperature, top-k and top-p arrive (``ABSENT``,
+    ``NUMBER``, ``PER_REQUEST``, ``ONE_VALUE``) and whether the kernels read the caller's
+    tensor in place (``in_place``); ``output_words``: int32 words of the outputs, each of
+    the three starting 16-byte aligned; ``launcher``: the compiled kernels.
     """
-    coins = draw(step.coins, (step.batch_size, step.draft_tokens), step.generator, step.logits)
-    coins_final = draw(step.coins_final, (step.batch_size,), step.generator, step.logits)
-    fused_verify(step.logits, step.candidates, step.tree, step.temperatures, top_ks=step.top_ks, top_ps=step.top_ps,
-                 coins=coins, coins_final=coins_final, threshold_single=step.threshold_single,
-                 threshold_acc=step.threshold_acc, out=tuple(out), validate=False, launch=launch)
+
+    def __init__(self, bs: int, d: int, vocab: int, steps: int, forms: tuple, in_place: tuple):
+        self.bs, self.d, self.vocab, self.steps = bs, d, vocab, steps
+        self.forms, self.in_place = forms, in_place
+        self.copies = any(f == PER_REQUEST and not direct for f, direct in zip(forms, in_place))  # into slots first
+        self.rows = rows = bs * d
+        self.splits, self.chunk = split_layout(rows, vocab)
+        self.rsplits, self.rchunk = split_layout(bs, vocab)
+        bits = sum_bits(vocab)
+        self.scale, self.unscale = 2.0 ** bits, 2.0 ** -bits
+        self.has_k, self.has_p = forms[1] != ABSENT, forms[2] != ABSENT
+        self.renorm = self.has_k or self.has_p
+        self.layout = Layout(step_slots(bs, d, vocab, self.has_k, self.has_p))
+        words = [bs * d, bs * steps, bs]
+        self.output_starts = (0, -(-words[0] // 4) * 4, -(-words[0] // 4) * 4 + -(-words[1] // 4) * 4)
+        self.output_words = -(-(self.output_starts[2] + bs) // 32) * 32  # (128 bytes: the workspace after it aligned)
+        self.grid_rows = (rows, self.splits, 1)
+        self.grid_walk = (bs, 1, 1)
+        self.grid_residual = (bs, self.rsplits, 1)
+        self.d_block = triton.next_power_of_2(d) if TRITON_AVAILABLE else d
+        self.stream_options = dict(num_warps=_select.STREAM_WARPS, **compile_options())
+        self.walk_options = dict(num_warps=WALK_WARPS, **compile_options())
+        self.launcher = Launcher()
+
+    def outputs(self, buffer: torch.Tensor) -> VerifyResult:
+        """The three outputs as views at the start of an int32 ``buffer``."""
+        bs, p, a, n = self.bs, *self.output_starts
+        return VerifyResult(buffer.as_strided((bs * self.d,), (1,), p),
+                            buffer.as_strided((bs, self.steps), (self.steps, 1), a), buffer.as_strided((bs,), (1,), n))
 
 
-class _Launch(NamedTuple):
-    """One fused step's checked inputs and its outputs: what the kernels read and write besides the workspace."""
-
-    logits: torch.Tensor
-    candidates: torch.Tensor
-    tree: DraftTree
-    coins: torch.Tensor
-    coins_final: torch.Tensor
-    bs: int
-    d: int
-    vocab: int
-    steps: int
-    thr_single: float
-    thr_acc: float
-    predicts: torch.Tensor
-    accept_index: torch.Tensor
-    accept_length: torch.Tensor
-
-
-def _launch(step: _Launch, ws: FusedWorkspace) -> None:
-    (logits, candidates, tree, coins, coins_final, bs, d, vocab, steps, thr_single, thr_acc,
-     predicts, accept_index, accept_length) = step
+def step_slots(bs: int, d: int, vocab: int, has_k: bool, has_p: bool) -> list:
+    """The fused step's workspace slots, ``(name, dtype, shape)``: per request ``temps``,
+    ``top_k`` (int32) and ``top_p`` as the kernels read them, ``coins`` / ``coins_final``
+    (drawn here when not given), ``walk_state`` [bs, 4 + D] (final node, its slot, last
+    rejected token, dropped-token count, then those tokens), ``res_sum`` / ``res_last``
+    per (request, residual slice), ``counters``; per (row, slice) ``part_max`` and the
+    fixed-point ``part_sum``; with top-k / top-p, ``pivots`` [rows, 4] and the search's
+    slots (:func:`~graphborrow.eagle.triton.select.select_slots`). It grows with bs * D,
+    never with V."""
     rows = bs * d
-    bits = sum_bits(vocab)
-    scale, unscale = 2.0 ** bits, 2.0 ** -bits
-    opts = dict(PRECISE=not INTERPRETED, SPLIT_BLOCK=SPLIT_MAX, **compile_options())
-    renorm = ws.pivots is not None
-    has_k, has_p = ws.top_k is not None, ws.top_p is not None
-    pivots = ws.pivots if renorm else ws.part_max  # an unused pointer without renorm
-    _row_max_kernel[(rows, ws.splits)](
-        logits, ws.part_max, predicts, ws.counters, ws.select.counters if renorm else ws.counters,
-        bs, vocab, ws.splits, ws.chunk, ZERO_SELECT=renorm, BLOCK=_select.BLOCK, num_warps=_select.STREAM_WARPS,
-        **compile_options())
-    walk_args = (pivots, candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling,
-                 coins, predicts, accept_index, accept_length, ws.walk_state)
-    _row_sum_kernel[(rows, ws.splits)](
-        logits, ws.temps, ws.part_max, ws.part_sum, ws.counters, *walk_args,
-        d, vocab, ws.splits, ws.chunk, steps, scale, unscale, thr_single, thr_acc,
-        WALK=not renorm, HAS_TOPK=False, HAS_TOPP=False, BLOCK=_select.BLOCK, num_warps=_select.STREAM_WARPS, **opts)
-    if renorm:
-        select_pivots(logits, ws.pivots, ws.select, ws.top_k, ws.top_p, d, ws.splits, ws.chunk,
-                      stats=(ws.temps, ws.part_max, ws.part_sum, unscale))
-        _walk_kernel[(bs,)](
-            logits, ws.temps, ws.part_max, ws.part_sum, *walk_args,
-            d, vocab, ws.splits, steps, unscale, thr_single, thr_acc,
-            HAS_TOPK=has_k, HAS_TOPP=has_p, num_warps=WALK_WARPS, **opts)
-    _residual_kernel[(bs, ws.rsplits)](
-        logits, ws.temps, ws.part_max, ws.part_sum, pivots, ws.walk_state, coins_final, ws.res_sum, ws.res_last,
-        ws.counters, predicts, d, vocab, ws.splits, ws.rsplits, ws.rchunk, unscale,
-        HAS_TOPK=has_k, HAS_TOPP=has_p, D_BLOCK=triton.next_power_of_2(d), BLOCK=_select.BLOCK,
-        num_warps=_select.STREAM_WARPS, **opts)
+    splits, _ = split_layout(rows, vocab)
+    rsplits, _ = split_layout(bs, vocab)
+    slots = [("temps", torch.float32, (bs,)), ("top_k", torch.int32, (bs if has_k else 0,)),
+             ("top_p", torch.float32, (bs if has_p else 0,)), ("coins", torch.float32, (bs, d)),
+             ("coins_final", torch.float32, (bs,)), ("part_max", torch.float32, (rows, splits)),
+             ("part_sum", torch.int64, (rows, splits)), ("walk_state", torch.int32, (bs, WALK_FIELDS + d)),
+             ("res_sum", torch.float64, (bs, rsplits)), ("res_last", torch.int32, (bs, rsplits)),
+             ("counters", torch.int32, (bs,))]
+    if has_k or has_p:
+        slots += [("pivots", torch.float32, (rows, 4))] + select_slots(rows, splits)
+    return slots
+
+
+def fused_workspace_bytes(bs: int, d: int, vocab: int, top_k: bool = False, top_p: bool = False) -> int:
+    """Bytes of a fused step's workspace (before allocator rounding): it grows with bs * D,
+    never with bs * D * V.
+
+    Args:
+        bs, d, vocab: the step's shape.
+        top_k, top_p: whether those renorms run.
+
+    Returns:
+        The workspace size in bytes.
+    """
+    return Layout(step_slots(bs, d, vocab, top_k, top_p)).nbytes
+
+
+_PLANS = PlanCache(StepPlan)
+
+
+def clear_plans() -> None:
+    """Forget every cached plan, the standalone renorm's too (and the compiled-kernel handles they hold)."""
+    _PLANS.clear()
+    _select.clear_plans()
+
+
+def plan_for(step: VerifyStep) -> StepPlan:
+    """The cached plan of ``step``'s shape and argument forms (made on first sight)."""
+    bs, d = step.candidates.shape
+    logits = step.logits
+    device = logits.get_device()
+    forms, in_place, dtypes = [], [], []
+    for value in (step.temperatures, step.top_ks, step.top_ps):
+        if value is None:
+            forms.append(ABSENT)
+            in_place.append(False)
+        elif not isinstance(value, torch.Tensor):
+            forms.append(NUMBER)
+            in_place.append(False)
+        else:  # read in place when the kernels can; else copied into its slot first
+            direct = value.get_device() == device and value.is_contiguous()
+            forms.append(PER_REQUEST if not direct or value.numel() == bs else ONE_VALUE)
+            in_place.append(direct)
+            dtypes.append(value.dtype)
+    forms, in_place = tuple(forms), tuple(in_place)
+    return _PLANS.get((bs, d, logits.shape[1], logits.dtype, step.tree.tree_depth, device, forms, in_place,
+                       tuple(dtypes), _select.tunables()),
+                      bs, d, logits.shape[1], step.tree.tree_depth, forms, in_place)
+
+
+# ---------------------------------------------------------------------------------
+# One step
+
+
+def run_step(step: VerifyStep, out: VerifyResult, launch: bool = True) -> None:
+    """The fused step into ``out``, its workspace allocated here (inside the caller's borrow
+    scope, if any).
+
+    ``step`` was checked (``check`` and ``require_contiguous``) and, if asked, validated by
+    the caller; nothing is checked again here. Allocates the step's one workspace, then
+    (unless ``launch`` is False) launches the kernels, which write every entry of ``out``
+    (``accept_length`` counting the emitted token). With ``launch=False`` nothing runs:
+    the capacity planner records this function on the layout-only device, so its plan is
+    the allocation sequence of exactly this path.
+    """
+    plan = plan_for(step)
+    buffer = plan.layout.allocate(step.logits)
+    if launch:
+        _launch(plan, step, out, buffer, 0)
+
+
+def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, buffer: torch.Tensor, at: int) -> None:
+    """Launch the step: its workspace is ``buffer``'s bytes from ``at``."""
+    tree, device = step.tree, step.logits.get_device()
+    values = (step.temperatures, step.top_ks, step.top_ps)
+    params = [v if direct else None for v, direct in zip(values, plan.in_place)]
+    coins = [c if c is not None and c.get_device() == device else None for c in (step.coins, step.coins_final)]
+    if coins[0] is None or coins[1] is None or plan.copies:
+        _fill_slots(plan, step, buffer, at, coins)
+    given = [step.logits, step.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling,
+             *out, *coins, *params]
+    pointers = [None if t is None else t.data_ptr() for t in given]
+    launcher = plan.launcher
+    if launcher.direct(device, aligned(*(p for p in pointers if p is not None))):
+        w = plan.layout.pointers(buffer, at)
+    else:
+        w, pointers = plan.layout.views(buffer, at), given
+    launcher.run(_launches(plan, step, w, pointers))
+
+
+def _fill_slots(plan: StepPlan, step: VerifyStep, buffer: torch.Tensor, at: int, coins: list) -> None:
+    """Fill the slots the kernels read instead of the caller's tensors: coins drawn (or
+    copied from another device), parameter tensors the kernels cannot read in place."""
+    layout = plan.layout
+    for name, given, usable in (("coins", step.coins, coins[0]), ("coins_final", step.coins_final, coins[1])):
+        if usable is None:
+            slot = layout.view(buffer, name, at)
+            if given is None:
+                draw_into(slot, step.generator)
+            else:
+                slot.copy_(given)
+    for name, value, form, direct in zip(("temps", "top_k", "top_p"), (step.temperatures, step.top_ks, step.top_ps),
+                                         plan.forms, plan.in_place):
+        if form == PER_REQUEST and not direct:
+            layout.view(buffer, name, at).copy_(value.reshape(-1).expand(plan.bs))
+
+
+def _launches(plan: StepPlan, step: VerifyStep, w, pointers: list) -> list:
+    """The step's launches, ``(kernel, grid, args, options)``: pointer arguments are ``w``'s
+    slots and ``pointers`` (the caller's tensors, None where a slot stands in), as device
+    addresses or tensors alike."""
+    (logits, candidates, retrive_index, next_token, next_sibling, predicts, accept_index, accept_length,
+     coins, coins_final, temps_src, k_src, p_src) = pointers
+    coins = w.coins if coins is None else coins
+    coins_final = w.coins_final if coins_final is None else coins_final
+    t_form, k_form, p_form = plan.forms
+    top_k = w.top_k if plan.has_k else w.part_max  # (an unused pointer when absent)
+    top_p = w.top_p if plan.has_p else w.part_max
+    pivots = w.pivots if plan.renorm else w.part_max
+    select_counters = w.select_counters if plan.renorm else w.counters
+    bs, d, vocab, splits, steps = plan.bs, plan.d, plan.vocab, plan.splits, plan.steps
+    block, split_block, precise = _select.BLOCK, _select.SPLIT_MAX, not INTERPRETED
+    launches = [(_row_max_kernel, plan.grid_rows, (
+        logits, w.part_max, predicts, w.counters, select_counters,
+        w.temps, w.temps if temps_src is None else temps_src, _number(step.temperatures, t_form, float),
+        top_k, top_k if k_src is None else k_src, _number(step.top_ks, k_form, _clamped_int),
+        top_p, top_p if p_src is None else p_src, _number(step.top_ps, p_form, float),
+        bs, vocab, splits, plan.chunk, plan.renorm, t_form, k_form, p_form, block), plan.stream_options)]
+    walk = (pivots, candidates, retrive_index, next_token, next_sibling, coins, predicts, accept_index,
+            accept_length, w.walk_state)
+    thresholds = (step.threshold_single, step.threshold_acc)
+    launches.append((_row_sum_kernel, plan.grid_rows, (
+        logits, w.temps, w.part_max, w.part_sum, w.counters, *walk, d, vocab, splits, plan.chunk, steps,
+        plan.scale, plan.unscale, *thresholds, not plan.renorm, False, False, block, split_block, precise),
+        plan.stream_options))
+    if plan.renorm:
+        search = _select.SelectWorkspace(w.state_i, w.state_f, w.part_w, w.part_c, w.scratch, w.select_counters)
+        launches += select_launches(plan.rows, vocab, logits, pivots, search, top_k if plan.has_k else None,
+                                    top_p if plan.has_p else None, d, splits, plan.chunk,
+                                    stats=(w.temps, w.part_max, w.part_sum, plan.unscale))
+        launches.append((_walk_kernel, plan.grid_walk, (
+            logits, w.temps, w.part_max, w.part_sum, *walk, d, vocab, splits, steps, plan.unscale, *thresholds,
+            plan.has_k, plan.has_p, split_block, precise), plan.walk_options))
+    launches.append((_residual_kernel, plan.grid_residual, (
+        logits, w.temps, w.part_max, w.part_sum, pivots, w.walk_state, coins_final, w.res_sum, w.res_last,
+        w.counters, predicts, d, vocab, splits, plan.rsplits, plan.rchunk, plan.unscale, plan.has_k, plan.has_p,
+        plan.d_block, block, split_block, precise), plan.stream_options))
+    return launches
+
+
+def _number(value, form: int, convert):
+    """A parameter given as a number, as the first kernel takes it (0 of its type when it reads a tensor)."""
+    return convert(value) if form == NUMBER else convert(0)
+
+
+def _clamped_int(k) -> int:
+    """top-k as an int32 kernel argument: k >= V keeps everything, so 2**31 - 1 stands for any larger k."""
+    return min(int(k), INT32_MAX)
 
 
 def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.Tensor) -> torch.Tensor:
     """The fused path's target probabilities at ``tokens`` [rows, K] (int64), per row.
 
     For checking: they equal ``target_probs_reference(logits, temperatures per row)``
-    gathered at ``tokens``, bit for bit. ``temperatures``: a number or one per request (rows / d).
+    gathered at ``tokens``, bit for bit.
+
+    Args:
+        logits: [rows, V] logits, rows a multiple of ``d``.
+        temperatures: a number or one per request (rows / d).
+        d: rows per request.
+        tokens: [rows, K] int64 token ids.
+
+    Returns:
+        [rows, K] float32 probabilities.
+
+    Raises:
+        ValueError: ``tokens`` of the wrong shape or dtype, or rows not a multiple of ``d``.
     """
     rows, vocab = logits.shape
     if tokens.dim() != 2 or tokens.shape[0] != rows or tokens.dtype != torch.int64:
@@ -338,22 +448,28 @@ def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.
     if rows % d:
         raise ValueError(f"logits hold {rows} rows, not a whole number of requests of d={d} rows")
     bs = rows // d
-    ws = fused_workspace(logits, bs, d, vocab, temperatures)
-    bits = sum_bits(vocab)
-    opts = dict(PRECISE=not INTERPRETED, SPLIT_BLOCK=SPLIT_MAX, **compile_options())
-    predicts = logits.new_empty(rows, dtype=torch.int32)
-    _row_max_kernel[(rows, ws.splits)](logits, ws.part_max, predicts, ws.counters, ws.counters, bs, vocab, ws.splits,
-                                       ws.chunk, ZERO_SELECT=False, BLOCK=_select.BLOCK, num_warps=_select.STREAM_WARPS,
-                                       **compile_options())
-    none = ws.part_max
-    _row_sum_kernel[(rows, ws.splits)](
-        logits, ws.temps, ws.part_max, ws.part_sum, ws.counters, none, none, none, none, none, none, none, none,
-        none, none, d, vocab, ws.splits, ws.chunk, 1, 2.0 ** bits, 2.0 ** -bits, 1.0, 1.0,
-        WALK=False, HAS_TOPK=False, HAS_TOPP=False, BLOCK=_select.BLOCK, num_warps=_select.STREAM_WARPS, **opts)
+    form = PER_REQUEST if isinstance(temperatures, torch.Tensor) else NUMBER
+    plan = StepPlan(bs, d, vocab, 1, (form, ABSENT, ABSENT), (False, False, False))
+    w = plan.layout.views(plan.layout.allocate(logits))
+    if form == PER_REQUEST:
+        w.temps.copy_(temperatures.reshape(-1).expand(bs))
     tokens = tokens.contiguous()
     out = logits.new_empty(tokens.shape, dtype=torch.float32)
-    _token_prob_kernel[(rows,)](logits, ws.temps, ws.part_max, ws.part_sum, tokens, out, d, vocab, ws.splits,
-                                tokens.shape[1], 2.0 ** -bits, BLOCK=256, num_warps=4, **opts)
+    none, block, split_block, precise = w.part_max, _select.BLOCK, _select.SPLIT_MAX, not INTERPRETED
+    launcher = Launcher()  # a check, not a hot path: every launch through the JIT front end
+    launcher.direct(logits.get_device(), False)
+    launcher.run([
+        (_row_max_kernel, plan.grid_rows, (
+            logits, w.part_max, w.walk_state, w.counters, w.counters, w.temps, w.temps,
+            _number(temperatures, form, float), none, none, 0, none, none, 0.0, bs, vocab, plan.splits, plan.chunk,
+            False, form, ABSENT, ABSENT, block), plan.stream_options),
+        (_row_sum_kernel, plan.grid_rows, (
+            logits, w.temps, w.part_max, w.part_sum, w.counters, *([none] * 10), d, vocab, plan.splits, plan.chunk,
+            1, plan.scale, plan.unscale, 1.0, 1.0, False, False, False, block, split_block, precise),
+         plan.stream_options),
+        (_token_prob_kernel, (rows, 1, 1), (
+            logits, w.temps, w.part_max, w.part_sum, tokens, out, d, vocab, plan.splits, tokens.shape[1],
+            plan.unscale, 256, split_block, precise), dict(num_warps=4, **compile_options()))])
     return out
 
 
@@ -363,10 +479,30 @@ def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.
 if TRITON_AVAILABLE:
     WALK_FIELDS_C = tl.constexpr(WALK_FIELDS)
 
-    @triton.jit(do_not_specialize=["bs", "splits"])
-    def _row_max_kernel(logits, part_max, predicts, counters, select_counters, bs, vocab, splits, chunk,
-                        ZERO_SELECT: tl.constexpr, BLOCK: tl.constexpr):
-        """Largest logit per (row, slice): m = max(x) / t later, as division by t > 0 is monotone."""
+    @triton.jit
+    def _store_param(dst, src, value, req, FORM: tl.constexpr, CLAMP: tl.constexpr):
+        """Request ``req``'s parameter into its slot: from a number, the caller's per-request
+        tensor or its one value (ABSENT: nothing). CLAMP: an integer read as int32, where
+        k >= 2**31 keeps everything as 2**31 - 1 does."""
+        if FORM == 1:
+            tl.store(dst + req, value)
+        elif FORM >= 2:
+            if FORM == 2:
+                v = tl.load(src + req)
+            else:
+                v = tl.load(src)
+            if CLAMP:
+                v = tl.minimum(v.to(tl.int64), 2147483647)
+            tl.store(dst + req, v)
+
+    @triton.jit(do_not_specialize=["bs", "splits", "t_value", "k_value", "p_value"])
+    def _row_max_kernel(logits, part_max, predicts, counters, select_counters, temps, t_src, t_value, top_k, k_src,
+                        k_value, top_p, p_src, p_value, bs, vocab, splits, chunk,
+                        ZERO_SELECT: tl.constexpr, T_FORM: tl.constexpr, K_FORM: tl.constexpr,
+                        P_FORM: tl.constexpr, BLOCK: tl.constexpr):
+        """Largest logit per (row, slice): m = max(x) / t later, as division by t > 0 is monotone.
+        Slice 0 of each row zeroes its output and counters; of the first bs rows, also writes
+        that request's parameters."""
         row = tl.program_id(0)
         c = tl.program_id(1)
         base = logits + row.to(tl.int64) * vocab
@@ -382,6 +518,9 @@ if TRITON_AVAILABLE:
             tl.store(predicts + row, 0)
             if row < bs:
                 tl.store(counters + row, 0)
+                _store_param(temps, t_src, t_value, row, T_FORM, False)
+                _store_param(top_k, k_src, k_value, row, K_FORM, True)
+                _store_param(top_p, p_src, p_value, row, P_FORM, False)
             if ZERO_SELECT:
                 tl.store(select_counters + row, 0)
 
@@ -587,94 +726,3 @@ if TRITON_AVAILABLE:
             tl.store(out + row.to(tl.int64) * k + i, prob(x, t, big, total, PRECISE), mask=i < k)
 
 
-# ---------------------------------------------------------------------------------
-# Arguments
-
-
-def _draw(given, shape, generator, like) -> torch.Tensor:
-    if given is not None:
-        return given
-    out = like.new_empty(shape, dtype=torch.float32)
-    if generator is None:
-        return out.uniform_()
-    if generator.device.type == "cpu":
-        return out.copy_(torch.rand(shape, generator=generator))
-    return out.uniform_(generator=generator)
-
-
-def _expect(t, name, shape, dtype) -> None:
-    """As the reference checks its inputs, and contiguous: the kernels index raw memory."""
-    expect(t, name, shape, dtype)
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous; call .contiguous() first")
-
-
-def _check_thresholds(threshold_single, threshold_acc):
-    for name, value in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be a number in [0, 1] (1 is exact target sampling), got {value!r}")
-    return float(threshold_single), max(float(threshold_acc), 1e-9)
-
-
-def _check_shapes(logits, candidates, tree, coins, coins_final, out):
-    if not isinstance(tree, DraftTree) and not hasattr(tree, "retrive_next_token"):
-        raise ValueError("tree must be a DraftTree (see build_draft_tree / tree_from_parents)")
-    if not isinstance(candidates, torch.Tensor) or candidates.dim() != 2 or candidates.dtype != torch.int64:
-        raise ValueError("candidates must be an int64 tensor [bs, D] (draft tokens, node 0 = root)")
-    bs, d = candidates.shape
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != bs * d:
-        raise ValueError(
-            f"logits must be [bs*D, V] = [{bs * d}, V] (one row per tree node), got "
-            f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
-    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
-    if not logits.is_contiguous():
-        raise ValueError("logits must be contiguous; call .contiguous() first")
-    vocab = logits.shape[1]
-    if vocab < 1:
-        raise ValueError("logits have an empty vocabulary dimension")
-    _expect(candidates, "candidates", (bs, d), torch.int64)
-    for name in ("retrive_index", "retrive_next_token", "retrive_next_sibling"):
-        _expect(getattr(tree, name), f"tree.{name}", (bs, d), torch.int64)
-    if coins is not None:
-        _expect(coins, "coins", (bs, d), torch.float32)
-    if coins_final is not None:
-        _expect(coins_final, "coins_final", (bs,), torch.float32)
-    if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise ValueError("out must be (predicts [bs*D] int32, accept_index [bs, S] int32, accept_length [bs] int32)")
-        _expect(out[0], "out predicts", (bs * d,), torch.int32)
-        _expect(out[1], "out accept_index", (bs, int(tree.tree_depth)), torch.int32)
-        _expect(out[2], "out accept_length", (bs,), torch.int32)
-    return bs, d, vocab
-
-
-def _check_values(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final) -> None:
-    """Host-side value checks (each syncs): what a kernel cannot report."""
-    bs, d = candidates.shape
-    vocab = logits.shape[1]
-    for name, t in (("retrive_next_token", tree.retrive_next_token), ("retrive_next_sibling", tree.retrive_next_sibling)):
-        if any_true((t < -1) | (t >= d)):
-            raise ValueError(f"tree.{name} values must be -1 (none) or a node index in [0, {d})")
-    if any_true((tree.retrive_index < 0) | (tree.retrive_index >= bs * d)):
-        raise ValueError(f"tree.retrive_index values must be slots in [0, {bs * d}) of predicts")
-    if any_true((candidates < 0) | (candidates >= vocab)):
-        raise ValueError(f"candidates must be token ids in [0, {vocab})")
-    temps = per_request(temperatures, bs, "temperatures", logits, torch.float32)
-    if any_true(~(temps > 0) | ~torch.isfinite(temps)):
-        raise ValueError("temperatures must be finite and > 0 (greedy requests take the argmax path instead)")
-    if top_ks is not None and any_true(per_request(top_ks, bs, "top_ks", logits, torch.int64) < 1):
-        raise ValueError(f"top_ks must be >= 1 (a value >= the vocabulary {vocab} keeps all)")
-    if isinstance(top_ks, torch.Tensor) and any_true(top_ks >= 2**31):
-        raise ValueError(f"top_ks must be < 2**31 (the kernels read int32; pass the vocabulary {vocab} to keep all)")
-    if top_ps is not None:
-        p = per_request(top_ps, bs, "top_ps", logits, torch.float32)
-        if any_true(~(p > 0) | (p > 1)):
-            raise ValueError("top_ps must be in (0, 1] (1 keeps all)")
-    for name, c in (("coins", coins), ("coins_final", coins_final)):
-        if c is not None and any_true(~((c >= 0) & (c <= 1))):
-            raise ValueError(f"{name} must be uniform samples in [0, 1]")
-    if any_true(torch.isnan(logits)) or any_true(logits == math.inf):
-        raise ValueError("logits hold NaN or +inf; fix them upstream (-inf masks a token and is fine)")
-    if any_true((logits == -math.inf).all(dim=1)):
-        raise ValueError("a logits row is -inf everywhere: it holds no distribution")

@@ -36,7 +36,9 @@ from typing import NamedTuple
 
 import torch
 
+from .launch import Launcher, PlanCache, aligned
 from .probs import INTERPRETED, TRITON_AVAILABLE, any_true, compile_options, per_request
+from .workspace import Layout
 
 if TRITON_AVAILABLE:
     import triton
@@ -44,8 +46,8 @@ if TRITON_AVAILABLE:
 
     from .probs import float_key, key_float, prob, renormed, row_norm
 
-__all__ = ["SelectWorkspace", "select_pivots", "select_workspace", "select_workspace_bytes", "split_layout",
-           "top_k_renorm", "top_p_renorm"]
+__all__ = ["SelectWorkspace", "clear_plans", "select_launches", "select_slots", "split_layout", "top_k_renorm", "top_p_renorm",
+           "tunables"]
 
 BLOCK = 2048            # vocabulary entries per tile in the streaming kernels
 SPLIT_MAX = 64          # most vocabulary slices per row
@@ -63,19 +65,18 @@ STATE_FLOATS = 4        # weight >= hi, total weight, target, (spare)
 
 
 class SelectWorkspace(NamedTuple):
-    """Per-row search state and per-slice partial results (see the module docstring).
-
+    """Per-row search state and per-slice partial results (see the module docstring):
     ``state_i`` [rows, 8] int32, ``state_f`` [rows, 4] float64, ``part_w`` [rows, splits,
     T] float64, ``part_c`` [rows, splits, T] int32, ``scratch`` [rows, CAP] int32,
-    ``counters`` [rows] int32 (must be zero before the first kernel).
-    """
+    ``counters`` [rows] int32 (zero before the first kernel). Device addresses or tensors
+    (:mod:`.launch`)."""
 
-    state_i: torch.Tensor
-    state_f: torch.Tensor
-    part_w: torch.Tensor
-    part_c: torch.Tensor
-    scratch: torch.Tensor
-    counters: torch.Tensor
+    state_i: object
+    state_f: object
+    part_w: object
+    part_c: object
+    scratch: object
+    counters: object
 
 
 def split_layout(rows: int, vocab: int) -> tuple[int, int]:
@@ -88,28 +89,29 @@ def split_layout(rows: int, vocab: int) -> tuple[int, int]:
     return -(-tiles // per), per * BLOCK
 
 
-def select_workspace(like: torch.Tensor, rows: int, splits: int, zero_counters: bool = True) -> SelectWorkspace:
-    """Allocate the search's temporaries next to ``like`` (any device, the simulated one too)."""
+def tunables() -> tuple:
+    """The module's sizes as they are now (tests shrink them): part of every plan's key."""
+    return (BLOCK, SPLIT_MAX, TARGET_PROGRAMS, SELECT_BLOCK, SELECT_THRESHOLDS, SELECT_PASSES, SELECT_CAP,
+            SELECT_WARPS, STREAM_WARPS)
+
+
+def select_slots(rows: int, splits: int) -> list:
+    """The search's workspace slots, ``(name, dtype, shape)``, named as :class:`SelectWorkspace`'s
+    fields (``counters`` as ``select_counters``)."""
     t = SELECT_THRESHOLDS
-    state_i = like.new_empty((rows, STATE_INTS), dtype=torch.int32)
-    state_f = like.new_empty((rows, STATE_FLOATS), dtype=torch.float64)
-    part_w = like.new_empty((rows, splits, t), dtype=torch.float64)
-    part_c = like.new_empty((rows, splits, t), dtype=torch.int32)
-    scratch = like.new_empty((rows, SELECT_CAP), dtype=torch.int32)
-    counters = (like.new_zeros if zero_counters else like.new_empty)(rows, dtype=torch.int32)
-    return SelectWorkspace(state_i, state_f, part_w, part_c, scratch, counters)
+    return [("state_i", torch.int32, (rows, STATE_INTS)), ("state_f", torch.float64, (rows, STATE_FLOATS)),
+            ("part_w", torch.float64, (rows, splits, t)), ("part_c", torch.int32, (rows, splits, t)),
+            ("scratch", torch.int32, (rows, SELECT_CAP)), ("select_counters", torch.int32, (rows,))]
 
 
-def select_workspace_bytes(rows: int, splits: int) -> int:
-    """Requested bytes of :func:`select_workspace`."""
-    return rows * (4 * STATE_INTS + 8 * STATE_FLOATS + 12 * splits * SELECT_THRESHOLDS + 4 * SELECT_CAP + 4)
-
-
-def select_pivots(src, pivots, ws: SelectWorkspace, top_k, top_p, d: int, splits: int, chunk: int,
-                  stats=None) -> None:
-    """Fill ``pivots`` [rows, 4] float32 with (top-k pivot, kept sum, top-p pivot, kept sum).
+def select_launches(rows: int, vocab: int, src, pivots, ws: SelectWorkspace, top_k, top_p, d: int, splits: int,
+                    chunk: int, stats=None) -> list:
+    """The launches of the search that fills ``pivots`` [rows, 4] float32 with (top-k pivot,
+    kept sum, top-p pivot, kept sum), as :meth:`~graphborrow.eagle.triton.launch.Launcher.run`
+    takes them. Pointer arguments are device addresses or tensors alike (:mod:`.launch`).
 
     Args:
+        rows, vocab: the source's shape.
         src: [rows, V] probabilities, or logits when ``stats`` is given.
         top_k: [rows / d] int32 or None; top_p: [rows / d] float32 or None (one per request).
             top_p is float32 as the reference takes it (and torch and flashinfer do), widened
@@ -118,25 +120,26 @@ def select_pivots(src, pivots, ws: SelectWorkspace, top_k, top_p, d: int, splits
         d: rows per request.
         stats: ``(temps, part_max, part_sum, unscale)`` of the logits (see
             :mod:`graphborrow.eagle.triton.fused`), or None for probabilities.
+
+    Returns:
+        A list of ``(kernel, grid, args, options)``.
     """
-    rows, vocab = src.shape
     from_logits = stats is not None
     temps, part_max, part_sum, unscale = stats if from_logits else (pivots, pivots, pivots, 1.0)
-    opts = compile_options()
+    options = dict(num_warps=SELECT_WARPS, **compile_options())
+    grid, per_row = (rows, splits, 1), (rows, 1, 1)
+    launches = []
     for topp, param in ((False, top_k), (True, top_p)):
         if param is None:
             continue
-        common = (src, temps, part_max, part_sum, param, pivots, *ws, d, vocab, splits, chunk, unscale)
-        consts = dict(FROM_LOGITS=from_logits, TOPP=topp, HAS_TOPK=top_k is not None, NT=SELECT_THRESHOLDS,
-                      CAP=SELECT_CAP, BLOCK_S=SELECT_BLOCK, BLOCK=BLOCK, SPLIT_BLOCK=SPLIT_MAX,
-                      PRECISE=not INTERPRETED, num_warps=SELECT_WARPS, **opts)
-        grid = (rows, splits)
-        _init_kernel[grid](*common, **consts)
-        for _ in range(SELECT_PASSES):
-            _pass_kernel[grid](*common, **consts)
-        _gather_kernel[grid](*common, **consts)
-        _resolve_kernel[(rows,)](*common, **consts)
-        _kept_kernel[grid](*common, **consts)
+        args = (src, temps, part_max, part_sum, param, pivots, *ws, d, vocab, splits, chunk, unscale,
+                from_logits, topp, top_k is not None, SELECT_THRESHOLDS, SELECT_CAP, SELECT_BLOCK, BLOCK, SPLIT_MAX,
+                not INTERPRETED)
+        launches.append((_init_kernel, grid, args, options))
+        launches += [(_pass_kernel, grid, args, options)] * SELECT_PASSES
+        launches += [(_gather_kernel, grid, args, options), (_resolve_kernel, per_row, args, options),
+                     (_kept_kernel, grid, args, options)]
+    return launches
 
 
 # ---------------------------------------------------------------------------------
@@ -147,7 +150,17 @@ def top_k_renorm(probs: torch.Tensor, top_k, validate: bool = True) -> torch.Ten
     """Keep each row's entries >= its k-th largest (ties kept), divided by their float64 sum.
 
     Same values as :func:`graphborrow.eagle.renorm.top_k_renorm_probs`, found without a sort.
-    ``top_k``: a number or one value per row.
+
+    Args:
+        probs: [rows, V] float32 probabilities, contiguous.
+        top_k: a number or one value per row (>= 1).
+        validate: check values on the host (syncs); False for graph capture.
+
+    Returns:
+        A new [rows, V] float32 tensor.
+
+    Raises:
+        ValueError: a bad argument, named.
     """
     return _renorm(probs, top_k, None, validate)
 
@@ -156,9 +169,36 @@ def top_p_renorm(probs: torch.Tensor, top_p, validate: bool = True) -> torch.Ten
     """Keep each row's smallest tie-closed set of largest entries reaching top_p, renormalised.
 
     Same values as :func:`graphborrow.eagle.renorm.top_p_renorm_probs`, found without a sort.
-    ``top_p``: a number or one value per row.
+
+    Args:
+        probs: [rows, V] float32 probabilities, contiguous.
+        top_p: a number or one value per row, in (0, 1].
+        validate: check values on the host (syncs); False for graph capture.
+
+    Returns:
+        A new [rows, V] float32 tensor.
+
+    Raises:
+        ValueError: a bad argument, named.
     """
     return _renorm(probs, None, top_p, validate)
+
+
+class _RenormPlan:
+    """What the standalone renorm of one shape computes once: split, workspace, kernels."""
+
+    def __init__(self, rows: int, vocab: int):
+        self.splits, self.chunk = split_layout(rows, vocab)
+        self.layout = Layout([("pivots", torch.float32, (rows, 4))] + select_slots(rows, self.splits))
+        self.launcher = Launcher()
+
+
+_RENORM_PLANS = PlanCache(_RenormPlan)
+
+
+def clear_plans() -> None:
+    """Forget the standalone renorm's cached plans."""
+    _RENORM_PLANS.clear()
 
 
 def _renorm(probs, top_k, top_p, validate):
@@ -169,21 +209,33 @@ def _renorm(probs, top_k, top_p, validate):
     if not TRITON_AVAILABLE:
         raise RuntimeError("top_k_renorm / top_p_renorm need triton (the 'kernels' extra)")
     rows, vocab = probs.shape
+    k = None if top_k is None else per_request(top_k, rows, "top_k", probs, torch.int32)
+    p = None if top_p is None else per_request(top_p, rows, "top_p", probs, torch.float32)
     if validate:
-        if top_k is not None and any_true(per_request(top_k, rows, "top_k", probs, torch.int64) < 1):
+        if k is not None and any_true(k < 1):
             raise ValueError(f"top_k must be >= 1 (a value >= the vocabulary {vocab} keeps all)")
-        if top_p is not None and any_true(~(per_request(top_p, rows, "top_p", probs, torch.float32) > 0)):
+        if p is not None and any_true(~(p > 0) | (p > 1)):
             raise ValueError("top_p must be in (0, 1] (1 keeps all)")
         if any_true(~torch.isfinite(probs)) or any_true(probs < 0):
             raise ValueError("probs must be finite and >= 0")
-    k = None if top_k is None else per_request(top_k, rows, "top_k", probs, torch.int32)
-    p = None if top_p is None else per_request(top_p, rows, "top_p", probs, torch.float32)
-    splits, chunk = split_layout(rows, vocab)
-    pivots = probs.new_empty((rows, 4))
-    select_pivots(probs, pivots, select_workspace(probs, rows, splits), k, p, 1, splits, chunk)
+    plan = _RENORM_PLANS.get((rows, vocab, k is not None, p is not None, probs.get_device(), tunables()), rows, vocab)
+    buffer = plan.layout.allocate(probs)
+    plan.layout.view(buffer, "select_counters").zero_()
     out = torch.empty_like(probs)
-    _apply_kernel[(rows, splits)](probs, pivots, out, vocab, chunk, HAS_TOPK=k is not None, HAS_TOPP=p is not None,
-                                  BLOCK=BLOCK, num_warps=STREAM_WARPS, **compile_options())
+    launcher = plan.launcher
+    if launcher.direct(probs.get_device(), aligned(probs.data_ptr(), out.data_ptr())):
+        w = plan.layout.pointers(buffer)
+        src, dst = probs.data_ptr(), out.data_ptr()
+        k_arg, p_arg = (None if t is None else t.data_ptr() for t in (k, p))
+    else:
+        w = plan.layout.views(buffer)
+        src, dst, k_arg, p_arg = probs, out, k, p
+    search = SelectWorkspace(w.state_i, w.state_f, w.part_w, w.part_c, w.scratch, w.select_counters)
+    launches = select_launches(rows, vocab, src, w.pivots, search, k_arg, p_arg, 1, plan.splits, plan.chunk)
+    launches.append((_apply_kernel, (rows, plan.splits, 1), (src, w.pivots, dst, vocab, plan.chunk, k is not None,
+                                                             p is not None, BLOCK),
+                     dict(num_warps=STREAM_WARPS, **compile_options())))
+    launcher.run(launches)
     return out
 
 

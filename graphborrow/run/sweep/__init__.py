@@ -31,6 +31,9 @@ from graphborrow.core.atomicfile import write_atomic
 from graphborrow.core.errors import ParameterError
 from graphborrow.studies.shipped import find_notebook
 
+from ..environment import check_environment
+from ..folders import output_folder
+
 from .execute import Execution, NotebookJob
 from .grid import Grid, check_sweep_name, parse_cli_values, parse_value
 from .parameters import (
@@ -126,8 +129,10 @@ def run_sweep(notebook: str | Path, grid: Grid, *, name: str | None = None, out:
         A :class:`SweepReport`. Points that failed are in it, not raised.
 
     Raises:
-        ParameterError: a bad grid, value, notebook or cluster, before any point runs.
+        ParameterError: a bad grid, value, notebook, environment variable, output folder or
+            cluster, before any point runs.
     """
+    check_environment()
     if timeout is not None and not timeout > 0:
         raise ParameterError(f"timeout={timeout!r} must be a positive number of seconds per cell")
     nb_path = find_notebook(notebook)
@@ -147,8 +152,7 @@ def run_sweep(notebook: str | Path, grid: Grid, *, name: str | None = None, out:
     if len(set(identities)) != len(identities):
         raise ParameterError("the grid has duplicate points; list each value once per axis")
     ids = point_ids(points, list(grid.axes), identities)
-    directory = Path(out) / sweep_name
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = output_folder(Path(out) / sweep_name)
 
     from filelock import FileLock
     from tqdm.auto import tqdm
@@ -161,7 +165,7 @@ def run_sweep(notebook: str | Path, grid: Grid, *, name: str | None = None, out:
         results: list[PointResult | None] = [None] * len(points)
         todo = []
         for i, (pid, ident) in enumerate(zip(ids, identities)):
-            results[i], why = store.load(pid, ident)
+            results[i], why = store.load(pid, ident, points[i], nb_path.name)
             if results[i] is None:
                 todo.append(i)
                 if why:
@@ -170,14 +174,14 @@ def run_sweep(notebook: str | Path, grid: Grid, *, name: str | None = None, out:
                    disable=not progress)
         try:
             if todo:
-                _run_points(nb_path, nb_path.read_bytes(), known, [points[i] for i in todo],
+                _run_points(nb_path, nb_path.read_bytes(), digest, known, [points[i] for i in todo],
                             [ids[i] for i in todo], [identities[i] for i in todo], store, timeout,
                             workers, scheduler, lambda k, r: _finish(results, todo[k], r, bar))
         finally:
             bar.close()
         ordered = [r for r in results if r is not None]
         csv_path = write_csv(directory / "results.csv", ordered)
-        plot_path = _plot(directory / "sweep.png", ordered, list(grid.axes), plot_y or grid.plot_y)
+        plot_path = _plot(directory / "sweep.png", ordered, list(grid.axes), plot_y or grid.plot_y, log)
     finally:
         lock.release()
     return SweepReport(directory, ordered, csv_path, plot_path)
@@ -189,7 +193,7 @@ def _finish(results: list, index: int, result: PointResult, bar) -> None:
     bar.update(1)
 
 
-def _run_points(nb_path: Path, source: bytes, known: set[str], points: Sequence[dict], ids: Sequence[str],
+def _run_points(nb_path: Path, source: bytes, digest: str, known: set[str], points: Sequence[dict], ids: Sequence[str],
                 identities: Sequence[str], store: PointStore, timeout: float | None, workers: int,
                 scheduler: str | None, done: Callable[[int, PointResult], None]) -> None:
     from .cluster import dask_client, run_jobs
@@ -203,15 +207,22 @@ def _run_points(nb_path: Path, source: bytes, known: set[str], points: Sequence[
     def on_done(k: int, execution: Execution | None, failure: str | None) -> None:
         if execution is None:
             execution = Execution(returncode=-1, error=failure, seconds=0.0, worker="", host="")
-        done(k, store.save(ids[k], identities[k], points[k], execution, notebook_name=nb_path.name))
+        done(k, store.save(ids[k], identities[k], points[k], execution, notebook_name=nb_path.name,
+                           notebook_digest=digest))
 
     with dask_client(scheduler, workers, gpu=any(j.gpu for j in jobs)) as client:
         run_jobs(client, jobs, on_done)
 
 
-def _plot(path: Path, points: Sequence[PointResult], axes: Sequence[str], plot_y: str | None) -> Path | None:
+def _plot(path: Path, points: Sequence[PointResult], axes: Sequence[str], plot_y: str | None,
+          log: Callable[[str], None]) -> Path | None:
     ok = [p for p in points if p.status in ("ok", "done")]
     if not ok or not axes:
+        return None
+    if plot_y is not None and not any(plot_y in p.results or plot_y in p.params for p in ok):
+        columns = sorted({k for p in ok for k in p.results if k.startswith("results.")})
+        log(f"no plot: no point has a column {plot_y!r} (--plot-y / plot_y); its results columns are "
+            f"{', '.join(columns) or 'none'}")
         return None
     if plot_y is None:
         numeric = [k for k, v in ok[0].results.items()

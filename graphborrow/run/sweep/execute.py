@@ -34,6 +34,8 @@ import yaml
 
 from graphborrow.studies.shipped import data_dir
 
+from ..environment import max_point_bytes
+
 __all__ = ["NotebookJob", "Execution", "PointCancelled", "execute", "max_point_bytes", "count_images"]
 
 KERNEL_NAME = "graphborrow-point"
@@ -57,16 +59,6 @@ os.execv(sys.executable, [sys.executable, "-m", "papermill"] + sys.argv[2:])
 
 class PointCancelled(Exception):
     """The point's future was cancelled while it ran; papermill and its kernel were killed."""
-
-
-def max_point_bytes() -> int:
-    """How many bytes of executed notebook and results one point may send back."""
-    text = os.environ.get("GRAPHBORROW_MAX_POINT_MB", "64")
-    try:
-        mb = float(text)
-    except ValueError:
-        raise ValueError(f"GRAPHBORROW_MAX_POINT_MB={text!r} must be a number of MiB, e.g. 128") from None
-    return int(mb * (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -194,6 +186,7 @@ def execute(job: NotebookJob, *, should_stop: Callable[[], bool] | None = None, 
         its first error as ``error``, never an exception here.
     """
     start = time.time()
+    limit = max_point_bytes()  # a bad setting on this worker fails the point before its notebook runs
     with tempfile.TemporaryDirectory(prefix="graphborrow-point-") as tmp_name:
         tmp = Path(tmp_name)
         source = tmp / "input" / job.notebook_name
@@ -228,7 +221,7 @@ def execute(job: NotebookJob, *, should_stop: Callable[[], bool] | None = None, 
     if code != 0 and "No module named papermill" in log:
         error = (f"papermill is not installed for {sys.executable} on {socket.gethostname()}; "
                  "install graphborrow[sweep] there")
-    size, limit = len(notebook) + sum(map(len, results.values())), max_point_bytes()
+    size = len(notebook) + sum(map(len, results.values()))
     if size > limit:
         code, notebook, results = (code or 1), b"", {}
         error = (f"the executed notebook and results are {size / 2**20:.1f} MiB, more than the "

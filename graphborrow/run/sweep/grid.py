@@ -17,6 +17,7 @@ and the problem; nothing is run before the whole grid checks out.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,18 @@ def check_sweep_name(name: Any, where: str = "sweep name") -> str:
     return name
 
 
+def _scalars_as_written(text: str) -> dict[str, str]:
+    """The top-level scalar values of a YAML mapping as typed (``0755``, not the 493 YAML reads)."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: v.value for k, v in node.value
+            if isinstance(k, yaml.ScalarNode) and isinstance(v, yaml.ScalarNode)}
+
+
 def _is_axis(name: str, value: Any) -> bool:
     """A YAML list is an axis, except a flat list of ints for a list-valued parameter."""
     if not isinstance(value, list):
@@ -122,6 +135,7 @@ class Grid:
             raise ParameterError(f"{path} is not a text file ({exc.reason})") from None
         if data is None:
             raise ParameterError(f"{path} is empty; a grid file maps parameters to values")
+        written = _scalars_as_written(path.read_text())
         if not isinstance(data, dict):
             raise ParameterError(
                 f"{path}: a grid file must be a mapping of parameter -> values, got a {type(data).__name__}")
@@ -131,8 +145,8 @@ class Grid:
             if key in data:
                 value = data.pop(key)
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    raise ParameterError(f"{path}: '{key}' must be text, and YAML read {value!r} as a "
-                                         f"number; quote it, e.g. {key}: \"0{value}\"")
+                    raise ParameterError(f"{path}: '{key}' must be text, and YAML read {written.get(key, value)} "
+                                         f"as the number {value!r}; quote it: {key}: \"{written.get(key, value)}\"")
                 if not isinstance(value, str) or not value:
                     raise ParameterError(f"{path}: '{key}' must be non-empty text, got {value!r}")
                 setattr(grid, key, value)
@@ -232,9 +246,10 @@ class Grid:
         """
         points = [validate(p, known) for p in self.points()]
         for name, values in self.axes.items():
-            seen = []
+            seen = set()  # a set of canonical texts: an axis of thousands is checked in one pass
             for v in values:
-                if v in seen:
+                key = json.dumps(v, sort_keys=True, default=repr)  # True and 1 differ, as == would not say
+                if key in seen:
                     raise ParameterError(f"axis {name} lists {v!r} twice; list each value once")
-                seen.append(v)
+                seen.add(key)
         return points

@@ -70,8 +70,11 @@ class IntList:
 
     lo: int
     hi: int
+    none_ok: bool = False
 
     def check(self, name: str, value: Any) -> None:
+        if value is None and self.none_ok:
+            return
         if not isinstance(value, (list, tuple)) or not value:
             raise ParameterError(f"{name}={value!r} must be a non-empty list of integers in [{self.lo}, {self.hi}]")
         for v in value:
@@ -80,7 +83,7 @@ class IntList:
                     f"{name} entry {v!r} is out of range; allowed: integers {self.lo} to {self.hi}")
 
     def describe(self) -> str:
-        return f"[{self.lo}..{self.hi}, ...]"
+        return f"[{self.lo}..{self.hi}, ...]" + (" or None" if self.none_ok else "")
 
 
 class Text:
@@ -127,19 +130,24 @@ def _verification_modes() -> tuple:
 # to 64 draft tokens. LAYERS counts the synthetic model's MLP blocks inside each graph: the
 # pool's idle runs come from one block's intermediates, which the next block reuses, so more
 # blocks add weights, not runs; 4 keeps the largest corner inside one H200.
+#
+# PRESET picks the shapes (graphborrow/studies/presets.py): "teaching" computes on a CPU in
+# seconds, "h200" is the Llama-3-8B shapes measured on the H200. A shape parameter left at None
+# takes the preset's value; LAYOUT_ONLY None decides by the shapes' cost on a CPU.
 PARAMETERS: dict[str, Any] = {
     "DEVICE": Choice(("auto", "cuda", "sim")),
+    "PRESET": Choice(("teaching", "h200")),
     "OUTPUT_DIR": Text(),
     "SEED": Range(0, 2**31 - 1),
-    "HIDDEN": Range(16, 16384),
-    "INTERMEDIATE": Range(16, 65536),
-    "LAYERS": Range(1, 4),
-    "VOCAB": Range(16, 262144),
-    "LADDER": IntList(1, 256),
-    "PREFILL_TOKENS": Range(1, 16384),
-    "BATCH_SIZE": Range(1, 256),
+    "HIDDEN": Range(16, 16384, none_ok=True),
+    "INTERMEDIATE": Range(16, 65536, none_ok=True),
+    "LAYERS": Range(1, 4, none_ok=True),
+    "VOCAB": Range(16, 262144, none_ok=True),
+    "LADDER": IntList(1, 256, none_ok=True),
+    "PREFILL_TOKENS": Range(1, 16384, none_ok=True),
+    "BATCH_SIZE": Range(1, 256, none_ok=True),
     "BATCH_SIZES": IntList(1, 256),
-    "DRAFT_TOKENS": Range(1, 64),
+    "DRAFT_TOKENS": Range(1, 64, none_ok=True),
     "DRAFT_TOKENS_LIST": IntList(1, 64),
     "BRANCHING": Range(1, 16),            # children per expanded draft-tree node (EAGLE's "topk")
     "MODEL": Choice(MODEL_NAMES),
@@ -151,9 +159,10 @@ PARAMETERS: dict[str, Any] = {
     "TEMPERATURE": Range(1e-3, 100.0, integer=False),
     "TOP_K": Range(1, 262144, none_ok=True),
     "TOP_P": Range(1e-6, 1.0, integer=False, none_ok=True),
+    "BUSY_MS": Range(1, 10_000),          # 03: how long the side stream works before it uses the borrowed tensor
     "SAMPLES": Range(1, 100_000),       # copies for 05's distribution checks: 12 categories need thousands
-    "LAYOUT_ONLY": Choice((True, False)),
-    "SWEEP_DIR": Text(),
+    "LAYOUT_ONLY": Choice((True, False, None)),
+    "SWEEP_DIR": OptionalPath(),
     "DATA_DIR": Text(),
 }
 
@@ -191,7 +200,8 @@ def validate(params: Mapping[str, Any], known: Iterable[str] | None = None) -> d
         The same values under their canonical (upper-case) names.
 
     Raises:
-        ParameterError: naming the parameter, the bad value and what is allowed.
+        ParameterError: naming the parameter, the bad value and what is allowed (or that
+            the runner sets it: :data:`PATH_PARAMETERS`).
     """
     known = set(known) if known is not None else None
     out: dict[str, Any] = {}
@@ -202,6 +212,10 @@ def validate(params: Mapping[str, Any], known: Iterable[str] | None = None) -> d
                 f"unknown parameter {raw!r}; sweepable parameters: {', '.join(sorted(PARAMETERS))}")
         if name in out:
             raise ParameterError(f"parameter {name} is given twice (as {raw!r} too); give it once")
+        if name in PATH_PARAMETERS:
+            raise ParameterError(
+                f"{name} is set by the runner for each notebook (a sweep point's results/ folder, the suite's "
+                f"--out/results), so a value given here would be ignored; choose where results go with --out")
         if known is not None and name not in known:
             raise ParameterError(
                 f"parameter {name} is not declared in the notebook's parameters cell; "

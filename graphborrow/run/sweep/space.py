@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from graphborrow.core.errors import ParameterError
+from graphborrow.studies import presets
 
 from .parameters import (
     PARAMETERS,
@@ -35,14 +36,15 @@ from .parameters import (
 __all__ = ["Point", "H200", "REAL_VOCABS", "corner", "random_point", "derive", "footprint_bytes",
            "notebook_points", "BACKED_LIMIT_BYTES", "DEVICE_BYTES"]
 
-# Not varied by the points: where the notebook runs and writes, and which device it uses.
-FIXED = ("DEVICE", "OUTPUT_DIR", "SWEEP_DIR", "DATA_DIR")
+# Not varied by the points: where the notebook runs and writes, which device it uses, and the
+# preset (corners and random points set every shape themselves; the "h200" point is the preset).
+FIXED = ("DEVICE", "OUTPUT_DIR", "SWEEP_DIR", "DATA_DIR", "PRESET")
 
-# The shapes measured on the H200 (Llama-3-8B: DESIGN.md), as one point.
+# The shapes measured on the H200 (Llama-3-8B: DESIGN.md), as one point for a notebook without
+# a PRESET parameter; a notebook with one gets PRESET="h200".
 H200: dict[str, Any] = {
-    "HIDDEN": 4096, "INTERMEDIATE": 14336, "LAYERS": 2, "VOCAB": 128256, "PREFILL_TOKENS": 8192,
-    "LADDER": [64, 32, 16, 8, 4, 2, 1], "BATCH_SIZES": [64, 32, 16, 8, 4, 2, 1], "BATCH_SIZE": 32,
-    "DRAFT_TOKENS": 8, "DRAFT_TOKENS_LIST": [8, 16], "LAYOUT_ONLY": True,
+    **{k: v for k, v in presets.PRESETS["h200"].items() if k != "DTYPE"},
+    "BATCH_SIZES": [64, 32, 16, 8, 4, 2, 1], "DRAFT_TOKENS_LIST": [8, 16], "LAYOUT_ONLY": True,
 }
 
 # Vocabularies of real models (Llama-2 / Mistral, GPT-2, Llama-3, Qwen2): random points use one
@@ -54,9 +56,10 @@ REAL_VOCABS = (32000, 50257, 128256, 151936)
 # can, as a serving engine on one GPU would capture fewer or smaller graphs.
 DEVICE_BYTES = 80 << 30
 
-# Above this estimated footprint a point runs layout-only (when the notebook lets it): real
-# bytes of that size on a 2-core CPU take minutes per notebook and prove nothing more.
-BACKED_LIMIT_BYTES = 768 << 20
+# Above this estimated footprint (or presets.BACKED_LIMIT_FLOPS of capture work) a point runs
+# layout-only (when the notebook lets it): real bytes of that size on a 2-core CPU take minutes
+# per notebook and prove nothing more.
+BACKED_LIMIT_BYTES = presets.BACKED_LIMIT_BYTES
 
 
 @dataclass(frozen=True)
@@ -144,17 +147,9 @@ def random_point(names, rng: random.Random) -> dict[str, Any]:
 
 
 def footprint_bytes(point: Mapping[str, Any], defaults: Mapping[str, Any]) -> int:
-    """A rough upper estimate of the bytes a notebook at ``point`` holds on the device (float32
-    weights, the largest graph's activations and logits, and one verification step's
-    probabilities); used only to decide whether real bytes are affordable on a CPU."""
-    get = {**defaults, **point}.get
-    h, i, layers, v = get("HIDDEN", 256), get("INTERMEDIATE", 512), get("LAYERS", 2), get("VOCAB", 4096)
-    d = max([get("DRAFT_TOKENS", 4)] + list(get("DRAFT_TOKENS_LIST", None) or []))
-    top = max(list(get("LADDER", None) or [1]) + list(get("BATCH_SIZES", None) or []) + [get("BATCH_SIZE", 1)])
-    tokens = max(get("PREFILL_TOKENS", 0), top * d)
-    weights = layers * 3 * h * i + h * v
-    activations = tokens * (2 * h + 3 * i) + top * d * v * 3
-    return 4 * (weights + activations)
+    """A rough upper estimate of the bytes a notebook at ``point`` holds on the device
+    (:func:`graphborrow.studies.presets.footprint_bytes` of the point over the notebook's defaults)."""
+    return presets.footprint_bytes({**defaults, **point})
 
 
 def derive(point: Mapping[str, Any], declared, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -164,8 +159,9 @@ def derive(point: Mapping[str, Any], declared, defaults: Mapping[str, Any] | Non
       captured graph; it cannot run a larger one);
     - the tree's branching factor (BRANCHING) is at most its draft tokens less the root, TOP_K at most VOCAB;
     - a workload larger than one device (:data:`DEVICE_BYTES`) is shrunk, axis by axis, until it fits;
-    - the point runs layout-only when its footprint is over :data:`BACKED_LIMIT_BYTES` and
-      the notebook declares LAYOUT_ONLY.
+    - a point that asks for real bytes runs layout-only when they would cost a CPU more than
+      seconds (:func:`graphborrow.studies.presets.too_large_for_cpu`) and the notebook declares
+      LAYOUT_ONLY; a notebook at ``LAYOUT_ONLY=None`` decides by the same rule.
 
     Returns:
         The derived point, checked against the ranges.
@@ -185,7 +181,7 @@ def derive(point: Mapping[str, Any], declared, defaults: Mapping[str, Any] | Non
         if value("TOP_K") > value("VOCAB"):
             p["TOP_K"] = value("VOCAB")
     _fit_one_device(p, declared, defaults)
-    if "LAYOUT_ONLY" in declared and footprint_bytes(p, defaults) > BACKED_LIMIT_BYTES:
+    if "LAYOUT_ONLY" in declared and value("LAYOUT_ONLY") is False and presets.too_large_for_cpu({**defaults, **p}):
         p["LAYOUT_ONLY"] = True
     validate(p, declared)
     return p
@@ -216,8 +212,9 @@ def _fit_one_device(p: dict, declared, defaults: Mapping[str, Any]) -> None:
         steps.append(steps.pop(0))  # shrink the axes in turn
 
 
-def _defaults(notebook) -> dict[str, Any]:
-    """The values the parameters cell assigns (literals only; others are left out)."""
+def _defaults(notebook, stem: str = "") -> dict[str, Any]:
+    """The values the parameters cell assigns (literals only; others are left out), shape
+    parameters left at None replaced by the teaching preset's (what the notebook then runs)."""
     import ast
 
     from .parameters import read_notebook
@@ -231,7 +228,9 @@ def _defaults(notebook) -> dict[str, Any]:
                 out[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:
                 pass
-    return out
+    stem = stem or (Path(notebook).stem if isinstance(notebook, (str, Path)) else "")
+    preset = {**presets.PRESETS["teaching"], **presets.NOTEBOOK_PRESETS.get(stem[:2], {}).get("teaching", {})}
+    return {**out, **{k: v for k, v in preset.items() if k in out and out[k] is None}}
 
 
 def notebook_points(notebook, samples: int = 2, seed: int = 0, h200: bool = True) -> list[Point]:
@@ -254,11 +253,13 @@ def notebook_points(notebook, samples: int = 2, seed: int = 0, h200: bool = True
     if unknown:
         raise ParameterError(f"the parameters cell declares {unknown}, which have no range in "
                              "graphborrow/run/sweep/parameters.py; add them there")
-    defaults = _defaults(nb)
+    defaults = _defaults(nb, Path(notebook).stem if isinstance(notebook, (str, Path)) else "")
     points = [Point("defaults", {})]
     for which in ("low", "high"):
         points.append(Point(which, derive(corner(declared, which), declared, defaults)))
-    if h200 and declared & set(H200):
+    if h200 and "PRESET" in declared:
+        points.append(Point("h200", derive({"PRESET": "h200"}, declared, defaults)))
+    elif h200 and declared & set(H200):
         shapes = {k: v for k, v in H200.items() if k in declared}
         points.append(Point("h200", derive(shapes, declared, defaults)))
     name = Path(getattr(notebook, "name", str(notebook))).stem if isinstance(notebook, (str, Path)) else "nb"

@@ -1,18 +1,15 @@
-"""Guard: fail unless every numbered notebook wrote a results file that shows device work.
+"""The results guard: fail unless every numbered notebook wrote results that show device work.
 
-A notebook can pass nbval by skipping every device cell; it cannot also write a results
-file with ``device_work > 0``. Usage (after running the notebooks):
+    python -m graphborrow check-results [--notebooks DIR] [--results DIR] [--since EPOCH_SECONDS]
+                                        [--executed DIR]
 
-    python scripts/check_notebook_results.py [--notebooks DIR] [--results DIR] [--since EPOCH_SECONDS]
-                                             [--executed DIR]
-
-``--executed`` also checks the executed notebooks found under DIR (``<name>.ipynb``, at any
-depth, e.g. ``output/suite`` or ``output/points``): every cell tagged ``figure`` must hold an
-image and no figure may show as text (:func:`graphborrow.run.results.check_figures`).
-
-``--notebooks`` defaults to the notebooks shipped with graphborrow (``notebooks/`` in a
-checkout), ``--results`` to ``<notebooks>/results``. The rule itself is
-``graphborrow.run.results.check_results``; ``python -m graphborrow suite`` applies it too.
+A notebook can pass nbval by skipping every device cell; it cannot also write a results file
+with ``device_work > 0``. ``--executed`` also checks the executed notebooks found under DIR
+(``<name>.ipynb`` at any depth, e.g. ``output/suite`` or ``output/points``): every cell tagged
+``figure`` must hold an image and no figure may show as text. ``--notebooks`` defaults to the
+notebooks shipped with graphborrow (``notebooks/`` in a checkout), ``--results`` to
+``<notebooks>/results``. The rules themselves are :func:`graphborrow.run.results.check_results`
+and :func:`graphborrow.run.results.check_figures`; ``python -m graphborrow suite`` applies them too.
 """
 
 from __future__ import annotations
@@ -21,12 +18,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from graphborrow.run.results import check_figures, check_results
 from graphborrow.studies.shipped import notebooks_dir
+
+from .results import check_figures, check_results
+
+__all__ = ["main"]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The command line (see the module docstring); returns 0, or 1 naming every problem."""
+    parser = argparse.ArgumentParser(prog="python -m graphborrow check-results",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--notebooks", type=Path, default=None, help="folder of the numbered notebooks")
     parser.add_argument("--results", type=Path, default=None,
                         help="results directory (default: <notebooks>/results)")
@@ -51,7 +53,3 @@ def main(argv=None) -> int:
         return 1
     print(f"ok: {len(names)} notebooks wrote results with device work to {results}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

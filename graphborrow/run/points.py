@@ -1,34 +1,38 @@
-"""Run every numbered notebook at its defaults, the corners of its ranges, the H200 shapes and
-seeded random points, and report each point that fails with the notebook, the parameters and
-the failed assert's message.
+"""Run the numbered notebooks at the points of their parameter space and report each failure.
 
-    python scripts/notebook_points.py [--only 00 01] [--samples 1] [--seed 0] [--jobs 2]
-                                      [--out output/points] [--timeout 300] [--no-h200] [--memory-gb 6]
+    python -m graphborrow points [--only 00 01] [--labels h200 low] [--samples 1] [--seed 0]
+                                 [--jobs 2] [--out output/points] [--timeout 300]
 
-Each point runs with papermill on the simulated device (``DEVICE=sim``; large points
-layout-only where the notebook declares ``LAYOUT_ONLY``), ``--jobs`` at a time. A point passes
-when the notebook ran to the end, wrote its results file with device work
+The points come from :mod:`graphborrow.run.sweep.space`: a notebook's defaults, the low and
+the high corner of its ranges, the H200 preset and seeded random points. Each runs with
+papermill on the simulated device (``DEVICE=sim``), ``--jobs`` at a time. A point passes when
+the notebook ran to the end, wrote its results file with device work
 (:func:`graphborrow.run.results.check_results`) and every cell tagged ``figure`` holds an image
 (:func:`graphborrow.run.results.check_figures`). Executed notebooks land in
-``<out>/<notebook>/<label>.ipynb``, the summary in ``<out>/report.json``. Exit status 1 when
-any point failed. The points themselves come from :mod:`graphborrow.run.sweep.space`.
+``<out>/<notebook>/<label>.ipynb``, the summary in ``<out>/report.json``: per point its
+parameters, problems, wall seconds and the seconds its cells ran (the rest is papermill
+starting a kernel and the notebook's imports). Exit status 1 when any point failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from graphborrow.run.results import check_figures, check_results
-from graphborrow.run.sweep.execute import NotebookJob, execute
-from graphborrow.run.sweep.parameters import declared_parameters, read_notebook
-from graphborrow.run.sweep.space import notebook_points
 from graphborrow.studies.shipped import notebooks_dir
+
+from .results import check_figures, check_results
+from .sweep.execute import NotebookJob, execute
+from .sweep.parameters import declared_parameters, read_notebook
+from .sweep.space import notebook_points
+
+__all__ = ["run_point", "cell_seconds", "main"]
 
 
 def _failure(ran, timeout: float) -> str:
@@ -43,8 +47,31 @@ def _failure(ran, timeout: float) -> str:
     return lines[-1] if lines else f"papermill exited {ran.returncode}"
 
 
+def cell_seconds(notebook: bytes) -> tuple[float, float]:
+    """Seconds the executed notebook's cells ran (papermill's per-cell durations): all of them
+    together, and the slowest one."""
+    try:
+        nb = json.loads(notebook) if notebook else {}
+    except ValueError:
+        return 0.0, 0.0
+    times = [cell.get("metadata", {}).get("papermill", {}).get("duration") or 0.0 for cell in nb.get("cells", [])]
+    return round(sum(times), 1), round(max(times, default=0.0), 1)
+
+
 def run_point(path: Path, label: str, params: dict, out: Path, timeout: float) -> dict:
-    """Run one point; return its record (status, error, seconds, parameters)."""
+    """Run one point of one notebook on the simulated device.
+
+    Args:
+        path: the notebook.
+        label: the point's name ("defaults", "h200", "random-0", ...): the executed copy's file name.
+        params: its parameters (``DEVICE`` defaults to ``sim``).
+        out: folder for ``<notebook>/<label>.ipynb``.
+        timeout: seconds one cell may run.
+
+    Returns:
+        The point's record: notebook, label, params, ok, problems, seconds, cell_seconds,
+        slowest_cell_seconds.
+    """
     declared = declared_parameters(read_notebook(path))
     job = NotebookJob(path.name, path.read_bytes(), {"DEVICE": "sim", **params}, f"{path.stem}[{label}]",
                       timeout=timeout, set_data_dir="DATA_DIR" in declared and "DATA_DIR" not in params,
@@ -61,12 +88,14 @@ def run_point(path: Path, label: str, params: dict, out: Path, timeout: float) -
                 Path(tmp, Path(rel).name).write_bytes(data)
             problems += check_results([path.stem], tmp)
         problems += check_figures(json.loads(ran.notebook), path.stem) if ran.notebook else ["no executed notebook"]
+    cells, slowest = cell_seconds(ran.notebook)
     return {"notebook": path.stem, "label": label, "params": params, "ok": not problems,
-            "problems": problems, "seconds": round(ran.seconds, 1)}
+            "problems": problems, "seconds": round(ran.seconds, 1), "cell_seconds": cells,
+            "slowest_cell_seconds": slowest}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m graphborrow points", description=__doc__.splitlines()[0])
     parser.add_argument("--notebooks", type=Path, default=None, help="folder of the numbered notebooks")
     parser.add_argument("--only", nargs="*", default=None, help="notebook number prefixes, e.g. 00 03")
     parser.add_argument("--samples", type=int, default=1, help="random points per notebook")
@@ -75,16 +104,24 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("output/points"))
     parser.add_argument("--timeout", type=float, default=300, help="seconds one cell may run")
     parser.add_argument("--skip-defaults", action="store_true",
-                        help="leave out the defaults point (make test runs the defaults through nbval)")
+                        help="leave out the defaults point (nbval runs the defaults)")
     parser.add_argument("--labels", nargs="*", default=None,
                         help="only these points (defaults low high h200 random-0 ...)")
-    parser.add_argument("--no-h200", action="store_true", help="leave out the H200-shapes point")
+    parser.add_argument("--no-h200", action="store_true", help="leave out the H200-preset point")
     parser.add_argument("--memory-gb", type=float, default=6,
                         help="address-space limit of each notebook's kernel (0: none); a point that needs "
                              "more fails with a MemoryError instead of swapping a shared machine")
-    args = parser.parse_args(argv)
-    import resource  # the limit is inherited by papermill and its kernel, and lifted again at the end
+    return parser
 
+
+def main(argv=None) -> int:
+    """The command line (see the module docstring); returns the exit status."""
+    args = _parser().parse_args(argv)
+    for name in ("samples", "jobs"):
+        if getattr(args, name) < (0 if name == "samples" else 1):
+            print(f"error: --{name} {getattr(args, name)} is too small", file=sys.stderr)
+            return 2
+    # the limit is inherited by papermill and its kernel, and lifted again at the end
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if args.memory_gb:
         limit = int(args.memory_gb * 2**30)
@@ -106,7 +143,7 @@ def _run(args) -> int:
     todo = [(p, pt) for p in paths for pt in notebook_points(p, args.samples, args.seed, not args.no_h200)
             if (args.labels is None or pt.label in args.labels)
             and not (args.skip_defaults and pt.label == "defaults")]
-    print(f"{len(todo)} points of {len(paths)} notebooks, {args.jobs} at a time")
+    print(f"{len(todo)} points of {len(paths)} notebooks, {args.jobs} at a time", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     records = []
@@ -116,7 +153,8 @@ def _run(args) -> int:
             rec = fut.result()
             records.append(rec)
             status = "ok  " if rec["ok"] else "FAIL"
-            print(f"{status} {rec['notebook']} [{rec['label']}] {rec['seconds']:.0f} s  {pt.describe()}", flush=True)
+            print(f"{status} {rec['notebook']} [{rec['label']}] {rec['seconds']:.0f} s "
+                  f"(cells {rec['cell_seconds']:.0f} s)  {pt.describe()}", flush=True)
             for line in rec["problems"]:
                 print(f"       {line[:400]}", flush=True)
     failed = [r for r in records if not r["ok"]]
@@ -126,7 +164,3 @@ def _run(args) -> int:
     print(f"{len(records) - len(failed)} of {len(records)} points passed in {report['seconds']:.0f} s; "
           f"report: {args.out / 'report.json'}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Every environment variable graphborrow reads, and one check of them all before work starts.
+
+A variable is read where it takes effect (the arena build, the allocator model, a sweep
+worker), often long after a command started: a typo found there costs a capture, a notebook
+or a whole sweep. :func:`check_environment` reads each of them up front, through the same
+function that later uses it where there is one, and refuses a bad value with the variable,
+its value and the fix. The command line, :func:`graphborrow.run.suite.run_suite` and
+:func:`graphborrow.run.sweep.run_sweep` call it first. ``docs/reliability.md`` has the table.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from graphborrow.allocator.compiled import PURE_ENV
+from graphborrow.allocator.config import ENVIRONMENT as ALLOC_CONF
+from graphborrow.allocator.config import AllocatorConfig
+from graphborrow.core.errors import ParameterError
+
+__all__ = ["Variable", "VARIABLES", "check_environment", "max_point_bytes", "MAX_POINT_ENV"]
+
+MAX_POINT_ENV = "GRAPHBORROW_MAX_POINT_MB"
+
+
+def max_point_bytes(environ: Mapping[str, str] | None = None) -> int:
+    """How many bytes of executed notebook and results one point may send back.
+
+    Read from ``GRAPHBORROW_MAX_POINT_MB`` (64 when unset). Sweeps call this before any
+    point runs, so a bad value costs an error, not a sweep whose every point fails at the end.
+
+    Args:
+        environ: where to read the variable (default ``os.environ``).
+
+    Returns:
+        The limit in bytes.
+
+    Raises:
+        ParameterError: the variable is not a positive, finite number of MiB.
+    """
+    text = (os.environ if environ is None else environ).get(MAX_POINT_ENV, "64")
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = math.nan
+    if not (math.isfinite(mb) and mb > 0):
+        raise ParameterError(f"{MAX_POINT_ENV}={text!r} must be a positive number of MiB, e.g. 128 "
+                             "(or unset it for 64)")
+    return max(1, int(mb * (1 << 20)))
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: who reads it, what it does, and its check (None: any value).
+
+    ``check`` gets the value (the variable is set) and the whole environment, and raises
+    ``ValueError`` or ``ParameterError`` naming the problem.
+    """
+
+    name: str
+    read_by: str
+    meaning: str
+    check: Callable[[str, Mapping[str, str]], None] | None = None
+
+
+def _absolute_folder(name: str) -> Callable[[str, Mapping[str, str]], None]:
+    def check(value: str, _env: Mapping[str, str]) -> None:
+        if not value:
+            return  # empty counts as unset, as the reader treats it
+        if not os.path.isabs(os.path.expanduser(value)):
+            raise ValueError(f"{name}={value!r} is a relative path; notebook kernels and sweep workers run in "
+                             "other folders, so give an absolute path")
+        if os.path.exists(value) and not os.path.isdir(value):
+            raise ValueError(f"{name}={value!r} is a file, not a folder; point it at a folder")
+    return check
+
+
+def _one_of(name: str, allowed: tuple[str, ...]) -> Callable[[str, Mapping[str, str]], None]:
+    def check(value: str, _env: Mapping[str, str]) -> None:
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r} must be one of {', '.join(repr(a) for a in allowed)}")
+    return check
+
+
+def _allocator_settings(_value: str, env: Mapping[str, str]) -> None:
+    AllocatorConfig.from_environment(env)
+
+
+def _max_point_mb(_value: str, env: Mapping[str, str]) -> None:
+    max_point_bytes(env)
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("GRAPHBORROW_CACHE_DIR", "graphborrow.core.arena", "where the bump arena and the compiled "
+             "allocator model are built (default ~/.cache/graphborrow)", _absolute_folder("GRAPHBORROW_CACHE_DIR")),
+    Variable("XDG_CACHE_HOME", "graphborrow.core.arena", "the cache folder's parent when GRAPHBORROW_CACHE_DIR is "
+             "unset", _absolute_folder("XDG_CACHE_HOME")),
+    # not checked here: a build runs the compiler before anything else and names CC when it fails
+    # (the arena falls back to cc, gcc or clang when CC names no program: the build code's rule)
+    Variable("CC", "graphborrow.core.arena and the allocator build", "the C compiler of the native builds"),
+    Variable(PURE_ENV, "graphborrow.allocator.compiled", "1 runs the pure-Python allocator model instead of the "
+             "compiled one", _one_of(PURE_ENV, ("", "0", "1"))),
+    Variable(ALLOC_CONF, "graphborrow.allocator.config (the simulated device, the planner)", "torch's allocator "
+             "settings; the simulated device follows them as torch does", _allocator_settings),
+    Variable("TRITON_INTERPRET", "graphborrow.eagle.triton", "1 runs the fused kernels in Triton's interpreter "
+             "(set by graphborrow when there is no GPU)", _one_of("TRITON_INTERPRET", ("", "0", "1"))),
+    Variable(MAX_POINT_ENV, "graphborrow.run.sweep.execute", "MiB of executed notebook and results one sweep "
+             "point may send back (default 64)", _max_point_mb),
+    Variable("CUDA_VISIBLE_DEVICES", "graphborrow.run.sweep.cluster", "the GPUs local sweep workers get, one "
+             "each (checked against --workers when the cluster starts)"),
+    Variable("OMP_NUM_THREADS", "graphborrow.run.sweep.execute", "kept for notebook kernels when set; else set "
+             "to the CPU cores per worker"),
+    Variable("MPLBACKEND", "graphborrow.run.sweep.execute", "removed for notebook kernels, which keep the inline "
+             "backend so executed notebooks hold their figures"),
+    Variable("JUPYTER_PATH", "graphborrow.run.sweep.execute", "extended with the kernelspec of each point's run"),
+)
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Check every variable graphborrow reads that is set; raise on the first bad one.
+
+    Args:
+        environ: the environment to check (default ``os.environ``).
+
+    Raises:
+        ParameterError: naming the variable, its value, what is wrong and the fix.
+    """
+    env = os.environ if environ is None else environ
+    for variable in VARIABLES:
+        value = env.get(variable.name)
+        if value is None or variable.check is None:
+            continue
+        try:
+            variable.check(value, env)
+        except (ValueError, NotImplementedError) as exc:  # ParameterError is a ValueError
+            message = str(exc)
+            if not message.startswith(variable.name):
+                message = f"{variable.name}={value!r}: {message}"
+            raise ParameterError(message) from None

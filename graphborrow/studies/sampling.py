@@ -1,0 +1,170 @@
+"""Notebook 05's studies: each verification mode run inside a borrow, and the emitted tokens
+checked against the target distribution.
+
+:func:`modes_in_borrow` asks the capacity planner about each mode, runs the modes that fit
+with the graph pool's idle runs as their memory, and measures each step's high-water mark
+from the allocator's trace and the device memory all of them took (the driver's view).
+:func:`acceptance_study` verifies one request's tree many times with independent coins and
+compares what was emitted with the theory: tokens per step, the first token's distribution,
+and the second token's after a given child was accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from graphborrow.core.sizes import MB, round_size
+from graphborrow.eagle import MODES, eagle_verify
+from graphborrow.eagle.acceptance import (
+    children_of,
+    chi_square,
+    emitted_tokens,
+    expected_emitted_tokens,
+    sample_copies,
+    tokens_after,
+)
+from graphborrow.eagle.draft_tree import build_draft_tree, tree_depth_for
+from graphborrow.eagle.plan import plan_verify
+
+from .hazards import peak_step_bytes
+
+__all__ = ["ModesReport", "modes_in_borrow", "AcceptanceReport", "acceptance_study", "pooled_chi_square"]
+
+
+@dataclass
+class ModesReport:
+    """One verification step per mode, each borrowing from the graph pool.
+
+    ``plans``: the planner's answer per mode. ``peaks``: the measured high-water mark (bytes)
+    of each mode that fits; ``planned``: the planner's borrowed peak plus the step's outputs
+    (made before the borrow, so not planned). ``results``: what each mode emitted.
+    ``device_bytes``: new device memory all the borrowed steps took together.
+    """
+
+    plans: dict
+    peaks: dict
+    planned: dict
+    results: dict
+    device_bytes: int
+
+    @property
+    def fitting(self) -> list[str]:
+        return [m for m in MODES if self.plans[m].fits]
+
+
+def modes_in_borrow(state, logits, tree, temperature: float, coins, coins_final) -> ModesReport:
+    """Plan, then run, one verification step per mode borrowing from ``state``.
+
+    Args:
+        state: the graph pool's :class:`~graphborrow.core.borrow.BorrowState`.
+        logits: ``[bs*D, V]`` target logits (the decode graph's output).
+        tree: the draft tree of the ``bs`` requests.
+        temperature: the sampling temperature.
+        coins, coins_final: the step's random numbers (the same for every mode).
+
+    Returns:
+        A :class:`ModesReport`.
+    """
+    backend = state.backend
+    bs, d = tree.candidates.shape
+    vocab = logits.shape[-1]
+    plans = {mode: plan_verify(state, bs, d, vocab, mode, impl="reference") for mode in MODES}
+    results, peaks, planned = {}, {}, {}
+    # the step's outputs are ordinary (not borrowed) tensors of a few KiB: let the default pool cache a
+    # small-pool segment for them first, so any new device memory below is borrowed bytes gone astray
+    warm = torch.empty(MB, dtype=torch.uint8, device=backend.device)
+    del warm
+    free_before = backend.mem_get_info()[0]
+    for mode in [m for m in MODES if plans[m].fits]:
+        state.retire()
+        with state.borrow("build the borrow pool"):  # a fresh pool precarves its seeds: not the step's bytes
+            pass
+
+        def step(mode=mode):
+            results[mode] = eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final,
+                                         borrow=state, mode=mode, validate=False, impl="reference")
+        peaks[mode] = peak_step_bytes(backend, step)
+        outputs = sum(round_size(t.numel() * t.element_size()) for t in results[mode])
+        planned[mode] = plans[mode].peak_bytes + outputs
+    state.retire()
+    return ModesReport(plans, peaks, planned, results, free_before - backend.mem_get_info()[0])
+
+
+def pooled_chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson's chi-square of ``tokens`` against ``probs``, with the categories whose expected
+    count is under 5 pooled into one (the textbook condition for the test), so it runs at any
+    sample size that gives at least two categories of 5.
+
+    Returns:
+        ``(statistic, degrees of freedom, critical value at alpha 0.001)``.
+    """
+    probs = probs.double().cpu()
+    expected = probs * len(tokens)
+    small = (expected < 5) & (probs > 0)
+    if not small.any():
+        return chi_square(tokens, probs)
+    kept = torch.nonzero(~small).flatten()
+    index = torch.full((probs.numel(),), len(kept), dtype=torch.long)
+    index[kept] = torch.arange(len(kept))
+    merged = torch.cat([probs[kept], probs[small].sum().reshape(1)])
+    return chi_square(index[tokens.long().cpu()], merged)
+
+
+@dataclass
+class AcceptanceReport:
+    """What ``samples`` verifications of one request's tree emitted, against the theory."""
+
+    samples: int
+    probs: torch.Tensor          # [D, V] target rows of the request
+    mean_tokens: float           # emitted tokens per step, measured
+    theory_tokens: float         # the same, from the acceptance rule
+    standard_error: float
+    first: torch.Tensor          # the first emitted token of every copy
+    first_test: tuple            # (statistic, df, critical) of the first token
+    second_node: int | None      # the accepted root child whose next token is tested
+    second_samples: int
+    second_test: tuple | None    # (statistic, df, critical) of the token after it
+
+    @property
+    def total_variation(self) -> float:
+        """Half the L1 distance between the first token's frequencies and the root's row."""
+        freq = torch.bincount(self.first, minlength=self.probs.shape[1]).double() / self.samples
+        return 0.5 * (freq - self.probs[0].double()).abs().sum().item()
+
+
+def acceptance_study(draft_tokens: int, branching: int, temperature: float, samples: int, seed: int = 0,
+                     vocab: int = 12) -> AcceptanceReport:
+    """Verify one request's draft tree ``samples`` times on the CPU with independent coins.
+
+    Args:
+        draft_tokens: tree nodes (root included).
+        branching: children per expanded node (at most ``vocab``).
+        temperature: the sampling temperature.
+        samples: copies verified.
+        seed: the random logits', tree's and coins' seed.
+        vocab: a small vocabulary, so every token is counted.
+
+    Returns:
+        An :class:`AcceptanceReport`; the second-token test is None for a one-node tree.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    row_logits = torch.randn(draft_tokens, vocab, generator=gen) * 2
+    probs = torch.softmax(row_logits / temperature, -1)
+    b = min(branching, vocab)
+    tree = build_draft_tree(b, tree_depth_for(draft_tokens, b), draft_tokens, 1, vocab, generator=gen)
+    res = sample_copies(tree, row_logits, temperature, samples, generator=gen)
+    lengths = res.accept_length.double()
+    error = lengths.std().item() / math.sqrt(samples) if samples > 1 else 0.0
+    _, first = emitted_tokens(res, 0)
+    second_node, second, second_test = None, torch.empty(0, dtype=torch.long), None
+    if draft_tokens > 1:
+        # the root's child the target likes best: the most copies accept it, so its test has the most samples
+        second_node = max(children_of(tree, 0), key=lambda n: probs[0, tree.candidates[0, n]].item())
+        second = tokens_after(res, int(tree.candidates[0, second_node]))
+        if len(second) >= 10:
+            second_test = pooled_chi_square(second, probs[second_node])
+    return AcceptanceReport(samples, probs, lengths.mean().item(), expected_emitted_tokens(tree, probs), error,
+                            first, pooled_chi_square(first, probs[0]), second_node, len(second), second_test)

@@ -1,0 +1,139 @@
+"""The eager fused step on a real GPU: what one call launches and allocates, the direct
+launch path against Triton's JIT front end, and the capture-once graph path.
+
+Run on a CUDA machine: ``pytest -m gpu tests/eagle/test_eager_launch_gpu.py -rA``. The
+oracle for tokens is the reference verification over ``target_probs_reference`` (as in
+test_fused_verify_gpu.py); what a call launches is counted by the CUDA profiler, what it
+allocates by the caching allocator's own statistics.
+"""
+
+import pytest
+import torch
+from test_fused_verify_gpu import gpu_case, reference
+from torch.profiler import ProfilerActivity, profile
+
+from graphborrow.core.borrow import BorrowState
+from graphborrow.core.errors import BorrowLeakError
+from graphborrow.device import get_backend
+from graphborrow.eagle import eagle_verify
+from graphborrow.eagle.graphs import GRAPH_STEPS, clear_verify_graphs
+from graphborrow.eagle.step import VerifyStep
+from graphborrow.eagle.triton import fused as fv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run: pytest -m gpu tests/)"),
+]
+
+RENORMS = [dict(), dict(top_ks=40, top_ps=0.9)]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def kernels_and_allocations(fn):
+    """(kernels launched, blocks allocated) by one call of ``fn`` (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = sum(e.count for e in prof.key_averages() if getattr(e, "device_time_total", 0))
+    return kernels, torch.cuda.memory_stats()["allocation.all.allocated"] - allocated
+
+
+@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
+def test_one_call_launches_the_step_and_allocates_once_or_twice(renorm):
+    """Plain: the three kernels and nothing else (parameters as numbers and tensors alike),
+    one allocation (outputs and a small workspace share it); with top-k and top-p, the
+    search's launches too, and its larger workspace allocated apart (freed at the end)."""
+    bs, d = 8, 8
+    tree, logits, coins, coins_final = gpu_case(1, bs, d, (4, 3), 32000, False)
+    for temperature in (0.8, torch.full((bs,), 0.8, device="cuda")):
+        kernels, allocations = kernels_and_allocations(
+            lambda: eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, impl="fused",
+                                 validate=False, **renorm))
+        assert allocations == (2 if renorm else 1)
+        searches = (1 if "top_ks" in renorm else 0) + (1 if "top_ps" in renorm else 0)
+        assert kernels == 3 + searches * (4 + fv._select.SELECT_PASSES) + (1 if searches else 0)
+
+
+@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
+def test_direct_launches_give_the_jit_front_ends_tokens(renorm):
+    """The plan's first call goes through the JIT front end, later ones launch the compiled
+    kernels directly: the same tokens, the reference's. Logits 4 bytes off 16-byte alignment
+    take the JIT front end every time (a compiled kernel specialised on aligned pointers
+    must not see them), and still give the reference's tokens."""
+    bs, d, vocab = 16, 8, 50257
+    tree, logits, coins, coins_final = gpu_case(2, bs, d, (4, 3), vocab, False, 0.9)
+    expected = reference(logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
+    kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, **renorm)
+    fv.clear_plans()
+    first = eagle_verify(logits, None, tree, 0.9, **kw)
+    step = VerifyStep.of(logits, None, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
+    assert fv.plan_for(step).launcher.ready
+    direct = eagle_verify(logits, None, tree, 0.9, **kw)
+    assert same(first, expected) and same(direct, expected)
+    shifted = torch.empty(logits.numel() + 1, device="cuda")[1:].view_as(logits).copy_(logits)
+    assert shifted.data_ptr() % 16 == 4
+    for _ in range(2):
+        assert same(eagle_verify(shifted, None, tree, 0.9, **kw), expected)
+
+
+@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
+def test_the_graph_path_replays_what_an_eager_call_computes(renorm):
+    """graph=True: the first call captures (and returns the eager result), later calls with
+    the same buffers replay, reading whatever the buffers hold; another buffer address or
+    another temperature is another entry; clearing drops them all."""
+    clear_verify_graphs()
+    bs, d, vocab = 16, 8, 128256
+    tree, logits, coins, coins_final = gpu_case(3, bs, d, (4, 3), vocab, False, 0.9)
+    kw = dict(impl="fused", validate=False, **renorm)
+
+    def graph_call(lg=logits, temperature=0.9):
+        return eagle_verify(lg, None, tree, temperature, coins=coins, coins_final=coins_final, graph=True, **kw)
+
+    assert same(graph_call(), eagle_verify(logits, None, tree, 0.9, coins=coins, coins_final=coins_final, **kw))
+    captures = GRAPH_STEPS.captures
+    for seed in (31, 32):
+        _, new_logits, new_coins, new_final = gpu_case(seed, bs, d, (4, 3), vocab, False, 0.9, tree=tree)
+        logits.copy_(new_logits)
+        coins.copy_(new_coins)
+        coins_final.copy_(new_final)
+        replayed = [t.clone() for t in graph_call()]
+        expected = reference(new_logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), new_coins, new_final)
+        assert same(replayed, expected)
+    assert GRAPH_STEPS.captures == captures  # replays only
+    other = logits.clone()
+    assert same(graph_call(other), graph_call())
+    graph_call(temperature=1.1)
+    assert GRAPH_STEPS.captures == captures + 2 and len(GRAPH_STEPS.entries) == 3
+    assert GRAPH_STEPS.held_bytes() == 3 * 4 * (bs * d + bs * tree.tree_depth + bs)
+    clear_verify_graphs()
+    assert not GRAPH_STEPS.entries
+
+
+def test_the_graph_path_borrows_from_the_graph_pool():
+    """With an enabled borrow the step is captured into the borrow state's graph pool and
+    replayed in its replay scope: a borrowed tensor kept alive across it is refused."""
+    clear_verify_graphs()
+    backend = get_backend("cuda")
+    state = BorrowState(backend, pool_id=backend.graph_pool_handle())
+    x = torch.ones(64 * 2**20 // 4, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with state.capture_scope(), backend.graph(g, pool=state.pool_id):
+        y = (x * 2)[:8].clone()  # a 64 MiB temporary leaves an idle run in the pool
+    tree, logits, coins, coins_final = gpu_case(4, 8, 8, (4, 3), 32000, False)
+    kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False)
+    expected = eagle_verify(logits, None, tree, 1.0, **kw)
+    assert same(eagle_verify(logits, None, tree, 1.0, borrow=state, graph=True, **kw), expected)
+    assert same(eagle_verify(logits, None, tree, 1.0, borrow=state, graph=True, **kw), expected)  # a replay
+    with state.borrow("a leak"):
+        kept = torch.empty(1024, device="cuda")
+    with pytest.raises(BorrowLeakError):
+        eagle_verify(logits, None, tree, 1.0, borrow=state, graph=True, **kw)
+    del kept, y, g
+    clear_verify_graphs()
+    state.retire()

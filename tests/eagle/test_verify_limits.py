@@ -1,0 +1,27 @@
+"""Arguments outside what a verification step can be: refused with the reason, before any work."""
+
+import pytest
+import torch
+
+from graphborrow.core.borrow import BorrowState
+from graphborrow.eagle import build_draft_tree, eagle_verify
+from graphborrow.eagle.plan import MAX_STEP_BYTES, plan_verify
+
+
+@pytest.mark.parametrize("batch_size", [2**40, 2**30, MAX_STEP_BYTES // (4 * 4 * 128256) + 1])
+def test_a_step_no_device_could_hold_is_refused_before_it_is_recorded(sim, batch_size):
+    state = BorrowState(sim)
+    buffer = sim.external_alloc(64 << 20)
+    state.set_static_runs([(buffer.address, buffer.nbytes)])
+    with pytest.raises(ValueError, match=rf"batch_size={batch_size} x draft_tokens=4 x vocab=128256: .* TiB, "
+                                         "more than any GPU holds"):
+        plan_verify(state, batch_size, 4, 128256)
+
+
+@pytest.mark.parametrize("top_p", [1.5, 2.0, float("inf"), float("nan"), 0.0, -0.1])
+def test_top_p_outside_zero_to_one_is_refused(top_p):
+    logits = torch.randn(2 * 4, 64)
+    tree = build_draft_tree(2, 2, 4, 2, 64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        eagle_verify(logits, None, tree, 1.0, top_ps=top_p, generator=torch.Generator().manual_seed(1))
+    eagle_verify(logits, None, tree, 1.0, top_ps=1.0, generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,83 @@
+"""The library functions behind the notebooks' heavy cells, against oracles of their own."""
+
+import torch
+from matplotlib.figure import Figure
+
+from graphborrow.core.sizes import MB
+from graphborrow.studies import capture_order, deferred, plots, sampling, writes
+
+
+class _Graph:
+    def __init__(self, ranges):
+        self._ranges = ranges
+
+    def written_ranges(self):
+        return self._ranges
+
+
+def test_writes_are_merged_and_counted_once():
+    graphs = [_Graph([(100, 50), (300, 10)]), _Graph([(120, 100)])]
+    assert writes.merged_writes(graphs) == [(100, 120), (300, 10)]
+    assert writes.overlap_bytes([(90, 40)], writes.merged_writes(graphs)) == 30
+    assert writes.covered_fraction((200, 200), graphs) == (20 + 10) / 200
+
+
+def test_pooled_chi_square_runs_where_the_plain_test_has_too_few_samples():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.17, 0.02, 0.01])
+    tokens = torch.multinomial(probs, 200, replacement=True, generator=gen)
+    stat, df, critical = sampling.pooled_chi_square(tokens, probs)
+    assert df == 3 and stat < critical, "the two rare words are pooled into one category"
+    wrong = torch.zeros(200, dtype=torch.long)  # every copy emitted word 0
+    stat, _, critical = sampling.pooled_chi_square(wrong, probs)
+    assert stat > critical
+
+
+def test_acceptance_study_tests_the_second_token_at_the_notebook_defaults():
+    report = sampling.acceptance_study(draft_tokens=4, branching=2, temperature=1.0, samples=16000, seed=1)
+    assert abs(report.mean_tokens - report.theory_tokens) <= 4 * report.standard_error
+    assert report.first_test[0] < report.first_test[2]
+    assert report.second_test is not None and report.second_test[0] < report.second_test[2]
+
+
+def test_the_order_verdict_says_which_order_reserved_less():
+    assert "**2.0 MiB more**" in capture_order.order_verdict(10 * MB, 12 * MB, 80 << 30)
+    assert "**2.0 MiB less**" in capture_order.order_verdict(12 * MB, 10 * MB, 80 << 30)
+    assert "same 10.0 MiB" in capture_order.order_verdict(10 * MB, 10 * MB, 80 << 30)
+    assert "ran out of the device's 80 GiB" in capture_order.order_verdict(10 * MB, None, 80 << 30)
+
+
+def test_timeline_starts_at_zero_and_the_block_is_pending_until_the_side_stream_is_done():
+    lanes, marks = deferred.timeline_lanes(50_000)
+    pending = lanes["t's block"][0]
+    assert pending[0] == 0 and pending[1] == lanes["side stream"][1][1], "pending until the side stream's use ends"
+    fig = plots.stream_timeline(lanes, marks)
+    assert isinstance(fig, Figure) and fig.axes[0].get_xlim()[0] == 0
+
+
+def test_grids_of_one_figure_share_one_colour_scale():
+    from graphborrow.studies.capacity import fit_grid_figure
+
+    rows = [{"mode": m, "batch_size": b, "draft_tokens": 4, "peak_bytes": b * k * MB, "fits": True}
+            for m, k in (("standard", 10), ("lean", 1)) for b in (1, 2)]
+    fig = fit_grid_figure(rows)
+    colours = {(ax.get_title(), round(p.get_facecolor()[0], 4)) for ax in fig.axes for p in ax.patches}
+    lean = {c for t, c in colours if t == "lean"}
+    standard = {c for t, c in colours if t == "standard"}
+    assert lean.isdisjoint(standard), "a 1 MiB lean cell and a 10 MiB standard cell do not get the same colour"
+    assert sum(ax.get_label() == "<colorbar>" for ax in fig.axes) == 1, "one colorbar for the whole figure"
+
+
+def test_sweep_plot_speaks_mib_and_starts_at_zero():
+    rows = [{"status": "ok", "VOCAB": v, "MODE": "lean", "y": 4 * MB * i} for i, v in enumerate((32000, 128256), 1)]
+    ax = plots.sweep_plot(rows, x="VOCAB", y="y", hue="MODE", scale=MB, ylabel="MiB").axes[0]
+    assert list(ax.lines[0].get_ydata()) == [4, 8] and ax.get_ylim()[0] == 0 and ax.get_ylabel() == "MiB"
+
+
+def test_written_ranges_are_drawn_inside_each_segment_they_cross():
+    base = 1 << 30
+    segments = [{"address": base + a, "total_size": n, "blocks": [{"address": base + a, "size": n, "state": "inactive"}]}
+                for a, n in ((0, 2 * MB), (2 * MB, 4 * MB))]
+    fig = plots.memory_map(segments, written=[(base + MB, 3 * MB)])
+    strips = sorted((p.get_y(), p.get_x(), p.get_width()) for p in fig.axes[0].patches if p.get_gid() == "written")
+    assert strips == [(-0.45, 1.0, 1.0), (0.55, 0.0, 2.0)], "1 MiB in the first segment, 2 MiB in the second"

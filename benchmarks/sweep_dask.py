@@ -54,7 +54,7 @@ def simulator_in_points() -> str:
     """Which allocator model the points' kernels load: the compiled one when an intact build exists."""
     if os.environ.get(compiled.PURE_ENV):
         return f"pure Python ({compiled.PURE_ENV} is set)"
-    why_not = compiled.verify(compiled.build_path())
+    why_not = compiled.problem()
     return "compiled" if why_not is None else f"pure Python ({why_not})"
 
 

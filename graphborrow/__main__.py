@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -209,7 +210,7 @@ def _replay_corpus(args: argparse.Namespace) -> int:
     rows = corpus.replay_corpus(paths, progress=show)
     print(json.dumps(corpus.summarize(rows)))
     if args.json:
-        command = "python -m graphborrow replay-corpus " + " ".join(args.argv)
+        command = "python -m graphborrow replay-corpus " + shlex.join(args.argv)
         commit = args.commit or corpus.current_commit(Path.cwd())
         corpus.record_run(Path(args.json), args.label, commit, command, rows)
         print(f"wrote {args.json} (run {args.label!r})")

@@ -42,6 +42,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from graphborrow.core.atomicfile import write_atomic
 from graphborrow.fidelity.corpus import strip_frames
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,6 +53,7 @@ SETTINGS = {"off": "", "expandable": "expandable_segments:True"}
 RUNS = {"suite": ((1000, 10_000), 900), "model": ((300, 3000), 700), "churn": ((100, 1000), 3000)}
 CUTS = 3  # snapshots per run, at evenly spaced steps after the ring has wrapped
 ROW = "trace: "  # how a child reports a trace it wrote
+CHILD_ENV, COMMAND_ENV = "RECORD_WRAPPED_RUN", "RECORD_WRAPPED_COMMAND"  # what the parent tells a child
 
 
 # ----------------------------------------------------------------------------- the device (child process)
@@ -306,11 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated run names (e.g. suite_off_ring1000)")
     parser.add_argument("--device", choices=("cuda", "sim"), default="cuda")
     parser.add_argument("--no-replay", action="store_true", help="do not replay the traces afterwards")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--command", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        record_run(json.loads(args.child), args.outdir, args.command or "")
+    child = os.environ.get(CHILD_ENV)
+    if child:  # a child process records one run (its spec and the parent's command in the environment)
+        record_run(json.loads(child), args.outdir, os.environ.get(COMMAND_ENV, ""))
         return 0
     os.makedirs(args.outdir, exist_ok=True)
     specs = specs_for(args.device, args.steps_scale)
@@ -321,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def launch(spec: dict) -> tuple[dict, list[dict], str]:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-        env["PYTORCH_CUDA_ALLOC_CONF"] = spec["settings"]
-        child = [sys.executable, os.path.abspath(__file__), args.outdir, "--child", json.dumps(spec), "--command", command]
-        done = subprocess.run(child, env=env, capture_output=True, text=True)
+        env.update({"PYTORCH_CUDA_ALLOC_CONF": spec["settings"], CHILD_ENV: json.dumps(spec), COMMAND_ENV: command})
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), args.outdir], env=env, capture_output=True,
+                              text=True)
         rows = [json.loads(line[len(ROW):]) for line in done.stdout.splitlines() if line.startswith(ROW)]
         return spec, rows, "" if done.returncode == 0 else done.stderr[-3000:]
 
@@ -336,15 +337,13 @@ def main(argv: list[str] | None = None) -> int:
             if error:
                 failed.append(spec["name"])
     rows.sort(key=lambda r: r["name"])
-    index = {"command": command, "wall_s": round(time.time() - start, 1), "traces": rows}
-    with open(os.path.join(args.outdir, "index.json"), "w") as f:
-        json.dump(index, f, indent=1)
+    write_atomic(os.path.join(args.outdir, "index.json"),
+                 json.dumps({"command": command, "wall_s": round(time.time() - start, 1), "traces": rows}, indent=1))
     if not args.no_replay:
         replay_all(args.outdir, rows)
     if failed:
         print(f"failed runs: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 from graphborrow.allocator import replay_support as queries
 from graphborrow.allocator.blocks import DEFAULT_POOL
 from graphborrow.allocator.errors import AllocatorOutOfMemoryError, PoolReleasedError
-from graphborrow.core.sizes import SMALL_SIZE, allocation_size, round_size
+from graphborrow.core.sizes import MIN_BLOCK_SIZE, SMALL_SIZE, allocation_size, round_size
 
 from . import prestate
 from .passes import DIVERGED, GUESSED, NOT_REBUILT, Malloc, Outcome, ReplayPass, TraceInput, fmt_calls
@@ -49,9 +49,9 @@ class Learned(Exception):  # noqa: N818 (a signal, not an error)
     threshold, and the next allocation in the space after it shows by how much.
     """
 
-    def __init__(self, address: int, size: int) -> None:
-        super().__init__(f"the block at {address:#x} from before the trace is {size} B")
-        self.address, self.size = address, size
+    def __init__(self, address: int, size: int, exact: bool = True) -> None:
+        super().__init__(f"the block at {address:#x} from before the trace is {'' if exact else 'at least '}{size} B")
+        self.address, self.size, self.exact = address, size, exact
 
 
 class CheckingPass(ReplayPass):
@@ -295,10 +295,12 @@ class CheckingPass(ReplayPass):
         block, addr = outcome.block, m.entry["addr"]
         if block.ptr != addr and outcome.short is not None and self.learning:
             self._learn(outcome.short, addr)
-        if block.ptr != addr and outcome.after_guess and outcome.uncertain == GUESSED and \
-                block.segment.address in self.choice_keys:  # or the guessed block's segment is in another pool
-            self._refute(self.choice_keys[block.segment.address], f"{outcome.where}: took the space after a guessed "
-                                                                  f"block of the segment at {block.segment.address:#x}")
+        if block.ptr != addr and outcome.after_guess and outcome.uncertain == GUESSED:
+            if block.segment.address in self.choice_keys:  # the guessed block's segment may be in another pool
+                self._refute(self.choice_keys[block.segment.address], f"{outcome.where}: took the space after a "
+                                                                      f"guessed block of the segment at {block.segment.address:#x}")
+            if self.learning:
+                self._widen(block.prev, block, round_size(m.nbytes, self.sim.divisions))
         if block.ptr != addr and not outcome.uncertain:
             self._blame(block.ptr, addr, outcome.where)
         if not outcome.calls_ok and not outcome.uncertain:
@@ -319,6 +321,23 @@ class CheckingPass(ReplayPass):
         slack = size - round_size(max(guessed.requested_size, 1), self.sim.divisions)
         if 0 < slack <= SMALL_SIZE or self.sim.max_split <= size:  # handed out whole, unsplit
             raise Learned(guessed.ptr, size)
+
+    def _widen(self, guessed: Any, placed: Any, size: int) -> None:
+        """The model placed a block of ``size`` in the free space after the ``guessed`` block, the trace
+        elsewhere: the guessed block is larger, so much that the space after it was too small. The least
+        size that makes it so, within the rules (the slack of a block handed out whole is at most the
+        split threshold; a free block of the large pool is larger than it), is a lower bound: the block
+        stays a guess, and only placements after it are not checked."""
+        end, following = guessed.ptr + guessed.size, placed
+        while following is not None and (following is placed or following.key is not None):
+            following = following.next
+        room = (following.ptr if following is not None else placed.segment.address + placed.segment.size) - end
+        widened = guessed.size + room - size + MIN_BLOCK_SIZE
+        if size - MIN_BLOCK_SIZE <= SMALL_SIZE:
+            widened = guessed.size + room  # a free block that small cannot be: it took all of the space
+        slack = widened - round_size(max(guessed.requested_size, 1), self.sim.divisions)
+        if guessed.size < widened and slack <= SMALL_SIZE and not guessed.pool.is_small:
+            raise Learned(guessed.ptr, widened, exact=False)
 
     # --------------------------------------------------------------- blame
 

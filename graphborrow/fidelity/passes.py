@@ -70,6 +70,7 @@ class TraceInput:
     snapshot_pools: frozenset | None
     starts_empty: bool = False
     learned: dict = field(default_factory=dict)  # address -> size of blocks from before the trace, as the trace taught
+    bounds: frozenset = frozenset()  # ... of them, those whose learned size is only a least size, still a guess
 
     @property
     def geometry(self) -> Geometry:
@@ -766,7 +767,8 @@ class ReplayPass:
             self.pending.setdefault(addr, []).append((block, phantoms[addr]))
         for life in self.plan.pre:  # small blocks are never handed out with slack: only large guesses are unsure
             guessed = [known.address for known in self.plan.pre_blocks.get(id(life), ())
-                       if known.size is None and known.address not in self.trace.learned]
+                       if known.size is None and (known.address not in self.trace.learned
+                                                  or known.address in self.trace.bounds)]
             if not life.expandable and guessed and life.size != SMALL_BUFFER:
                 segment = self.segment_at(life.address)
                 blocks = [restored.allocated.get(a) or restored.pending.get(a) for a in guessed]

@@ -93,7 +93,7 @@ __all__ = ["DEVICE_MEMORY", "ReplayReport", "load_trace", "replay_trace"]
 DEVICE_MEMORY = {"NVIDIA H200": 143_160 * 2**20}
 _UNKNOWN_DEVICE_MEMORY = 80 * 2**30
 _MAX_REPLAYS = 120
-_MAX_LEARNED = 200  # block sizes a trace may teach before its replay stops learning
+_MAX_LEARNED = 64  # lessons a trace may teach (block sizes) before its replay stops learning
 # statistics a trace does not determine: an empty_cache that releases nothing leaves no entry
 # (num_sync_all_streams), and an allocation that fails with nothing releasable looks the same
 # whether it was routed to a private pool or retried after emptying the cache (num_alloc_retries)
@@ -170,6 +170,9 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         unverifiable_reasons=dict(checking.unverifiable_reasons), mid_run=checking.plan.mid_run,
         inferred=dict(checking.decisions), refuted=len(refuted),
     )
+    for address, size in sorted(checking.trace.learned.items()):  # block sizes the trace taught
+        least = "at least " if address in checking.trace.bounds else ""
+        report.inferred[f"block at {address:#x}"] = f"{least}{size} B, from where the trace placed the next block"
     if checks == 0:
         report.mismatches.append(_why_nothing_was_checked(trace.entries, checking.unverifiable))
     recorded_stats = snapshot.get("memory_stats")
@@ -221,14 +224,23 @@ def _replay_learning(trace: TraceInput) -> tuple[CheckingPass, set]:
     """The layout pass, then checking passes; again from the start whenever the trace teaches the size
     of a block from before it (:class:`~graphborrow.fidelity.checking_pass.Learned`)."""
     learned: dict[int, int] = {}
-    while True:
-        trace = dataclasses.replace(trace, learned=dict(learned))
+    bounds: set[int] = set()
+    learning = True
+    for lessons in range(_MAX_LEARNED + 1):
+        trace = dataclasses.replace(trace, learned=dict(learned), bounds=frozenset(bounds))
         layout = LayoutPass(trace)
         layout.run()
         try:
-            return _check_with_refutations(trace, layout.result(), learning=len(learned) < _MAX_LEARNED)
+            return _check_with_refutations(trace, layout.result(), learning=learning and lessons < _MAX_LEARNED)
         except Learned as lesson:
+            if learned.get(lesson.address) == lesson.size:  # the same lesson again: it explained nothing
+                learning = False
+                continue
             learned[lesson.address] = lesson.size
+            if lesson.exact:
+                bounds.discard(lesson.address)
+            else:
+                bounds.add(lesson.address)
 
 
 def _check_with_refutations(trace: TraceInput, evidence: PoolEvidence, learning: bool = True) -> tuple[CheckingPass, set]:

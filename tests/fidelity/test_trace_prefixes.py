@@ -64,7 +64,7 @@ def test_the_prefix_test_covers_every_kind_of_committed_trace():
     assert {"traces", "corpus", "models_h200"} <= names and len(TRACES) >= 80
 
 
-@settings(max_examples=12)
+@settings(max_examples=25)
 @given(index=st.integers(0, len(TRACES) - 1), fraction=st.floats(0.0, 1.0, exclude_max=True))
 def test_a_prefix_replays_to_a_report_below_one(index, fraction):
     snapshot, options = trace(TRACES[index])

@@ -99,36 +99,53 @@ def call_signature(q, k, mask, is_causal: bool, enable_gqa: bool) -> str:
     return repr((tuple(q.shape), tuple(k.shape), str(q.dtype), m, bool(is_causal), bool(enable_gqa)))
 
 
+NO_KERNEL = "No available kernel. Aborting execution."
+_ENABLED = {CUDNN: torch.backends.cuda.cudnn_sdp_enabled, FLASH: torch.backends.cuda.flash_sdp_enabled,
+            EFFICIENT: torch.backends.cuda.mem_efficient_sdp_enabled, MATH: torch.backends.cuda.math_sdp_enabled}
+
+
+def _fits(name: str, model: AttentionModel, q, k, v, mask, is_causal: bool, enable_gqa: bool) -> bool:
+    """Whether backend ``name`` takes these inputs (sdp_utils.cpp's constraints for it)."""
+    d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
+    last_dim_contiguous = all(t.stride(-1) == 1 for t in (q, k, v))
+    low_precision = q.dtype in _LOW_PRECISION
+    if name == CUDNN:
+        return (low_precision and d_q == d_k and d_q % 8 == 0 and d_v % 8 == 0 and d_q <= 128
+                and d_v <= 128 and last_dim_contiguous and _head_counts_ok(q, k, v, enable_gqa, True))
+    if name == FLASH:
+        return (low_precision and mask is None and d_q == d_k == d_v and d_q <= 256
+                and not (is_causal and q.shape[-2] != k.shape[-2]) and last_dim_contiguous
+                and _head_counts_ok(q, k, v, enable_gqa, True))
+    if name == EFFICIENT:
+        align = 8 if low_precision else 4
+        return (q.dtype in _LOW_PRECISION + (torch.float32,) and d_q == d_k and d_q % align == 0
+                and d_v % align == 0 and last_dim_contiguous
+                and _head_counts_ok(q, k, v, enable_gqa, model.efficient_gqa))
+    return True
+
+
 def select_backend(model: AttentionModel, q, k, v, mask, dropout_p: float, is_causal: bool,
                    enable_gqa: bool) -> str:
-    """The backend CUDA's ``select_sdp_backend`` would pick for these (4-D, dense) inputs."""
+    """The backend CUDA's ``select_sdp_backend`` would pick for these (4-D, dense) inputs.
+
+    Backends switched off (``torch.nn.attention.sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``)
+    are passed over, as on CUDA.
+
+    Raises:
+        RuntimeError: no enabled backend takes the inputs (torch's message, :data:`NO_KERNEL`).
+    """
     if model.forced is not None:
         return model.forced
     if model.recorded:
         found = dict(model.recorded).get(call_signature(q, k, mask, is_causal, enable_gqa))
         if found is not None:
             return found
-    d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
-    last_dim_contiguous = all(t.stride(-1) == 1 for t in (q, k, v))
-    low_precision = q.dtype in _LOW_PRECISION
     for name in model.priority:
-        if name == CUDNN:
-            ok = (low_precision and d_q == d_k and d_q % 8 == 0 and d_v % 8 == 0 and d_q <= 128
-                  and d_v <= 128 and last_dim_contiguous and _head_counts_ok(q, k, v, enable_gqa, True))
-        elif name == FLASH:
-            ok = (low_precision and mask is None and d_q == d_k == d_v and d_q <= 256
-                  and not (is_causal and q.shape[-2] != k.shape[-2]) and last_dim_contiguous
-                  and _head_counts_ok(q, k, v, enable_gqa, True))
-        elif name == EFFICIENT:
-            align = 8 if low_precision else 4
-            ok = (q.dtype in _LOW_PRECISION + (torch.float32,) and d_q == d_k and d_q % align == 0
-                  and d_v % align == 0 and last_dim_contiguous
-                  and _head_counts_ok(q, k, v, enable_gqa, model.efficient_gqa))
-        else:
-            ok = True
-        if ok:
+        if _ENABLED[name]() and _fits(name, model, q, k, v, mask, is_causal, enable_gqa):
             return name
-    return MATH
+    if MATH not in model.priority and _ENABLED[MATH]():
+        return MATH
+    raise RuntimeError(NO_KERNEL)
 
 
 def flash_num_splits(batch_heads_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:

@@ -22,11 +22,11 @@ from graphborrow.allocator.streams import Clockwork, Event, Stream
 from graphborrow.core.device_api import ExternalBuffer
 from graphborrow.core.interrupts import CRITICAL, CRITICAL_ENTRY
 
-from . import graphs
+from . import graphs, host
 from .attention import AttentionModel
 from .cuda_ops import KernelModel
+from .values import keeps_values
 from .tensor import (
-    SimCaptureError,
     SimFunctionMode,
     SimStorage,
     SimTensor,
@@ -210,6 +210,7 @@ class SimBackend:
         self._blas_workspaces: dict[int, SimStorage] = {}  # stream id -> workspace
         self._blaslt_workspaces: dict[int, SimStorage] = {}  # stream id -> cuBLASLt workspace
         self._generator_state: list[SimStorage] | None = None
+        self._generator_users = 0  # graphs that registered the RNG state
         self._closed = False
         if activate:
             self.activate()
@@ -343,11 +344,13 @@ class SimBackend:
         return SimEvent(self)
 
     def synchronize(self) -> None:
+        """Wait for every stream, as ``torch.cuda.synchronize``.
+
+        Raises:
+            torch.AcceleratorError: the current stream is capturing a graph (which this invalidates).
+        """
         if self.capture_for_current_stream() is not None:
-            raise SimCaptureError(
-                "synchronize() is not permitted while a stream is capturing a CUDA graph; "
-                "synchronise before entering or after leaving the capture"
-            )
+            raise host.not_permitted(self)
         self.clock.synchronize()
 
     def sleep(self, stream: Stream, microseconds: float) -> None:
@@ -746,9 +749,19 @@ class SimBackend:
             self._blaslt_workspaces[stream] = self.new_storage(self.blaslt_workspace)
 
     def register_generator(self) -> None:
-        """The first capture makes the RNG's graph-safe seed and offset (two int64 tensors)."""
+        """A capture registers the RNG's graph-safe seed and offset (two int64 tensors), made by the
+        first graph that registers and freed when the last registered graph is reset or deleted."""
         if self._generator_state is None:
             self._generator_state = [self.new_storage(8), self.new_storage(8)]
+        self._generator_users += 1
+
+    def unregister_generator(self) -> None:
+        """A graph that registered the RNG state went away (see :meth:`register_generator`)."""
+        self._generator_users -= 1
+        if self._generator_users == 0 and self._generator_state is not None:
+            state, self._generator_state = self._generator_state, None
+            while state:
+                state.pop(0)  # the seed, then the offset
 
     def release_block(self, block) -> None:
         """Free ``block`` for a storage that died (called from its finalizer).
@@ -804,8 +817,9 @@ class SimBackend:
         if nbytes == 0:
             return SimTensor(src, None, self)
         storage = self.new_storage(nbytes)
-        if not self.backed:
+        if not self.backed:  # src itself is the inner tensor: META (layout) or CPU (small, with values)
             storage.key = src.untyped_storage()._cdata
+            storage.values = not src.is_meta
             return SimTensor(src, storage, self)
         inner = storage.host.view(src.dtype).as_strided(
             src.size(), src.stride(), storage.host.storage_offset() // src.element_size() + src.storage_offset()
@@ -825,7 +839,12 @@ class SimBackend:
         """
         if is_sim_tensor(host):
             return host
-        layout = torch.empty_like(host, device="meta")
+        with torch._C.DisableTorchFunction():
+            if not self.backed and keeps_values(host):  # layout only, small: it keeps its values
+                layout = torch.empty_like(host)
+                layout.copy_(host)
+                return self.place(layout, copy=False)
+            layout = torch.empty_like(host, device="meta")
         placed = self.place(layout, copy=False)
         if self.backed:
             placed.sim_inner.copy_(host)
@@ -894,3 +913,4 @@ class _BackedStorage(SimStorage):
     def __init__(self, backend, block, host: torch.Tensor, nbytes: int) -> None:
         super().__init__(backend, block, host.data_ptr(), nbytes, 0)
         self.host = host
+        self.values = True

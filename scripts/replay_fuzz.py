@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
-            rows = list(pool.map(_one, recs, chunksize=4))
+            rows = list(pool.map(_one, recs, chunksize=1))
     else:
         rows = [_one(r) for r in recs]
     totals: dict = {}

@@ -65,14 +65,17 @@ class AttentionModel:
     after the output and freed before the RNG tensors (256: measured on the H200, torch
     2.11+cu130, cuDNN 9.19, for every call shape of ``data/models_h200``: 8 or 1024 query
     tokens against 1032 keys, batch 1 to 64, 28 or 32 heads of 128).
-    ``efficient_gqa``: whether the memory-efficient kernel accepts fewer KV heads.
+    ``efficient_gqa``: whether the memory-efficient kernel accepts fewer KV heads (it does not in
+    torch 2.11: ``enable_gqa`` calls with fewer KV heads found no kernel on the H200, data/fuzz).
+    ``cudnn_max_head_dim``: the largest head dimension cuDNN takes (256 on the H200, cuDNN 9.19).
     """
 
     priority: tuple = (CUDNN, FLASH, EFFICIENT, MATH)
     forced: str | None = None
     multiprocessors: int = 132
     cudnn_workspace: int = 256
-    efficient_gqa: bool = True
+    efficient_gqa: bool = False
+    cudnn_max_head_dim: int = 256
     recorded: tuple = ()
 
     def __post_init__(self):
@@ -109,9 +112,10 @@ def _fits(name: str, model: AttentionModel, q, k, v, mask, is_causal: bool, enab
     d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
     last_dim_contiguous = all(t.stride(-1) == 1 for t in (q, k, v))
     low_precision = q.dtype in _LOW_PRECISION
-    if name == CUDNN:
-        return (low_precision and d_q == d_k and d_q % 8 == 0 and d_v % 8 == 0 and d_q <= 128
-                and d_v <= 128 and last_dim_contiguous and _head_counts_ok(q, k, v, enable_gqa, True))
+    if name == CUDNN:  # head dims up to 256 on sm90 (cuDNN 9.19), not one key (data/fuzz)
+        return (low_precision and d_q == d_k and d_q % 8 == 0 and d_v % 8 == 0 and d_q <= model.cudnn_max_head_dim
+                and d_v <= model.cudnn_max_head_dim and k.shape[-2] > 1 and last_dim_contiguous
+                and _head_counts_ok(q, k, v, enable_gqa, True))
     if name == FLASH:
         return (low_precision and mask is None and d_q == d_k == d_v and d_q <= 256
                 and not (is_causal and q.shape[-2] != k.shape[-2]) and last_dim_contiguous
@@ -307,11 +311,16 @@ def scaled_dot_product_attention(func, args, kwargs):
         mask = _padded_bias(mask)
         if mask is not None:
             mask = mask.expand(b, h, s_q, k.shape[-2])
+        seed = offset = None
+        if backend.capture_for_current_stream() is not None:  # a capture keeps the philox seed and offset
+            seed = _empty(backend, (), (), torch.int64)  # on the device, before the output (H200)
+            offset = _empty(backend, (), (), torch.int64)
         out = _empty(backend, out_shape, _bshd_strides(b, h, s_q, d_v), q.dtype)
         if q.shape[-1] > 128 and q.dtype != f32:  # kernels past kMaxK=128 accumulate in fp32 memory
             accum = backend.new_storage(b * s_q * h * d_v * 4)
             del accum
         _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
+        del seed, offset
         return out
     # cuDNN: RNG seed and offset on the device, output in the query's layout, workspace
     seed = _empty(backend, (1,), (1,), torch.int64)  # at::zeros on the device

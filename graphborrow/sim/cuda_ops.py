@@ -246,6 +246,27 @@ def _index(func, args, kwargs):
     return out
 
 
+# ----------------------------------------------------------------------------- linear
+
+
+@register_cuda_model(_aten.linear.default, torch.nn.functional.linear)
+def _linear(func, args, kwargs):
+    """``F.linear`` as ATen (torch 2.11) composes it: with a bias, a 2-D input is one ``addmm`` and a
+    contiguous input of any other rank is flattened to rows for one (cuBLASLt fuses the bias);
+    otherwise ``matmul`` and an in-place ``add_``."""
+    params = _named(args, kwargs, ("input", "weight", "bias"))
+    x, weight, bias = params["input"], params["weight"], params.get("bias")
+    if bias is not None and x.dim() == 2:
+        return torch.addmm(bias, x, weight.t())
+    if bias is not None and x.is_contiguous() and bias.dim() == 1:
+        rows = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t())
+        return rows.view(*x.shape[:-1], weight.shape[0])
+    out = torch.matmul(x, weight.t())
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
 # ------------------------------------------------------------------------------ norms
 
 
@@ -271,7 +292,7 @@ def _compute_into(out, fn, *inputs) -> None:
         capture.record_op(fn, tuple(inner), {}, [(-1, out.sim_inner)])
 
 
-@register_cuda_model(_aten.rms_norm.default)
+@register_cuda_model(_aten.rms_norm.default, torch.rms_norm, torch.nn.functional.rms_norm)
 def _rms_norm(func, args, kwargs):
     """``F.rms_norm``: CUDA's fused kernel (``_fused_rms_norm``) on a contiguous input: the
     output like it and a per-row ``rstd`` (float for half types), which the op drops."""
@@ -284,6 +305,78 @@ def _rms_norm(func, args, kwargs):
     rstd = _empty(backend, (rows,), _acc_dtype(x.dtype))
     _compute_into(out, lambda a, w: torch.rms_norm(a, shape, w, eps), xc, weight)
     del xc, rstd  # the contiguous copy when the kernel returns, then the dropped rstd
+    return out
+
+
+@register_cuda_model(_aten.layer_norm.default, torch.layer_norm, torch.nn.functional.layer_norm)
+def _layer_norm(func, args, kwargs):
+    """``F.layer_norm``: CUDA's ``native_layer_norm`` on a contiguous input: the output like it, then
+    a per-row mean and rstd (float for half types), which the op drops."""
+    params = _named(args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps"))
+    x, shape = params["input"], tuple(params["normalized_shape"])
+    weight, bias, eps = params.get("weight"), params.get("bias"), params.get("eps", 1e-5)
+    backend = x.sim_backend
+    xc = x.contiguous()
+    out = _empty(backend, xc.shape, x.dtype)
+    stats = x.shape[:x.dim() - len(shape)] + (1,) * len(shape)
+    mean = _empty(backend, stats, _acc_dtype(x.dtype))
+    rstd = _empty(backend, stats, _acc_dtype(x.dtype))
+    _compute_into(out, lambda a, w, b: torch.layer_norm(a, shape, w, b, eps), xc, weight, bias)
+    del xc, mean, rstd
+    return out
+
+
+@register_cuda_model(_aten.dropout.default)
+def _dropout(func, args, kwargs):
+    """``F.dropout`` outside training (or with ``p=0``) gives back its input itself, as ATen does
+    (the CPU decomposition would copy it)."""
+    params = _named(args, kwargs, ("input", "p", "train"))
+    if not params["train"] or params["p"] == 0:
+        return params["input"]
+    return dispatch(func, args, kwargs)
+
+
+_LOG_SOFTMAX = {_aten.log_softmax.int, torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax}
+
+
+@register_cuda_model(_aten.softmax.int, _aten.log_softmax.int, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+                     torch.Tensor.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax)
+def _softmax(func, args, kwargs):
+    """``softmax(x, dim, dtype=float32)`` of a half tensor: CUDA's kernel converts as it goes
+    (``_softmax(x, dim, half_to_float=True)``); other conversions copy the input first."""
+    functional = func in (torch.nn.functional.softmax, torch.nn.functional.log_softmax)
+    names = ("self", "dim", "_stacklevel", "dtype") if functional else ("self", "dim", "dtype")
+    params = _named(args, {("self" if k == "input" else k): v for k, v in kwargs.items()}, names)
+    x, dim, dtype = params["self"], params.get("dim"), params.get("dtype")
+    log = func in _LOG_SOFTMAX
+    if dim is None:
+        dim = 0 if x.dim() in (0, 1, 3) else 1  # torch's legacy implicit dim
+    if not (x.dtype == torch.float16 and dtype == torch.float32):
+        converted = x if dtype is None else x.to(dtype)
+        inner = _aten._log_softmax.default if log else _aten._softmax.default
+        return dispatch(inner, (converted, dim, False), {})
+    out = _empty(x.sim_backend, x.shape, torch.float32)
+    op = torch.log_softmax if log else torch.softmax
+    _compute_into(out, lambda a: op(a.float(), dim), x)
+    return out
+
+
+# reductions whose input CUDA first converts to the result's dtype (make_reduction_from_out_ty)
+_CONVERTING_REDUCTIONS = {_aten.sum.default, _aten.sum.dim_IntList, _aten.mean.default, _aten.mean.dim,
+                          _aten.prod.default, _aten.prod.dim_int, _aten.nansum.default}
+
+
+@register_cuda_model(*_CONVERTING_REDUCTIONS)
+def _converting_reduction(func, args, kwargs):
+    """A reduction into another dtype (``bool.sum()`` gives int64): after the output, CUDA makes a
+    converted copy of the input, except half types into float32, which the kernel reads as they are."""
+    out = dispatch(func, args, kwargs)
+    x = args[0]
+    converted = None
+    if out.dtype != x.dtype and x.numel() and not (
+            x.dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32):
+        converted = _temporary(x.sim_backend, x.numel() * out.element_size())
+    del converted
     return out
 
 

@@ -164,7 +164,7 @@ def check_host_to_device(backend, host: torch.Tensor, non_blocking: bool):
         The capture's error to raise *after* the destination block was allocated (CUDA
         allocates it first), or None when the copy is allowed.
     """
-    if backend.capture_for_current_stream() is None:
+    if backend.capture_for_current_stream() is None or host.numel() == 0:  # an empty copy copies nothing
         return None
     if not is_pinned(host):
         return refuse_pageable()

@@ -384,8 +384,9 @@ def _uses_cublaslt(func, args, kwargs) -> bool:
     activation = func is _aten._addmm_activation.default
     fusable_bias = (bias.is_contiguous() and (bias.dim() == 1 or bias.squeeze().dim() == 1)
                     and bias.shape[-1] == mat2.shape[1])
+    # torch 2.11 takes the Lt path for a single row too (data/fuzz: a 1-D input's linear with bias)
     return (beta == 1 and (fusable_bias or (activation and bias.dim() == 2))
-            and mat1.dtype in _BLASLT_DTYPES and min(mat1.shape) > 1 and min(mat2.shape) > 1)
+            and mat1.dtype in _BLASLT_DTYPES)
 
 
 def _names_cpu(device) -> bool:
@@ -432,7 +433,7 @@ def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], twins, backend, f
         t = backend.place(o, copy)
     else:
         kind = o.device.type
-        if kind == "cpu" and not keeps_values(o):
+        if kind == "cpu" and (not copy or not keeps_values(o)):  # no defined values, or too large to keep
             o = meta_like(o)
         elif kind not in ("cpu", "meta"):
             return o
@@ -622,7 +623,7 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, **kwar
 def _from_python_data(backend, plain: torch.Tensor) -> SimTensor:
     """``torch.tensor(data, device="cuda")``: the device block, then a copy from pageable memory."""
     placed = backend.from_host(plain)
-    if backend.capture_for_current_stream() is not None:
+    if backend.capture_for_current_stream() is not None and plain.numel():  # nothing to copy: no copy
         del placed  # allocated, then freed as the refusal unwinds (as on CUDA)
         raise host.refuse_pageable()
     return placed
@@ -685,6 +686,7 @@ def _check_index(d: torch.device) -> None:
 
 
 _FROM_PYTHON_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+_PARSE_TO = torch._C._nn._parse_to
 
 
 class SimFunctionMode(TorchFunctionMode):
@@ -701,7 +703,7 @@ class SimFunctionMode(TorchFunctionMode):
             return host.pin(args[0])
         if func is torch.Tensor.is_pinned and not isinstance(args[0], SimTensor):
             return host.is_pinned(args[0])
-        if kwargs:
+        if kwargs and func is not _PARSE_TO:  # Module.to parses its arguments: not a factory
             dev = kwargs.get("device")
             if dev is not None and _is_cuda(dev):
                 return self._factory(func, args, kwargs)
@@ -716,8 +718,9 @@ class SimFunctionMode(TorchFunctionMode):
         kw.pop("pin_memory", None)
         requires_grad = kw.pop("requires_grad", False)
         out = func(*args, **kw)
-        if not backend.backed and isinstance(out, torch.Tensor) and out.is_meta and keeps_values(out):
-            kw["device"] = "cpu"  # small: made again on the CPU, with its values
+        if (not backend.backed and isinstance(out, torch.Tensor) and out.is_meta and func not in _UNINITIALISED
+                and keeps_values(out)):
+            kw["device"] = "cpu"  # small and with defined values: made again on the CPU, with its values
             out = func(*args, **kw)
         if isinstance(out, SimTensor) or not isinstance(out, torch.Tensor):
             result = out

@@ -24,8 +24,8 @@ from typing import Iterator
 
 import torch
 
-from . import device as device_module
 from . import graphs, host
+from .pools import MemPool as SimMemPool
 from .cuda_ops import H200_CAPABILITY
 
 __all__ = ["CudaEvent", "CudaStream", "H200_NAME", "simulated_cuda"]
@@ -45,13 +45,11 @@ class CudaStream(torch.Stream):
     def __new__(cls, backend, stream=None, priority: int = 0):
         sim_stream = stream if stream is not None else backend.Stream(priority=priority)
         self = super().__new__(cls, stream_id=sim_stream.id, device_index=0, device_type=1)
-        self._backend = backend
         self.sim_stream = sim_stream
-        self._context = None
         return self
 
-    def __init__(self, *args, **kwargs) -> None:  # all state is set in __new__
-        pass
+    def __init__(self, backend, stream=None, priority: int = 0) -> None:
+        self._backend, self._context = backend, None
 
     @property
     def cuda_stream(self) -> int:
@@ -325,6 +323,9 @@ def _classes(sim: "_SimCuda") -> tuple:
             sim.streams[self.sim_stream.id] = self
             return self
 
+        def __init__(self, device=None, priority: int = 0, _existing=None, **kwargs) -> None:
+            super().__init__(backend)
+
     class Event(CudaEvent):
         def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
             super().__init__(backend, enable_timing, blocking, interprocess)
@@ -340,7 +341,7 @@ def _classes(sim: "_SimCuda") -> tuple:
             super().__init__(cuda_graph, pool=pool, stream=None if stream is None else _sim_stream(stream),
                              capture_error_mode=capture_error_mode)
 
-    class MemPool(device_module.MemPool):
+    class MemPool(SimMemPool):
         def __init__(self, allocator=None, use_on_oom: bool = False, **kwargs) -> None:
             super().__init__(backend, allocator, use_on_oom)
 

@@ -99,3 +99,14 @@ def test_no_listed_difference_is_in_a_conversion_or_an_operation_model_code_comm
     for entry in LISTED.values():
         assert entry["operation"] and entry["cause"]
         assert entry["operation"] not in common, entry
+
+
+def test_a_seed_draws_the_same_program_in_every_process():
+    import subprocess
+    import sys
+
+    code = ("from graphborrow.fidelity.fuzz.generate import generate; import hashlib; "
+            "print(hashlib.sha256(''.join(generate(s).source for s in range(40)).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2)}
+    assert len(digests) == 1

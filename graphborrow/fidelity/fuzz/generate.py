@@ -654,33 +654,26 @@ class _Writer:
         built = rng.choice(("float32", "float32", "bfloat16", "float16"))
         kind = rng.choice(("linear", "linear", "linear", "embedding", "layernorm", "mlp"))
         dt = "" if built == "float32" else f", dtype={_torch_dtype(built)}"
-        if kind == "linear":
-            self.emit(f"{name} = torch.nn.Linear({n_in}, {n_out}, bias={bias}, device='cuda'{dt})")
-        elif kind == "embedding":
-            self.emit(f"{name} = torch.nn.Embedding({n_out}, {n_in}, device='cuda'{dt})")
-        elif kind == "layernorm":
-            self.emit(f"{name} = torch.nn.LayerNorm({n_in}, device='cuda'{dt})")
-        else:
-            self.emit(f"{name} = torch.nn.Sequential(torch.nn.Linear({n_in}, {n_out}, bias={bias}), torch.nn.SiLU(), "
-                      f"torch.nn.Linear({n_out}, {n_in}, bias={bias})).to(device='cuda'{dt})")
+        built_as = {
+            "linear": f"torch.nn.Linear({n_in}, {n_out}, bias={bias}, device='cuda'{dt})",
+            "embedding": f"torch.nn.Embedding({n_out}, {n_in}, device='cuda'{dt})",
+            "layernorm": f"torch.nn.LayerNorm({n_in}, device='cuda'{dt})",
+            "mlp": (f"torch.nn.Sequential(torch.nn.Linear({n_in}, {n_out}, bias={bias}), torch.nn.SiLU(), "
+                    f"torch.nn.Linear({n_out}, {n_in}, bias={bias})).to(device='cuda'{dt})"),
+        }
+        self.emit(f"{name} = {built_as[kind]}")
         dtype, uniform = built, True
+        first = f"{name}[0]" if kind == "mlp" else name
         for _ in range(rng.choice((1, 1, 2))):
             target = rng.choice(FLOATS)
+            t = _torch_dtype(target)
             form = rng.choice(("to", "method", "to_kw", "type", "apply_data", "param_data"))
             method = {"float32": "float", "float16": "half", "bfloat16": "bfloat16"}[target]
-            if form == "to":
-                self.emit(f"{name}.to({_torch_dtype(target)})")
-            elif form == "to_kw":
-                self.emit(f"{name} = {name}.to(device='cuda', dtype={_torch_dtype(target)})")
-            elif form == "method":
-                self.emit(f"{name}.{method}()")
-            elif form == "type":
-                self.emit(f"{name}.type({_torch_dtype(target)})")
-            elif form == "apply_data":
-                self.emit(f"for p in {name}.parameters(): p.data = p.data.to({_torch_dtype(target)})")
-            else:
-                first = f"{name}[0]" if kind == "mlp" else name
-                self.emit(f"{first}.weight.data = {first}.weight.data.to({_torch_dtype(target)})")
+            self.emit({"to": f"{name}.to({t})", "to_kw": f"{name} = {name}.to(device='cuda', dtype={t})",
+                       "method": f"{name}.{method}()", "type": f"{name}.type({t})",
+                       "apply_data": f"for p in {name}.parameters(): p.data = p.data.to({t})",
+                       "param_data": f"{first}.weight.data = {first}.weight.data.to({t})"}[form])
+            if form == "param_data":  # only the weight converted: a module of mixed dtypes unless alone
                 has_other = kind == "mlp" or (kind == "linear" and bias == "True") or kind == "layernorm"
                 uniform = uniform and not (has_other and target != dtype)
             dtype = target
@@ -800,7 +793,7 @@ class _Writer:
         marker = len(self.lines)
         for _ in range(rng.randint(2, 10)):
             self.one_op(capture=True)
-        outputs = [n for n in self.body["locals"] if n in self.vars]
+        outputs = sorted(n for n in self.body["locals"] if n in self.vars)  # a set: sorted, so the draw repeats
         exported = rng.sample(outputs, min(len(outputs), rng.choice((1, 2, 3)))) if outputs else []
         if exported:
             self.lines.insert(marker, "    " * self.depth + f"global {', '.join(exported)}")

@@ -40,6 +40,8 @@ OPERATIONS = [
     ("factory", r"torch\.(randn|rand|zeros|ones|empty|full|arange|randint)\("),
     ("elementwise", r"silu|gelu|exp|tanh|sigmoid|mul_|\+=|clamp_|div_|\*|\+"),
 ]
+# operations model code commonly calls: the goal is no listed difference in them
+COMMON = ("conversion", "linear", "attention", "softmax", "norm", "embedding", "cat", "elementwise", "factory")
 CAUSES = {
     "capture rules": "the cuBLAS workspace a capture allocates on its stream: freed when the capture ends, and not "
                      "made again by the next capture on that stream (torch 2.11 keeps it per handle and stream); "
@@ -53,6 +55,11 @@ CAUSES = {
                                      "and multi-block radix select temporaries are not modelled",
     "full reduction": "a reduction over many elements per output keeps partial results and semaphores in global "
                       "memory (Reduce.cuh's setReduceConfig): not modelled",
+    "attention": "the math backend's CUDA allocations (its upcasts and temporaries differ from the CPU "
+                 "decomposition the simulator runs) and the flash / memory-efficient kernels' auxiliary "
+                 "outputs outside the shapes data/models_h200 measured: not yet modelled",
+    "softmax": "softmax over a dim that is not the last, or past the persistent kernel's row length: CUDA's "
+               "kernel allocates a temporary the CPU one does not; not yet modelled",
 }
 
 
@@ -91,8 +98,9 @@ def main(argv=None) -> int:
                         "cause": CAUSES.get(operation, "not yet explained"), "line": line.strip(),
                         "first_difference": row.get("first_difference") or "",
                         "errors": [row.get("gpu_error"), row.get("sim_error")]})
+    common = sum(e["operation"] in COMMON for e in entries)
     out = {"about": __doc__.splitlines()[0] + " Every program of data/fuzz not listed here agrees with the H200 in "
-                    "full.", "replay": args[0], "differences": entries}
+                    "full.", "replay": args[0], "in_common_operations": common, "differences": entries}
     (CORPUS / "known_differences.json").write_text(json.dumps(out, indent=1) + "\n")
     by_operation: dict[str, int] = {}
     for e in entries:

@@ -31,10 +31,9 @@ from graphborrow.fidelity.fuzz.corpus import check, known_differences, program_o
 from graphborrow.fidelity.fuzz.run import gpu_addresses, simulate_program
 
 FULL = os.environ.get("GRAPHBORROW_FUZZ") == "all"
-SAMPLE = 12  # random programs per CI run
+SAMPLE = 10  # random programs per CI run
 MODELS_IN_CI = {"model_llama-fp32-to-bf16", "model_qwen2-direct-bf16-smallest-nograd", "model_mistral-fp32-to-bf16",
-                "model_phi3-fp32-to-bf16", "model_gemma-fp32-to-bf16", "model_llama-eager-graphs",
-                "model_llama-tiny-cpu-built"}
+                "model_llama-eager-graphs", "model_llama-tiny-cpu-built"}
 LISTED = known_differences()
 RULES = list(read_corpus(["rule"]))
 MODELS = [r for r in read_corpus(["model"]) if FULL or r["name"] in MODELS_IN_CI]

@@ -752,13 +752,17 @@ class _Writer:
                     if self.body is not None:
                         self.body["locals"].discard(n)
 
+    def reuse_or_new(self, names: list, prefix: str, make: str, chance: float) -> str:
+        """One of ``names`` at random, after making a new one (``make``) when there is none, or by ``chance``."""
+        if not names or self.rng.random() < chance:
+            name = self.fresh(prefix)
+            self.emit(f"{name} = {make}")
+            names.append(name)
+        return self.rng.choice(names)
+
     def side_stream(self) -> None:
         rng = self.rng
-        if not self.streams or rng.random() < 0.3:
-            s = self.fresh("s")
-            self.emit(f"{s} = torch.cuda.Stream()")
-            self.streams.append(s)
-        s = rng.choice(self.streams)
+        s = self.reuse_or_new(self.streams, "s", "torch.cuda.Stream()", 0.3)
         self.emit(f"{s}.wait_stream(torch.cuda.current_stream())")
         self.emit(f"with torch.cuda.stream({s}):")
         self.depth += 1
@@ -778,14 +782,9 @@ class _Writer:
 
     def capture(self) -> None:
         rng = self.rng
-        if not self.pools or rng.random() < 0.25:
-            pool = self.fresh("pool")
-            self.emit(f"{pool} = torch.cuda.graph_pool_handle()")
-            self.pools.append(pool)
-        pool = rng.choice(self.pools)
+        pool = self.reuse_or_new(self.pools, "pool", "torch.cuda.graph_pool_handle()", 0.25)
         body = self.fresh("body")
         inputs = {n for n in self.vars}
-        start = len(self.lines)
         saved_vars = dict(self.vars)
         self.body = {"locals": set(), "inputs": inputs}
         self.emit(f"def {body}():")
@@ -801,7 +800,6 @@ class _Writer:
         self.depth -= 1
         self.vars = {n: v for n, v in self.vars.items() if n in saved_vars or n in exported}
         self.body = None
-        del start
         if rng.random() < 0.85:  # warm up on a side stream first, as torch's documentation does
             s = self.fresh("s")
             self.emit(f"{s} = torch.cuda.Stream()")

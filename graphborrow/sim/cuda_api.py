@@ -232,12 +232,12 @@ class _SimCuda:
         return self.backend.stream(_sim_stream(stream))
 
     def set_stream(self, stream) -> None:
-        self.backend._tls.stream = _sim_stream(stream)
+        self.backend.set_current_stream(_sim_stream(stream))
 
     def synchronize(self, device=None) -> None:
         self.backend.synchronize()
 
-    def _sleep(self, cycles: int) -> None:
+    def sleep(self, cycles: int) -> None:
         self.backend.sleep(self.backend.current_stream(), cycles / 1500.0)  # ~1.5 GHz, as the GPU scripts assume
 
     # graphs
@@ -288,7 +288,7 @@ class _SimCuda:
     def get_per_process_memory_fraction(self, device=None) -> float:
         return self.backend.get_per_process_memory_fraction()
 
-    def _record_memory_history(self, enabled="all", context="all", stacks="all", max_entries: int = 1_000_000,
+    def record_memory_history(self, enabled="all", context="all", stacks="all", max_entries: int = 1_000_000,
                                **kwargs) -> None:
         on = enabled not in (None, False, "None")
         self.backend.record_memory_history(on, max_entries)
@@ -298,13 +298,13 @@ class _SimCuda:
         if on and stacks in ("python", "all"):
             self.recorder = _FrameRecorder(self.backend)
 
-    def _snapshot(self, device=None) -> dict:
+    def snapshot(self, device=None) -> dict:
         snapshot = self.backend.full_snapshot()
         return self.recorder.attach(snapshot) if self.recorder is not None else snapshot
 
-    def _dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
+    def dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
         with open(filename, "wb") as f:
-            pickle.dump(self._snapshot(), f, protocol=4)
+            pickle.dump(self.snapshot(), f, protocol=4)
 
     def close(self) -> None:
         if self.recorder is not None:
@@ -359,13 +359,16 @@ def _check_device(device) -> None:
 _CUDA_NAMES = (
     "is_available", "device_count", "current_device", "set_device", "get_device_name", "get_device_capability",
     "get_device_properties", "init", "is_initialized", "manual_seed", "Stream", "Event", "current_stream",
-    "default_stream", "stream", "set_stream", "synchronize", "_sleep", "CUDAGraph", "graph", "graph_pool_handle",
+    "default_stream", "stream", "set_stream", "synchronize", "CUDAGraph", "graph", "graph_pool_handle",
     "is_current_stream_capturing", "MemPool", "use_mem_pool", "memory_allocated", "max_memory_allocated",
     "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "memory_stats", "memory_snapshot",
     "mem_get_info", "empty_cache", "set_per_process_memory_fraction", "get_per_process_memory_fraction",
 )
-_ALIASES = {"manual_seed_all": "manual_seed"}
-_MEMORY_NAMES = ("_record_memory_history", "_snapshot", "_dump_snapshot", "memory_allocated", "memory_reserved",
+# torch's name -> the replacement's, where torch's is private
+_ALIASES = {"manual_seed_all": "manual_seed", "_sleep": "sleep"}
+_MEMORY_ALIASES = {"_record_memory_history": "record_memory_history", "_snapshot": "snapshot",
+                   "_dump_snapshot": "dump_snapshot"}
+_MEMORY_NAMES = ("memory_allocated", "memory_reserved",
                  "max_memory_allocated", "max_memory_reserved", "memory_stats", "memory_snapshot", "mem_get_info",
                  "empty_cache", "reset_peak_memory_stats", "set_per_process_memory_fraction", "MemPool",
                  "use_mem_pool")
@@ -391,6 +394,7 @@ def simulated_cuda(backend) -> Iterator[object]:
     targets = [(torch.cuda, name, getattr(sim, name)) for name in _CUDA_NAMES]
     targets += [(torch.cuda, alias, getattr(sim, name)) for alias, name in _ALIASES.items()]
     targets += [(torch.cuda.memory, name, getattr(sim, name)) for name in _MEMORY_NAMES]
+    targets += [(torch.cuda.memory, alias, getattr(sim, name)) for alias, name in _MEMORY_ALIASES.items()]
     targets += [(torch.cuda.graphs, name, getattr(sim, name))
                 for name in ("CUDAGraph", "graph", "graph_pool_handle", "is_current_stream_capturing")]
     saved = [(module, name, module.__dict__.get(name, _MISSING)) for module, name, _ in targets]

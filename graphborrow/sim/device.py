@@ -247,6 +247,14 @@ class SimBackend:
         """
         return self.current_stream().id
 
+    def set_current_stream(self, s: Stream) -> None:
+        """Make ``s`` the calling thread's current stream until changed (``torch.cuda.set_stream``).
+
+        Args:
+            s: a stream from :meth:`Stream` (or the default stream).
+        """
+        self._tls.stream = s
+
     def Stream(self, priority: int = 0) -> Stream:
         """A new side stream with its own clock, as ``torch.cuda.Stream``.
 

@@ -353,10 +353,14 @@ class BorrowState:
         return any(room >= segment for room in rooms)
 
     # ------------------------------------------------------------------ scopes
-    def _take_slot(self, user: str, scope: Any = None) -> None:
+    def _held_by(self) -> Optional[str]:
+        """Who holds the owner slot, once a scope collected without leaving has been reclaimed."""
         if self.holder is not None:
             self._reclaim_abandoned()
-        if self.holder is not None:
+        return self.holder
+
+    def _take_slot(self, user: str, scope: Any = None) -> None:
+        if self._held_by() is not None:
             raise PoolBusyError(
                 f"the graph pool is held by {self.holder!r}; cannot start {user!r}. "
                 "Capture, replay and borrowing never overlap: leave the first scope "
@@ -389,9 +393,7 @@ class BorrowState:
             self._release_slot()
 
     def _require_idle(self, action: str) -> None:
-        if self.holder is not None:
-            self._reclaim_abandoned()
-        if self.holder is not None:
+        if self._held_by() is not None:
             raise PoolBusyError(
                 f"cannot {action} while the graph pool is held by {self.holder!r}; "
                 "leave that scope first"

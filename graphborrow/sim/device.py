@@ -20,7 +20,7 @@ from graphborrow.allocator.caching import CachingAllocator
 from graphborrow.allocator.config import AllocatorConfig
 from graphborrow.allocator.memory import PhysicalMemory
 from graphborrow.allocator.streams import Clockwork, Event, Stream
-from graphborrow.core.device_api import ExternalBuffer
+from graphborrow.core.device_api import DeviceAPI, ExternalBuffer
 from graphborrow.core.interrupts import CRITICAL
 
 from . import graphs, host
@@ -95,7 +95,7 @@ class _StreamContext:
         self.backend._tls.stream = self.saved
 
 
-class SimBackend:
+class SimBackend(DeviceAPI):
     """A simulated CUDA device implementing :class:`~graphborrow.core.device_api.DeviceAPI`.
 
     ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM).

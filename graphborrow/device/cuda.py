@@ -189,12 +189,9 @@ _ROUTING_HOOKS = _routing_hooks()
 
 
 class _PoolRouting:
-    """What torch.cuda.use_mem_pool does outside a graph capture, as a plain class.
-
-    Entry and exit each run in a critical section (nested in the borrow scope's, so
-    nearly free there): an interrupt cannot fall between ending the routing and
-    releasing the pool, and a second exit does nothing.
-    """
+    """What torch.cuda.use_mem_pool does outside a graph capture, as a plain class, safe against
+    interrupts (Note [interrupt-safe scopes] in :mod:`graphborrow.core.interrupts`; nested in the
+    borrow scope's sections, so nearly free there)."""
 
     __slots__ = ("device", "pool_id", "routed")
 

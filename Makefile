@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-test setup-docs run demo lab test test-deep test-core test-notebooks test-nbval test-gpu test-kernels-deep browser docs bench bench-kernels compile-kernels bench-sweep bench-scaling gpu-wheels model-pools model-pools-sim record-wrapped replay-corpus strip clean deep mutation mutation-capacity
+.PHONY: setup setup-test setup-docs run demo lab test test-deep test-core test-notebooks test-nbval test-gpu test-kernels-deep browser docs bench bench-kernels compile-kernels bench-sweep bench-scaling gpu-wheels model-pools model-pools-sim fuzz-sim fuzz-sim-dry fuzz-sim-replay record-wrapped replay-corpus strip clean deep mutation mutation-capacity
 
 # What `make run` needs and nothing more: torch (CPU build), the package, papermill, Dask and the
 # explorer's widgets (extra `run`). Test tools, transformers, triton and JupyterLab come with the
@@ -64,13 +64,16 @@ browser:
 POINT_LABELS ?= h200
 # Long tests that repeat a check another target makes: compiling every kernel variant for sm_90 is
 # `make compile-kernels`; the deep Hypothesis profile's own test runs what `make deep` runs.
+# Rebuilding the Cython model from scratch is what `make setup` does; the tests of a damaged, truncated or
+# checksum-less build that stay in make test load prebuilt files instead.
 DEEP_TESTS = tests/eagle/test_fused_compile.py::test_every_kernel_variant_compiles_for_sm90_without_spills \
-	tests/tooling/test_profiles.py::test_the_deep_profile_runs_fifty_times_the_examples
+	tests/tooling/test_profiles.py::test_the_deep_profile_runs_fifty_times_the_examples \
+	tests/allocator/test_sim_compiled.py::test_build_force_replaces_a_damaged_build
 test: setup-test browser
 	$(MAKE) --no-print-directory test-nbval
 	rm -rf output/points
 	$(PY) -m graphborrow points --labels $(POINT_LABELS) --jobs 2 --out output/points
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu" $(addprefix --deselect ,$(DEEP_TESTS)) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope -m "not gpu" $(addprefix --deselect ,$(DEEP_TESTS)) tests
 
 # Everything `make test` leaves out: every notebook at the low and high corners of its ranges, the
 # H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim); about 15 minutes on 2 cores.
@@ -170,6 +173,24 @@ model-pools: setup-test
 model-pools-sim: setup-test
 	$(PY) benchmarks/model_pools.py --device sim --out output/model-pools-sim
 	$(PY) scripts/model_pools_table.py output/model-pools-sim --no-compare --marker model-pools-sim --readme docs/measurements.md
+
+# On a CUDA machine: record more of the differential corpus (random programs of the operations model
+# code uses, CUDA's capture rules, one-operation probes, ordinary transformers scripts), each in a
+# fresh process; pack the folder into data/fuzz with graphborrow.fidelity.fuzz.corpus.pack.
+FUZZ_SEEDS ?= 241:400
+FUZZ_JOBS ?= 14
+fuzz-sim: setup
+	$(PY) scripts/record_fuzz.py output/fuzz-h200 --seeds $(FUZZ_SEEDS) --jobs $(FUZZ_JOBS)
+
+# CPU: the recorder's dry run on the simulated device (a few programs of each kind but the models).
+fuzz-sim-dry: setup
+	$(PY) scripts/record_fuzz.py output/fuzz-sim --seeds 0:4 --kinds rule,probe,fuzz --device sim --jobs 2
+
+# CPU: every committed program against its H200 recording (make test runs every rule, a model
+# script per family and a sample of the random programs); agreement per program in the json.
+fuzz-sim-replay: setup
+	OMP_NUM_THREADS=1 $(PY) scripts/replay_fuzz.py --jobs 2 --json output/fuzz_replay.json
+	GRAPHBORROW_FUZZ=all OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/fidelity/test_fuzz_corpus.py
 
 # Mutation testing of the capacity planner (not in CI; 15 to 40 minutes on 2 cores, by load).
 # Fails when a survivor is neither killed nor reviewed as harmless in scripts/mutation_score.py.

@@ -1,11 +1,11 @@
-"""Command line: ``python -m graphborrow {run,demo,sweep,suite,points,check-results,inspect,build,replay-corpus} ...``.
+"""Command line: ``python -m graphborrow {run,demo,sweep,suite,points,check-results,inspect,simulate,build,replay-corpus} ...``.
 
 Each command is a thin layer over a public function: :func:`graphborrow.run.demo.run_demo`,
 :func:`graphborrow.run.suite.run_suite`, :func:`graphborrow.run.sweep.run_sweep`,
-:func:`graphborrow.studies.inspection.inspect_snapshot`,
-:func:`graphborrow.fidelity.corpus.replay_corpus`. Bad arguments, environment
-variables and output folders exit with status 2 and one line naming the problem, before
-any work; Ctrl-C exits with 130 and says what a rerun does.
+:func:`graphborrow.studies.inspection.inspect_snapshot`, :func:`graphborrow.run.simulate.simulate_script`,
+:func:`graphborrow.fidelity.corpus.replay_corpus`. Bad arguments, environment variables and output
+folders exit with status 2 and one line naming the problem, before any work; Ctrl-C exits with 130
+and says what a rerun does.
 """
 
 from __future__ import annotations
@@ -122,16 +122,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    values = []
-    for part in text.split(","):
-        try:
-            value = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{value} in {text!r} must be 1 or more")
-        values.append(value)
-    return values
+    """A comma-separated list of whole numbers, each 1 or more (``--batches 1,4,16``)."""
+    return [_positive_int(part) for part in text.split(",")]
 
 
 def _modes(text: str) -> list[str]:
@@ -179,6 +171,16 @@ def _inspect(args: argparse.Namespace) -> int:
                                  "vocab": report.vocab, "fit": report.fit}, indent=1))
     print(f"\nmemory map: {figure}\nfit table:  {table}")
     return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """An unmodified script on the simulated device: snapshot, graph pools, fitting verification steps."""
+    from graphborrow.run.simulate import parse_bytes, simulate_script
+
+    result = simulate_script(args.script, args.args, capacity=parse_bytes(args.capacity), out=args.out,
+                             backed=args.backed)
+    print(result.summary())
+    return 1 if result.error else 0
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -278,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--out", default=str(DEFAULT_OUT / "inspect"),
                          help="where the memory map and fit table go (default output/inspect)")
     inspect.set_defaults(func=_inspect)
+
+    simulate = sub.add_parser("simulate", help="run your own script, unmodified, on the simulated device")
+    simulate.add_argument("script", help="a Python script written for a GPU (cuda is the simulated H200)")
+    simulate.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    simulate.add_argument("--capacity", default="150109880320", help="device memory, e.g. 80GiB (default: an H200)")
+    simulate.add_argument("--out", default=str(DEFAULT_OUT / "simulate"), help="where the snapshot pickle goes")
+    simulate.add_argument("--backed", action="store_true", help="real bytes behind every segment (small models)")
+    simulate.set_defaults(func=_simulate)
 
     for name, text in (("points", "run the notebooks at the points of their parameter space"),
                        ("check-results", "check that every notebook wrote results showing device work"),

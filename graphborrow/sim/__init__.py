@@ -6,12 +6,11 @@ graphborrow runs unchanged on an H200 and on a machine without a GPU.
 
 from . import cuda_ops  # noqa: F401  (registers CUDA op models)
 from .device import MemPool, SimBackend, SimEvent
-from .tensor import SimCaptureError, SimLayoutOnlyError, SimTensor, is_sim_tensor
+from .tensor import SimLayoutOnlyError, SimTensor, is_sim_tensor
 
 __all__ = [
     "MemPool",
     "SimBackend",
-    "SimCaptureError",
     "SimEvent",
     "SimLayoutOnlyError",
     "SimTensor",

@@ -65,14 +65,17 @@ class AttentionModel:
     after the output and freed before the RNG tensors (256: measured on the H200, torch
     2.11+cu130, cuDNN 9.19, for every call shape of ``data/models_h200``: 8 or 1024 query
     tokens against 1032 keys, batch 1 to 64, 28 or 32 heads of 128).
-    ``efficient_gqa``: whether the memory-efficient kernel accepts fewer KV heads.
+    ``efficient_gqa``: whether the memory-efficient kernel accepts fewer KV heads (it does not in
+    torch 2.11: ``enable_gqa`` calls with fewer KV heads found no kernel on the H200, data/fuzz).
+    ``cudnn_max_head_dim``: the largest head dimension cuDNN takes (256 on the H200, cuDNN 9.19).
     """
 
     priority: tuple = (CUDNN, FLASH, EFFICIENT, MATH)
     forced: str | None = None
     multiprocessors: int = 132
     cudnn_workspace: int = 256
-    efficient_gqa: bool = True
+    efficient_gqa: bool = False
+    cudnn_max_head_dim: int = 256
     recorded: tuple = ()
 
     def __post_init__(self):
@@ -99,36 +102,54 @@ def call_signature(q, k, mask, is_causal: bool, enable_gqa: bool) -> str:
     return repr((tuple(q.shape), tuple(k.shape), str(q.dtype), m, bool(is_causal), bool(enable_gqa)))
 
 
+NO_KERNEL = "No available kernel. Aborting execution."
+_ENABLED = {CUDNN: torch.backends.cuda.cudnn_sdp_enabled, FLASH: torch.backends.cuda.flash_sdp_enabled,
+            EFFICIENT: torch.backends.cuda.mem_efficient_sdp_enabled, MATH: torch.backends.cuda.math_sdp_enabled}
+
+
+def _fits(name: str, model: AttentionModel, q, k, v, mask, is_causal: bool, enable_gqa: bool) -> bool:
+    """Whether backend ``name`` takes these inputs (sdp_utils.cpp's constraints for it)."""
+    d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
+    last_dim_contiguous = all(t.stride(-1) == 1 for t in (q, k, v))
+    low_precision = q.dtype in _LOW_PRECISION
+    if name == CUDNN:  # head dims up to 256 on sm90 (cuDNN 9.19), not one key (data/fuzz)
+        return (low_precision and d_q == d_k and d_q % 8 == 0 and d_v % 8 == 0 and d_q <= model.cudnn_max_head_dim
+                and d_v <= model.cudnn_max_head_dim and k.shape[-2] > 1 and last_dim_contiguous
+                and _head_counts_ok(q, k, v, enable_gqa, True))
+    if name == FLASH:
+        return (low_precision and mask is None and d_q == d_k == d_v and d_q <= 256
+                and not (is_causal and q.shape[-2] != k.shape[-2]) and last_dim_contiguous
+                and _head_counts_ok(q, k, v, enable_gqa, True))
+    if name == EFFICIENT:
+        align = 8 if low_precision else 4
+        return (q.dtype in _LOW_PRECISION + (torch.float32,) and d_q == d_k and d_q % align == 0
+                and d_v % align == 0 and last_dim_contiguous
+                and _head_counts_ok(q, k, v, enable_gqa, model.efficient_gqa))
+    return True
+
+
 def select_backend(model: AttentionModel, q, k, v, mask, dropout_p: float, is_causal: bool,
                    enable_gqa: bool) -> str:
-    """The backend CUDA's ``select_sdp_backend`` would pick for these (4-D, dense) inputs."""
+    """The backend CUDA's ``select_sdp_backend`` would pick for these (4-D, dense) inputs.
+
+    Backends switched off (``torch.nn.attention.sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``)
+    are passed over, as on CUDA.
+
+    Raises:
+        RuntimeError: no enabled backend takes the inputs (torch's message, :data:`NO_KERNEL`).
+    """
     if model.forced is not None:
         return model.forced
     if model.recorded:
         found = dict(model.recorded).get(call_signature(q, k, mask, is_causal, enable_gqa))
         if found is not None:
             return found
-    d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
-    last_dim_contiguous = all(t.stride(-1) == 1 for t in (q, k, v))
-    low_precision = q.dtype in _LOW_PRECISION
     for name in model.priority:
-        if name == CUDNN:
-            ok = (low_precision and d_q == d_k and d_q % 8 == 0 and d_v % 8 == 0 and d_q <= 128
-                  and d_v <= 128 and last_dim_contiguous and _head_counts_ok(q, k, v, enable_gqa, True))
-        elif name == FLASH:
-            ok = (low_precision and mask is None and d_q == d_k == d_v and d_q <= 256
-                  and not (is_causal and q.shape[-2] != k.shape[-2]) and last_dim_contiguous
-                  and _head_counts_ok(q, k, v, enable_gqa, True))
-        elif name == EFFICIENT:
-            align = 8 if low_precision else 4
-            ok = (q.dtype in _LOW_PRECISION + (torch.float32,) and d_q == d_k and d_q % align == 0
-                  and d_v % align == 0 and last_dim_contiguous
-                  and _head_counts_ok(q, k, v, enable_gqa, model.efficient_gqa))
-        else:
-            ok = True
-        if ok:
+        if _ENABLED[name]() and _fits(name, model, q, k, v, mask, is_causal, enable_gqa):
             return name
-    return MATH
+    if MATH not in model.priority and _ENABLED[MATH]():
+        return MATH
+    raise RuntimeError(NO_KERNEL)
 
 
 def flash_num_splits(batch_heads_mblocks: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
@@ -290,11 +311,16 @@ def scaled_dot_product_attention(func, args, kwargs):
         mask = _padded_bias(mask)
         if mask is not None:
             mask = mask.expand(b, h, s_q, k.shape[-2])
+        seed = offset = None
+        if backend.capture_for_current_stream() is not None:  # a capture keeps the philox seed and offset
+            seed = _empty(backend, (), (), torch.int64)  # on the device, before the output (H200)
+            offset = _empty(backend, (), (), torch.int64)
         out = _empty(backend, out_shape, _bshd_strides(b, h, s_q, d_v), q.dtype)
         if q.shape[-1] > 128 and q.dtype != f32:  # kernels past kMaxK=128 accumulate in fp32 memory
             accum = backend.new_storage(b * s_q * h * d_v * 4)
             del accum
         _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
+        del seed, offset
         return out
     # cuDNN: RNG seed and offset on the device, output in the query's layout, workspace
     seed = _empty(backend, (1,), (1,), torch.int64)  # at::zeros on the device

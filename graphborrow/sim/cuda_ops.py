@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 
-from .tensor import dispatch, register_cuda_model
+from . import host
+from .tensor import SimTensor, dispatch, register_cuda_model
 
 __all__ = ["H200_CAPABILITY", "KernelModel", "SMALL_SORT_LIMIT", "device_queries", "grouped_mm_argument_bytes",
            "histc_any_dtype"]
@@ -45,9 +47,10 @@ class KernelModel:
     """Allocations of CUDA libraries that only a GPU can tell (defaults: H200, torch 2.11+cu130).
 
     ``multiprocessors``: SM count (H200: 132).
-    ``cub_scan_bytes``: CUB ``DeviceScan`` temporary storage of a one-tile inclusive scan
-    (measured: 1023 bytes for int32 scans of 8 and of 128 items on the H200, CUDA 13.0;
-    longer scans and other dtypes were not measured and use the same figure).
+    ``scan_tile_items``: items per tile of CUB's ``DeviceScan`` by value size in bytes: its
+    temporary storage is the decoupled look-back state of ``ceil(n / tile)`` tiles (see
+    :meth:`cub_scan_bytes`; fitted to every cumsum of ``data/fuzz``'s ``probe_scan``, 1 to
+    10**6 items of bf16, fp32 and int64 on the H200, CUDA 13.0).
     ``grouped_gemm_workspace_per_sm``: the CUTLASS sm90 grouped GEMM's workspace per SM
     (it keeps per-SM TMA descriptors; measured 67584 = 132 x 512 bytes for 8 and for 128
     groups, several shapes).
@@ -56,13 +59,37 @@ class KernelModel:
     """
 
     multiprocessors: int = 132
-    cub_scan_bytes: int = 1023
+    scan_tile_items: tuple = ((2, 3840), (4, 3840), (8, 1344))
     grouped_gemm_workspace_per_sm: int = 512
     grouped_gemm_cutlass: bool = True
 
     def __post_init__(self):
-        if self.multiprocessors < 1 or self.cub_scan_bytes < 0 or self.grouped_gemm_workspace_per_sm < 0:
+        if self.multiprocessors < 1 or self.grouped_gemm_workspace_per_sm < 0:
             raise ValueError("multiprocessors must be >= 1; byte counts must be >= 0")
+        if any(items < 1 for _, items in self.scan_tile_items):
+            raise ValueError("scan_tile_items must give a positive tile size for every value size")
+
+    def cub_scan_bytes(self, items: int, itemsize: int) -> int:
+        """CUB ``DeviceScan::InclusiveScan`` temporary storage for ``items`` values of ``itemsize`` bytes.
+
+        The tile state has ``tiles + 32`` entries (a warp of padding): 16-byte descriptors for
+        4-byte values, 24-byte ones for 8-byte values, and for 2-byte values three arrays (4-byte
+        status, partial and inclusive values), each 256-aligned in a blob with 255 bytes of
+        slack; the scan then aligns the state the same way.
+        """
+        tile = dict(self.scan_tile_items).get(itemsize, dict(self.scan_tile_items)[4])
+        entries = -(-items // tile) + 32
+        if itemsize == 4:
+            state = entries * 16
+        elif itemsize == 8:
+            state = entries * 24
+        else:
+            state = _align256(4 * entries) + 2 * _align256(itemsize * entries) + 255
+        return _align256(state) + 255
+
+
+def _align256(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
 
 
 def _kernels(t):
@@ -126,7 +153,7 @@ def _scan_temporaries(x, out, dim: int) -> list:
     if converted:  # self.to(result dtype), then expect_contiguous
         held.append(_temporary(backend, x.numel() * out.element_size()))
     if x.numel() == x.shape[dim]:  # the scan holds every element: cub::DeviceScan::InclusiveScan
-        scan = _temporary(backend, _kernels(x).cub_scan_bytes)
+        scan = _temporary(backend, _kernels(x).cub_scan_bytes(x.numel(), out.element_size()))
         del scan
     return held
 
@@ -187,6 +214,236 @@ def histc_any_dtype(x, bins=100, min=0, max=0):
 @register_cuda_model(_aten.histc.default)
 def _histc(func, args, kwargs):
     return dispatch(histc_any_dtype, args, kwargs)
+
+
+# -------------------------------------------------------------------------- indexing
+
+
+def _contiguous_indices(indices: list) -> tuple[list, list]:
+    """CUDA's ``AdvancedIndex``: two or more index tensors whose broadcast strides differ are each
+    made contiguous (one temporary per index, in order) before the kernel; returns the indices
+    to use and the temporaries (freed, last first, when the kernel returns)."""
+    present = [i for i in indices if i is not None]
+    if len(present) < 2:
+        return indices, []
+    shape = torch.broadcast_shapes(*(i.shape for i in present))
+    expanded = [i.expand(shape) for i in present]
+    if all(e.stride() == expanded[0].stride() for e in expanded):
+        return indices, []
+    held = [e.contiguous() for e in expanded]
+    it = iter(held)
+    return [None if i is None else next(it) for i in indices], held
+
+
+def nonzero_temporary_bytes(items: int) -> tuple[int, int]:
+    """CUB's temporaries of ``nonzero`` over ``items`` elements: (the count's reduction, the selection).
+
+    Measured on the H200 (``probe_index`` of data/fuzz: 10, 1000, 4096, 65536 and 10**6 items):
+    1 and 1023 bytes up to 4096 items, 21503 and 1023 at 65536, 21503 and 2815 at 10**6; sizes
+    between the measured points take the next measured one.
+    """
+    reduce_bytes = 1 if items <= 4096 else 21503
+    select_bytes = 1023 if items <= 65536 else 2815
+    return reduce_bytes, select_bytes
+
+
+@register_cuda_model(_aten.nonzero.default)
+def _nonzero(func, args, kwargs):
+    """``nonzero``: an int32 count and CUB's reduction storage, then (after the host waited for the
+    count: refused in a capture) the output and CUB's selection storage."""
+    x = args[0]
+    backend = x.sim_backend
+    reduce_bytes, select_bytes = nonzero_temporary_bytes(x.numel())
+    count = _temporary(backend, 4)
+    storage = _temporary(backend, reduce_bytes)
+    del storage
+    out = dispatch(func, args, kwargs)  # the capture check (a host wait) happens here
+    storage = _temporary(backend, select_bytes)
+    del storage, count
+    return out
+
+
+@register_cuda_model(_aten.masked_select.default)
+def _masked_select(func, args, kwargs):
+    """``masked_select``: the mask's ``nonzero``, then the selected values, as CUDA composes it."""
+    x, mask = args[0], args[1]
+    if mask.shape != x.shape:
+        x, mask = torch.broadcast_tensors(x, mask)
+    where = torch.nonzero(mask)
+    return x[tuple(where.unbind(1))]
+
+
+def _without_masks(indices: list) -> list:
+    """Boolean masks among the indices become the ``nonzero`` columns CUDA indexes with."""
+    out = []
+    for i in indices:
+        if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+            out.extend(torch.nonzero(i).unbind(1))
+        else:
+            out.append(i)
+    return out
+
+
+@register_cuda_model(_aten.index.Tensor)
+def _index(func, args, kwargs):
+    """``x[i, j]``: masks become ``nonzero`` columns, the contiguous index temporaries, then the output."""
+    params = _named(args, kwargs, ("self", "indices"))
+    indices, held = _contiguous_indices(_without_masks(list(params["indices"])))
+    out = dispatch(func, (params["self"], indices), {})
+    while held:
+        held.pop()
+    return out
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+@register_cuda_model(_aten.linear.default, torch.nn.functional.linear)
+def _linear(func, args, kwargs):
+    """``F.linear`` as ATen (torch 2.11) composes it: with a bias, a 2-D input is one ``addmm`` and a
+    contiguous input of any other rank is flattened to rows for one (cuBLASLt fuses the bias);
+    otherwise ``matmul`` and an in-place ``add_``."""
+    params = _named(args, kwargs, ("input", "weight", "bias"))
+    x, weight, bias = params["input"], params["weight"], params.get("bias")
+    if bias is not None and x.dim() == 2:
+        return torch.addmm(bias, x, weight.t())
+    if bias is not None and x.is_contiguous() and bias.dim() == 1:
+        rows = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t())
+        return rows.view(*x.shape[:-1], weight.shape[0])
+    out = torch.matmul(x, weight.t())
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+# ------------------------------------------------------------------------------ norms
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _empty(backend, shape, dtype):
+    return backend.place(torch.empty(shape, dtype=dtype, device="meta"), copy=False)
+
+
+def _compute_into(out, fn, *inputs) -> None:
+    """Write ``fn(*inputs)`` (computed on the CPU tensors behind them) into ``out`` when ``out``
+    has values, and have a capture replay it."""
+    if out.sim_inner.is_meta or any(getattr(t, "sim_inner", None) is not None and t.sim_inner.is_meta
+                                    for t in inputs):
+        return
+    inner = [t.sim_inner if isinstance(t, SimTensor) else t for t in inputs]
+    with torch._C.DisableTorchFunction():
+        out.sim_inner.copy_(fn(*inner))
+    capture = out.sim_backend.capture_for_current_stream()
+    if capture is not None:
+        capture.record_op(fn, tuple(inner), {}, [(-1, out.sim_inner)])
+
+
+@register_cuda_model(_aten.rms_norm.default, torch.rms_norm, torch.nn.functional.rms_norm)
+def _rms_norm(func, args, kwargs):
+    """``F.rms_norm``: CUDA's fused kernel (``_fused_rms_norm``) on a contiguous input: the
+    output like it and a per-row ``rstd`` (float for half types), which the op drops."""
+    params = _named(args, kwargs, ("input", "normalized_shape", "weight", "eps"))
+    x, shape, weight, eps = params["input"], tuple(params["normalized_shape"]), params.get("weight"), params.get("eps")
+    backend = x.sim_backend
+    xc = x.contiguous()
+    out = _empty(backend, xc.shape, x.dtype)
+    rows = x.numel() // max(1, math.prod(shape))
+    rstd = _empty(backend, (rows,), _acc_dtype(x.dtype))
+    _compute_into(out, lambda a, w: torch.rms_norm(a, shape, w, eps), xc, weight)
+    del xc, rstd  # the contiguous copy when the kernel returns, then the dropped rstd
+    return out
+
+
+@register_cuda_model(_aten.layer_norm.default, torch.layer_norm, torch.nn.functional.layer_norm)
+def _layer_norm(func, args, kwargs):
+    """``F.layer_norm``: CUDA's ``native_layer_norm`` on a contiguous input: the output like it, then
+    a per-row mean and rstd (float for half types), which the op drops."""
+    params = _named(args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps"))
+    x, shape = params["input"], tuple(params["normalized_shape"])
+    weight, bias, eps = params.get("weight"), params.get("bias"), params.get("eps", 1e-5)
+    backend = x.sim_backend
+    xc = x.contiguous()
+    out = _empty(backend, xc.shape, x.dtype)
+    stats = x.shape[:x.dim() - len(shape)] + (1,) * len(shape)
+    mean = _empty(backend, stats, _acc_dtype(x.dtype))
+    rstd = _empty(backend, stats, _acc_dtype(x.dtype))
+    _compute_into(out, lambda a, w, b: torch.layer_norm(a, shape, w, b, eps), xc, weight, bias)
+    del xc, mean, rstd
+    return out
+
+
+@register_cuda_model(_aten.dropout.default)
+def _dropout(func, args, kwargs):
+    """``F.dropout`` outside training (or with ``p=0``) gives back its input itself, as ATen does
+    (the CPU decomposition would copy it)."""
+    params = _named(args, kwargs, ("input", "p", "train"))
+    if not params["train"] or params["p"] == 0:
+        return params["input"]
+    return dispatch(func, args, kwargs)
+
+
+_LOG_SOFTMAX = {_aten.log_softmax.int, torch.log_softmax, torch.Tensor.log_softmax, torch.nn.functional.log_softmax}
+
+
+@register_cuda_model(_aten.softmax.int, _aten.log_softmax.int, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+                     torch.Tensor.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax)
+def _softmax(func, args, kwargs):
+    """``softmax(x, dim, dtype=float32)`` of a half tensor: CUDA's kernel converts as it goes
+    (``_softmax(x, dim, half_to_float=True)``); other conversions copy the input first."""
+    functional = func in (torch.nn.functional.softmax, torch.nn.functional.log_softmax)
+    names = ("self", "dim", "_stacklevel", "dtype") if functional else ("self", "dim", "dtype")
+    params = _named(args, {("self" if k == "input" else k): v for k, v in kwargs.items()}, names)
+    x, dim, dtype = params["self"], params.get("dim"), params.get("dtype")
+    log = func in _LOG_SOFTMAX
+    if dim is None:
+        dim = 0 if x.dim() in (0, 1, 3) else 1  # torch's legacy implicit dim
+    if not (x.dtype == torch.float16 and dtype == torch.float32):
+        converted = x if dtype is None else x.to(dtype)
+        inner = _aten._log_softmax.default if log else _aten._softmax.default
+        return dispatch(inner, (converted, dim, False), {})
+    out = _empty(x.sim_backend, x.shape, torch.float32)
+    op = torch.log_softmax if log else torch.softmax
+    _compute_into(out, lambda a: op(a.float(), dim), x)
+    return out
+
+
+# reductions whose input CUDA first converts to the result's dtype (make_reduction_from_out_ty)
+_CONVERTING_REDUCTIONS = {_aten.sum.default, _aten.sum.dim_IntList, _aten.mean.default, _aten.mean.dim,
+                          _aten.prod.default, _aten.prod.dim_int, _aten.nansum.default}
+
+
+@register_cuda_model(*_CONVERTING_REDUCTIONS)
+def _converting_reduction(func, args, kwargs):
+    """A reduction into another dtype (``bool.sum()`` gives int64): after the output, CUDA makes a
+    converted copy of the input, except half types into float32, which the kernel reads as they are."""
+    out = dispatch(func, args, kwargs)
+    x = args[0]
+    converted = None
+    if out.dtype != x.dtype and x.numel() and not (
+            x.dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32):
+        converted = _temporary(x.sim_backend, x.numel() * out.element_size())
+    del converted
+    return out
+
+
+# ------------------------------------------------------------------- copies with the host
+
+
+@register_cuda_model(_aten.copy_.default)
+def _copy(func, args, kwargs):
+    """``dst.copy_(src)`` where one side is host memory: CUDA's capture rules, then the copy."""
+    params = _named(args, kwargs, ("self", "src", "non_blocking"))
+    dst, src, non_blocking = params["self"], params["src"], bool(params.get("non_blocking", False))
+    if isinstance(dst, SimTensor) and not isinstance(src, SimTensor) and src.dim() > 0:
+        error = host.check_host_to_device(dst.sim_backend, src, non_blocking)
+        if error is not None:
+            raise error
+    elif not isinstance(dst, SimTensor):
+        return host.to_host(src, non_blocking, into=dst)
+    return dispatch(func, args, kwargs)
 
 
 H200_CAPABILITY = (9, 0)

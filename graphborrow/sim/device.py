@@ -20,21 +20,22 @@ from graphborrow.allocator.caching import CachingAllocator
 from graphborrow.allocator.config import AllocatorConfig
 from graphborrow.allocator.memory import PhysicalMemory
 from graphborrow.allocator.streams import Clockwork, Event, Stream
-from graphborrow.core.device_api import ExternalBuffer
-from graphborrow.core.interrupts import CRITICAL, CRITICAL_ENTRY
+from graphborrow.core.device_api import DeviceAPI, ExternalBuffer
+from graphborrow.core.interrupts import CRITICAL
 
-from . import graphs
+from . import graphs, host
 from .attention import AttentionModel
 from .cuda_ops import KernelModel
+from .pools import MemPool, SimPoolRouting
 from .tensor import (
-    SimCaptureError,
     SimFunctionMode,
     SimStorage,
     SimTensor,
     is_sim_tensor,
 )
+from .values import keeps_values
 
-__all__ = ["GiB", "MemPool", "SimBackend", "SimEvent"]
+__all__ = ["GiB", "MemPool", "SimBackend", "SimEvent"]  # MemPool lives in .pools
 
 GiB = 2**30
 
@@ -76,65 +77,6 @@ class SimEvent:
         (stream if stream is not None else self._backend.current_stream()).wait_event(self._event)
 
 
-class MemPool:
-    """``torch.cuda.MemPool`` on the simulated device: a private pool with an id.
-
-    ``allocator`` is ``None`` (segments from device memory) or an object with
-    ``raw_alloc(nbytes, stream) -> address`` and ``raw_delete(address, nbytes, stream)``.
-    """
-
-    def __init__(self, backend: "SimBackend", allocator=None, use_on_oom: bool = False, no_split: bool = False) -> None:
-        if allocator is not None and not (hasattr(allocator, "raw_alloc") and hasattr(allocator, "raw_delete")):
-            raise TypeError(
-                "MemPool allocator must have raw_alloc(nbytes, stream) and raw_delete(address, nbytes, "
-                f"stream), as graphborrow.core.arena.BumpArena has; got {type(allocator).__name__}"
-            )
-        self._backend = backend
-        self.allocator = allocator
-        self._id = backend.new_pool_id(graph=False)
-        self._closed = False
-        with backend.allocator_call():
-            backend.allocator.create_or_incref_pool(self._id, allocator, use_on_oom, no_split)
-
-    @property
-    def id(self) -> tuple[int, int]:
-        return self._id
-
-    def snapshot(self, include_traces: bool = True) -> list[dict]:
-        """This pool's segments, as ``torch.cuda.MemPool.snapshot``.
-
-        Args:
-            include_traces: accepted for torch's signature; the simulated segments carry no
-                per-segment traces either way.
-
-        Returns:
-            Segment dicts in torch's snapshot format.
-        """
-        return self._backend.memory_snapshot(self._id)
-
-    def close(self) -> None:
-        """What the destructor of torch's MemPool does: release the pool and empty its cache."""
-        if self._closed:
-            return
-        self._closed = True
-        backend = self._backend
-        if backend.closed:
-            return
-        with backend.allocator_call():
-            backend.allocator.release_pool(self._id)
-            backend.allocator.empty_cache(self._id)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown or a device already gone
-            pass
-
-    def __repr__(self) -> str:
-        kind = "device" if self.allocator is None else type(self.allocator).__name__
-        return f"MemPool(id={self._id}, segments from {kind})"
-
-
 class _StreamContext:
     __slots__ = ("backend", "stream", "saved")
 
@@ -153,7 +95,7 @@ class _StreamContext:
         self.backend._tls.stream = self.saved
 
 
-class SimBackend:
+class SimBackend(DeviceAPI):
     """A simulated CUDA device implementing :class:`~graphborrow.core.device_api.DeviceAPI`.
 
     ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM).
@@ -214,6 +156,7 @@ class SimBackend:
         self._blas_workspaces: dict[int, SimStorage] = {}  # stream id -> workspace
         self._blaslt_workspaces: dict[int, SimStorage] = {}  # stream id -> cuBLASLt workspace
         self._generator_state: list[SimStorage] | None = None
+        self._generator_users = 0  # graphs that registered the RNG state
         self._closed = False
         if activate:
             self.activate()
@@ -311,6 +254,14 @@ class SimBackend:
         """
         return self.current_stream().id
 
+    def set_current_stream(self, s: Stream) -> None:
+        """Make ``s`` the calling thread's current stream until changed (``torch.cuda.set_stream``).
+
+        Args:
+            s: a stream from :meth:`Stream` (or the default stream).
+        """
+        self._tls.stream = s
+
     def Stream(self, priority: int = 0) -> Stream:
         """A new side stream with its own clock, as ``torch.cuda.Stream``.
 
@@ -350,11 +301,13 @@ class SimBackend:
         return SimEvent(self)
 
     def synchronize(self) -> None:
+        """Wait for every stream, as ``torch.cuda.synchronize``.
+
+        Raises:
+            torch.AcceleratorError: the current stream is capturing a graph (which this invalidates).
+        """
         if self.capture_for_current_stream() is not None:
-            raise SimCaptureError(
-                "synchronize() is not permitted while a stream is capturing a CUDA graph; "
-                "synchronise before entering or after leaving the capture"
-            )
+            raise host.not_permitted(self)
         self.clock.synchronize()
 
     def sleep(self, stream: Stream, microseconds: float) -> None:
@@ -376,12 +329,6 @@ class SimBackend:
 
     # ------------------------------------------------------------------- pools, graphs
     def graph_pool_handle(self) -> tuple[int, int]:
-        """A new private pool handle that several graph captures can share.
-
-        Returns:
-            The handle, as ``torch.cuda.graph_pool_handle``; pass it as ``pool=`` and as
-            :class:`~graphborrow.core.borrow.BorrowState`'s ``pool_id``.
-        """
         return self.new_pool_id(graph=False)
 
     def CUDAGraph(self) -> graphs.CUDAGraph:
@@ -443,7 +390,7 @@ class SimBackend:
         """
         return self.use_mem_pool(pool)
 
-    def use_mem_pool(self, pool) -> "_SimPoolRouting":
+    def use_mem_pool(self, pool) -> "SimPoolRouting":
         """Route this thread's allocations to ``pool`` (no stream filter, as in torch 2.8+).
 
         Args:
@@ -452,7 +399,7 @@ class SimBackend:
         Returns:
             The context manager.
         """
-        return _SimPoolRouting(self, self.pool_id(pool))
+        return SimPoolRouting(self, self.pool_id(pool))
 
     def pool_id(self, pool) -> tuple[int, int]:
         """The id snapshots use for ``pool`` (``segment_pool_id``).
@@ -505,43 +452,16 @@ class SimBackend:
 
     # ----------------------------------------------------------------- introspection
     def memory_snapshot(self, pool_id=None) -> list[dict]:
-        """The allocator's segments, as ``torch.cuda.memory_snapshot``.
-
-        Args:
-            pool_id: only the segments of this pool (a graph pool handle or
-                :meth:`pool_id`); None for every segment of the device.
-
-        Returns:
-            Segment dicts in torch's format (sizes and addresses in bytes).
-        """
         with self.allocator_call():
             return self.allocator.snapshot(None if pool_id is None else tuple(pool_id))
 
     def memory_stats(self) -> dict[str, Any]:
-        """The allocator's counters, as ``torch.cuda.memory_stats``.
-
-        Returns:
-            A flat dict such as ``"reserved_bytes.all.current"`` to int, with torch's keys.
-        """
         return self.allocator.memory_stats()
 
     def memory_reserved(self) -> int:
-        """Bytes in the caching allocator's segments, as ``torch.cuda.memory_reserved``.
-
-        Borrowed segments are counted here a second time although they use no new memory:
-        measure the device with :meth:`mem_get_info` instead.
-
-        Returns:
-            Bytes.
-        """
         return self.allocator.memory_reserved()
 
     def memory_allocated(self) -> int:
-        """Bytes in blocks allocated to tensors, as ``torch.cuda.memory_allocated``.
-
-        Returns:
-            Bytes (allocator-rounded block sizes).
-        """
         return self.allocator.memory_allocated()
 
     def set_per_process_memory_fraction(self, fraction: float, device=None) -> None:
@@ -757,9 +677,19 @@ class SimBackend:
             self._blaslt_workspaces[stream] = self.new_storage(self.blaslt_workspace)
 
     def register_generator(self) -> None:
-        """The first capture makes the RNG's graph-safe seed and offset (two int64 tensors)."""
+        """A capture registers the RNG's graph-safe seed and offset (two int64 tensors), made by the
+        first graph that registers and freed when the last registered graph is reset or deleted."""
         if self._generator_state is None:
             self._generator_state = [self.new_storage(8), self.new_storage(8)]
+        self._generator_users += 1
+
+    def unregister_generator(self) -> None:
+        """A graph that registered the RNG state went away (see :meth:`register_generator`)."""
+        self._generator_users -= 1
+        if self._generator_users == 0 and self._generator_state is not None:
+            state, self._generator_state = self._generator_state, None
+            while state:
+                state.pop(0)  # the seed, then the offset
 
     def release_block(self, block) -> None:
         """Free ``block`` for a storage that died (called from its finalizer).
@@ -815,8 +745,9 @@ class SimBackend:
         if nbytes == 0:
             return SimTensor(src, None, self)
         storage = self.new_storage(nbytes)
-        if not self.backed:
+        if not self.backed:  # src itself is the inner tensor: META (layout) or CPU (small, with values)
             storage.key = src.untyped_storage()._cdata
+            storage.values = not src.is_meta
             return SimTensor(src, storage, self)
         inner = storage.host.view(src.dtype).as_strided(
             src.size(), src.stride(), storage.host.storage_offset() // src.element_size() + src.storage_offset()
@@ -836,7 +767,12 @@ class SimBackend:
         """
         if is_sim_tensor(host):
             return host
-        layout = torch.empty_like(host, device="meta")
+        with torch._C.DisableTorchFunction():
+            if not self.backed and keeps_values(host):  # layout only, small: it keeps its values
+                layout = torch.empty_like(host)
+                layout.copy_(host)
+                return self.place(layout, copy=False)
+            layout = torch.empty_like(host, device="meta")
         placed = self.place(layout, copy=False)
         if self.backed:
             placed.sim_inner.copy_(host)
@@ -857,51 +793,10 @@ class _StorageOwner(weakref.ref):
         super().__init__(storage, callback)
 
 
-class _SimPoolRouting:
-    """``use_mem_pool`` on the simulated device, safe against interrupts.
-
-    Routing starts at entry and stops (ending the routing and releasing the pool) at
-    exit, each in a critical section; a routing dropped without its exit (an interrupt
-    right before ``__exit__``) is stopped when it is collected.
-    """
-
-    __slots__ = ("backend", "pool_id", "routed")
-
-    def __init__(self, backend: "SimBackend", pool_id: tuple[int, int]) -> None:
-        self.backend, self.pool_id, self.routed = backend, pool_id, False
-
-    def __enter__(self) -> None:
-        backend, thread = self.backend, threading.get_ident()
-        with CRITICAL_ENTRY:
-            with backend.allocator_call():
-                backend.allocator.begin_allocate_to_pool(self.pool_id, lambda stream, t: t == thread)
-            self.routed = True
-
-    def __exit__(self, *exc) -> bool:
-        if self.routed:
-            with CRITICAL:
-                self._stop()
-        return False
-
-    def _stop(self) -> None:
-        self.routed = False
-        backend = self.backend
-        with backend.allocator_call():
-            backend.allocator.end_allocate_to_pool(self.pool_id)
-            backend.allocator.release_pool(self.pool_id)
-
-    def __del__(self) -> None:
-        try:
-            if self.routed and not self.backend._closed:
-                with CRITICAL:
-                    self._stop()
-        except Exception:  # interpreter shutdown
-            pass
-
-
 class _BackedStorage(SimStorage):
     __slots__ = ("host",)
 
     def __init__(self, backend, block, host: torch.Tensor, nbytes: int) -> None:
         super().__init__(backend, block, host.data_ptr(), nbytes, 0)
         self.host = host
+        self.values = True

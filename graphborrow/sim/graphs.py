@@ -11,7 +11,11 @@ the pool really is overwritten by the next replay.
 
 from __future__ import annotations
 
+import gc
+
 import torch
+
+from .host import CAPTURE_INVALIDATED
 
 __all__ = ["CUDAGraph", "CaptureRegistry", "graph"]
 
@@ -56,6 +60,11 @@ class CUDAGraph:
         self._capturing = False
         self._captured = False
         self._holds_pool = False
+        self._invalidated = False
+        self._registered = False  # holds a registration of the RNG state
+    def invalidate(self) -> None:
+        """A host wait happened inside the capture: CUDA invalidates it, and ending it fails."""
+        self._invalidated = True
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         backend = self._backend
@@ -76,6 +85,7 @@ class CUDAGraph:
         pool_id = backend.new_pool_id(graph=True) if pool is None else backend.pool_id(pool)
         sid = stream.id
         backend.register_generator()  # before routing starts: lands in the default pool
+        self._registered = True
         with backend.allocator_call():
             backend.allocator.begin_allocate_to_pool(pool_id, lambda s, thread: s == sid)
         self._pool = pool_id
@@ -97,6 +107,10 @@ class CUDAGraph:
         self._capturing = False
         with backend.allocator_call():
             backend.allocator.end_allocate_to_pool(self._pool)
+        if self._invalidated:  # cudaStreamEndCapture reports the earlier error; nothing was captured
+            self._invalidated = False
+            self._ops, self._written = [], []
+            raise torch.AcceleratorError(CAPTURE_INVALIDATED)
         self._captured = True
 
     def replay(self) -> None:
@@ -119,6 +133,9 @@ class CUDAGraph:
         self._ops = []
         self._written = []
         self._captured = False
+        if self._registered and not self._backend.closed:
+            self._registered = False
+            self._backend.unregister_generator()
         if self._holds_pool:
             self._holds_pool = False
             backend = self._backend
@@ -194,6 +211,7 @@ class graph:
     def __enter__(self) -> None:
         backend = self.cuda_graph._backend
         backend.synchronize()
+        gc.collect()  # torch.cuda.graph collects first, so garbage in cycles frees before the capture
         backend.empty_cache()
         self._stream_ctx.__enter__()
         try:

@@ -25,10 +25,13 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._mode_utils import no_dispatch
+
+from . import host
+from .values import SimLayoutOnlyError, keeps_values, layout_error, meta_like
 
 __all__ = [
     "CUDA_MODELS",
-    "SimCaptureError",
     "SimFunctionMode",
     "SimLayoutOnlyError",
     "SimStorage",
@@ -64,25 +67,39 @@ _SCALAR_TO_DEVICE = {_aten.where.self}
 _DEVICE_IS_CUDA: dict[Any, bool] = {}
 
 
-class SimLayoutOnlyError(RuntimeError):
-    """A value was asked of a tensor on a layout-only (``backed=False``) device."""
-
-
-class SimCaptureError(RuntimeError):
-    """An operation that a real CUDA graph capture forbids happened during capture."""
-
-
 class SimStorage:
-    """One allocator block in use by tensors; frees the block when the last user dies."""
+    """One allocator block in use by tensors; frees the block when the last user dies.
 
-    __slots__ = ("backend", "block", "host_ptr", "nbytes", "key", "__weakref__")
+    On a layout-only device ``values`` says whether the tensors in it carry real values (CPU
+    inner tensors, see :mod:`graphborrow.sim.values`); ``key`` identifies the inner tensors'
+    storage and ``meta_key`` the META twin the storage gets when shape-only data meets it.
+    """
+
+    __slots__ = ("backend", "block", "host_ptr", "nbytes", "key", "values", "meta_key", "origin", "_meta",
+                 "__weakref__")
 
     def __init__(self, backend, block, host_ptr: int, nbytes: int, key: int) -> None:
         self.backend = backend
         self.block = block
         self.host_ptr = host_ptr  # backed: CPU address of the block's first byte
         self.nbytes = nbytes
-        self.key = key  # layout-only: identity of the META storage
+        self.key = key  # layout-only: identity of the inner tensors' storage
+        self.values = False  # layout-only: the inner tensors are CPU tensors with the real values
+        self.meta_key = None
+        self.origin = None  # the op that made it (named when a value is asked of it)
+        self._meta = None
+
+    def meta_base(self) -> torch.Tensor:
+        """A META byte tensor over this storage (made once): shape-only views of its tensors."""
+        if self._meta is None:
+            self._meta = torch.empty(self.nbytes, dtype=torch.uint8, device="meta")
+            self.meta_key = self._meta.untyped_storage()._cdata
+        return self._meta
+
+    def lose_values(self, func) -> None:
+        """Shape-only data was written here: the values its tensors show are no longer right."""
+        self.values = False
+        self.origin = func
 
     def __del__(self, _finalizing=sys.is_finalizing) -> None:
         # bound at definition: at interpreter exit module globals are gone, and so is the device
@@ -194,14 +211,94 @@ def _unwrap(x, sims: list):
     return x
 
 
+def _twin(s: "SimTensor") -> torch.Tensor:
+    """A META view with ``s``'s layout over its storage's META twin (same aliasing as on the CPU)."""
+    inner = s.sim_inner
+    storage = s.sim_storage
+    if storage is None:
+        return torch.empty_strided(inner.size(), inner.stride(), dtype=inner.dtype, device="meta")
+    base = storage.meta_base()
+    return torch.empty(0, dtype=inner.dtype, device="meta").set_(base.untyped_storage(), inner.storage_offset(),
+                                                                  inner.size(), inner.stride())
+
+
+def _unwrap_meta(x, twins: dict):
+    """As ``_unwrap``, with every tensor that has values replaced by its META twin."""
+    if isinstance(x, SimTensor):
+        inner = x.sim_inner
+        if inner.is_meta:
+            return inner
+        twin = _twin(x)
+        twins[id(twin)] = x
+        return twin
+    if isinstance(x, (list, tuple)) and x and not isinstance(x, torch.Size):
+        return type(x)(_unwrap_meta(v, twins) for v in x)
+    return x
+
+
+def _has_values(s: "SimTensor") -> bool:
+    storage = s.sim_storage
+    return not s.sim_inner.is_meta and (storage is None or storage.values)
+
+
+_WRITES: dict = {}  # op -> positions of the arguments its schema writes
+
+
+def _written(func, args, kwargs) -> list:
+    """The SimTensor arguments an op writes (its schema's mutable arguments)."""
+    positions = _WRITES.get(func)
+    if positions is None:
+        schema = getattr(func, "_schema", None)
+        positions = _WRITES[func] = tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        ) if schema is not None else ()
+    out = []
+    for i, name in positions:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(value, SimTensor):
+            out.append(value)
+    return out
+
+
+def _layout_only_inputs(func, args, kwargs, sims, inner_args, inner_kwargs):
+    """On a layout-only device: CPU inputs when every tensor has values, else META ones.
+
+    Returns ``(valued, twins, args, kwargs)``; ``twins`` maps a META twin's id to its tensor.
+    """
+    on_cpu = 0
+    for s in sims:
+        if not s.sim_inner.is_meta:
+            on_cpu += 1
+    if on_cpu and on_cpu == len(sims) and all(_has_values(s) for s in sims):
+        return True, None, inner_args, inner_kwargs
+    twins: dict = {}
+    if on_cpu:
+        inner_args = _unwrap_meta(args, twins)
+        inner_kwargs = {k: _unwrap_meta(v, twins) for k, v in kwargs.items()} if kwargs else kwargs
+        for s in _written(func, args, kwargs):  # shape-only data written into a tensor with values
+            if s.sim_storage is not None and s.sim_storage.values:
+                s.sim_storage.lose_values(func)
+    if func is _aten._local_scalar_dense.default:
+        raise layout_error("reading a tensor's value (.item(), bool(), int(), float(), a Python condition)",
+                           _origin(sims))
+    if inner_kwargs and _names_cpu(inner_kwargs.get("device")):
+        # a decomposition copied the wrapper's reported device (cpu): it means "this device"
+        inner_kwargs = dict(inner_kwargs, device=torch.device("meta"))
+    return False, twins, inner_args, inner_kwargs
+
+
+def _origin(sims) -> str | None:
+    for s in sims:
+        if s.sim_storage is not None and s.sim_storage.origin is not None:
+            return str(s.sim_storage.origin)
+    return None
+
+
 def dispatch(func, args, kwargs):
     sims: list[SimTensor] = []
     inner_args = _unwrap(args, sims)
     inner_kwargs = {k: _unwrap(v, sims) for k, v in kwargs.items()} if kwargs else kwargs
     backend = sims[0].sim_backend
-    if not backend.backed and inner_kwargs and _names_cpu(inner_kwargs.get("device")):
-        # a decomposition copied the wrapper's reported device (cpu): it means "this device"
-        inner_kwargs = dict(inner_kwargs, device=torch.device("meta"))
     for s in sims:
         if s.sim_backend is not backend:
             raise RuntimeError(
@@ -209,30 +306,29 @@ def dispatch(func, args, kwargs):
                 f"({backend.describe()} and {s.sim_backend.describe()}); move one with .cpu() first"
             )
     capture = backend.capture_for_current_stream()
-    if capture is not None:
-        _check_capturable(func, args, kwargs)
-    if not backend.backed and func is _aten._local_scalar_dense.default:
-        raise SimLayoutOnlyError(
-            "this tensor lives on a layout-only simulated device (backed=False) and has no "
-            "values to read; create the backend with backed=True to use .item() / bool()"
-        )
+    host.check_operands(func, args, kwargs, backend, capture is not None, SimTensor)
+    valued, twins = True, None
+    if not backend.backed:
+        valued, twins, inner_args, inner_kwargs = _layout_only_inputs(func, args, kwargs, sims, inner_args,
+                                                                      inner_kwargs)
     scalars = _scalars_on_device(func, args, backend)
     try:
         out = func(*inner_args, **inner_kwargs)
     except (NotImplementedError, RuntimeError) as e:
-        if not backend.backed and "meta" in str(e).lower():
-            raise SimLayoutOnlyError(
-                f"{func} cannot run on a layout-only simulated device (backed=False): "
-                f"its output depends on tensor values ({e}). Create the backend with backed=True."
-            ) from None
+        if not valued and "meta" in str(e).lower():
+            raise layout_error(f"{func} (its output's shape depends on tensor values: {_first_line(e)})",
+                               _origin(sims)) from None
         raise
+    if _inplace_view(func):
+        with no_dispatch():  # the wrapper's own sizes and strides follow the inner tensor's
+            func(*args, **kwargs)
     fresh: list = []
     copy = func not in _UNINITIALISED
     if isinstance(out, torch.Tensor):
-        result = _adopt(out, -1, sims, backend, fresh, copy)
+        result = _adopt(out, -1, sims, twins, backend, fresh, copy, func)
     elif isinstance(out, (tuple, list)):
         result = type(out)(
-            _adopt(o, i, sims, backend, fresh, copy) if isinstance(o, torch.Tensor) else o
+            _adopt(o, i, sims, twins, backend, fresh, copy, func) if isinstance(o, torch.Tensor) else o
             for i, o in enumerate(out)
         )
     else:
@@ -244,14 +340,39 @@ def dispatch(func, args, kwargs):
         if backend.blaslt_workspace and _uses_cublaslt(func, args, kwargs):
             backend.ensure_blaslt_workspace()
     if capture is not None:
-        if fresh:  # the device bytes this op's new outputs occupy: what a replay writes
-            inners = {id(view) for _, view in fresh}
-            outs = result if isinstance(result, (tuple, list)) else (result,)
-            capture.record_written((backend.data_ptr(o), o.numel() * o.element_size()) for o in outs
-                                   if isinstance(o, SimTensor) and id(o.sim_inner) in inners)
-        if backend.backed:
-            capture.record_op(func, inner_args, inner_kwargs, fresh)
+        _record_in_capture(capture, func, inner_args, inner_kwargs, fresh, result, backend, valued)
     return result
+
+
+def _record_in_capture(capture, func, inner_args, inner_kwargs, fresh, result, backend, valued) -> None:
+    """What a replay needs: the bytes the op's new outputs occupy, and the op itself when it has values."""
+    if fresh:
+        inners = {id(view) for _, view in fresh}
+        outs = result if isinstance(result, (tuple, list)) else (result,)
+        capture.record_written((backend.data_ptr(o), o.numel() * o.element_size()) for o in outs
+                               if isinstance(o, SimTensor) and id(o.sim_inner) in inners)
+    if backend.backed:
+        capture.record_op(func, inner_args, inner_kwargs, fresh)
+    elif valued:  # layout only: ops on tensors with values run again on replay (their values change)
+        capture.record_op(func, inner_args, inner_kwargs, [(i, v) for i, v in fresh if not v.is_meta])
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+_INPLACE_VIEW: dict = {}
+
+
+def _inplace_view(func) -> bool:
+    """Ops that change a tensor's sizes or strides in place (``unsqueeze_``, ``t_``, ``set_``...)."""
+    known = _INPLACE_VIEW.get(func)
+    if known is None:
+        tags = getattr(func, "tags", ())
+        known = _INPLACE_VIEW[func] = torch.Tag.inplace_view in tags or getattr(
+            func, "overloadpacket", None) is _aten.set_
+    return known
 
 
 def _uses_cublaslt(func, args, kwargs) -> bool:
@@ -263,8 +384,9 @@ def _uses_cublaslt(func, args, kwargs) -> bool:
     activation = func is _aten._addmm_activation.default
     fusable_bias = (bias.is_contiguous() and (bias.dim() == 1 or bias.squeeze().dim() == 1)
                     and bias.shape[-1] == mat2.shape[1])
+    # torch 2.11 takes the Lt path for a single row too (data/fuzz: a 1-D input's linear with bias)
     return (beta == 1 and (fusable_bias or (activation and bias.dim() == 2))
-            and mat1.dtype in _BLASLT_DTYPES and min(mat1.shape) > 1 and min(mat2.shape) > 1)
+            and mat1.dtype in _BLASLT_DTYPES)
 
 
 def _names_cpu(device) -> bool:
@@ -282,31 +404,7 @@ def _scalars_on_device(func, args, backend) -> list | None:
     ]
 
 
-def _check_capturable(func, args, kwargs) -> None:
-    if func is torch.ops.aten._local_scalar_dense.default:
-        raise SimCaptureError(
-            "reading a tensor value (.item(), bool(), printing) is not permitted while a "
-            "stream is capturing a CUDA graph: it would synchronise the device. Read it "
-            "after the capture ends."
-        )
-
-    def check(x):
-        if isinstance(x, torch.Tensor):
-            if not isinstance(x, SimTensor) and x.dim() > 0:
-                raise SimCaptureError(
-                    f"{func} read a plain CPU tensor of shape {tuple(x.shape)} during graph "
-                    "capture; a CUDA graph can only read device memory. Create it with "
-                    "device='cuda' (or .to('cuda')) before the capture."
-                )
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                check(v)
-
-    check(args)
-    check(list(kwargs.values()))
-
-
-def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], backend, fresh: list, copy: bool):
+def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], twins, backend, fresh: list, copy: bool, func):
     """Give an op output its place in device memory (shared with an input, or new)."""
     for s in sims:
         if o is s.sim_inner:  # in-place op or out=: the wrapper itself is the result
@@ -315,6 +413,12 @@ def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], backend, fresh: l
                     "an in-place op changed the shape or strides of a simulated tensor "
                     f"({tuple(s.shape)} -> {tuple(o.shape)}); use the out-of-place form"
                 )
+            if func is not None and _aten.set_ is getattr(func, "overloadpacket", None):
+                _take_storage(s, o, sims)
+            return s
+    if twins:
+        s = twins.get(id(o))
+        if s is not None:  # in place into a tensor with values, from shape-only data: they are lost
             return s
     storage = _aliased_storage(o, sims, backend)
     if storage is not None:
@@ -323,11 +427,32 @@ def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], backend, fresh: l
             with torch.inference_mode(inference):  # a view is as inference as its base
                 return SimTensor(o, storage, backend)
         return SimTensor(o, storage, backend)
-    if o.device.type != ("cpu" if backend.backed else "meta"):
-        return o  # e.g. an op that explicitly produced a meta tensor
-    t = backend.place(o, copy)
+    if backend.backed:
+        if o.device.type != "cpu":
+            return o  # e.g. an op that explicitly produced a meta tensor
+        t = backend.place(o, copy)
+    else:
+        kind = o.device.type
+        if kind == "cpu" and (not copy or not keeps_values(o)):  # no defined values, or too large to keep
+            o = meta_like(o)
+        elif kind not in ("cpu", "meta"):
+            return o
+        t = backend.place(o, False)
+    if t.sim_storage is not None:
+        t.sim_storage.origin = func
     fresh.append((index, t.sim_inner))
     return t
+
+
+def _take_storage(s: SimTensor, inner: torch.Tensor, sims: list[SimTensor]) -> None:
+    """``s.set_(source)``: ``s`` now lives in the source's storage."""
+    source = next((t for t in sims if t is not s and t.sim_storage is not None and _same_storage(t.sim_inner, inner)),
+                  None)
+    s.sim_storage = None if source is None else source.sim_storage
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
 def _base_of(storage: SimStorage, sims: list[SimTensor]) -> SimTensor:
@@ -348,7 +473,7 @@ def _aliased_storage(o: torch.Tensor, sims: list[SimTensor], backend) -> SimStor
     key = o.untyped_storage()._cdata
     for s in sims:
         st = s.sim_storage
-        if st is not None and st.key == key:
+        if st is not None and (st.key == key or st.meta_key == key):
             return st
     return None
 
@@ -366,25 +491,13 @@ def _override(*funcs):
 
 
 def to_host(t: SimTensor) -> torch.Tensor:
-    """A plain CPU copy of ``t`` (what ``.cpu()`` gives on CUDA)."""
-    backend = t.sim_backend
-    if not backend.backed:
-        raise SimLayoutOnlyError(
-            "this tensor lives on a layout-only simulated device (backed=False) and has "
-            "no values; create the backend with backed=True to read tensors"
-        )
-    if backend.capture_for_current_stream() is not None:
-        raise SimCaptureError(
-            "copying a tensor to the host is not permitted while a stream is capturing a "
-            "CUDA graph; do it after the capture ends"
-        )
-    with torch._C.DisableTorchFunctionSubclass():
-        return t.sim_inner.clone()
+    """A plain CPU copy of ``t`` (what ``.cpu()`` gives on CUDA); see :func:`graphborrow.sim.host.to_host`."""
+    return host.to_host(t)
 
 
 @_override(torch.Tensor.cpu)
 def _cpu(self, memory_format=torch.preserve_format):
-    return to_host(self)
+    return host.to_host(self)
 
 
 @_override(torch.Tensor.to)
@@ -392,8 +505,8 @@ def _to(self, *args, **kwargs):
     copy = kwargs.pop("copy", False)
     device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
     if device is not None and device.type == "cpu":
-        host = to_host(self)
-        return host.to(dtype=dtype or host.dtype, memory_format=memory_format or torch.preserve_format)
+        moved = host.to_host(self)
+        return moved.to(dtype=dtype or moved.dtype, memory_format=memory_format or torch.preserve_format)
     if device is not None and device.type != "cuda":
         raise RuntimeError(f"a simulated CUDA tensor can move to 'cpu' or stay on 'cuda', not {device}")
     if device is not None:
@@ -412,6 +525,53 @@ def _cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_fo
     if device is not None:
         _check_index(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
     return self
+
+
+@_override(torch.Tensor.data.__set__)
+def _set_data(self, new) -> None:
+    """``param.data = x`` (what ``Module.to`` / ``.half()`` / ``_apply`` do): ``self`` takes ``x``'s
+    storage, dtype and layout, and its old storage is freed once nothing else uses it, as on CUDA."""
+    if not isinstance(new, SimTensor):
+        raise RuntimeError(
+            f"cannot set the data of a simulated cuda tensor to a {new.device} tensor; move it with "
+            "x.to('cuda') first")
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.data.__set__(self, new)
+    self.sim_inner, self.sim_storage, self.sim_backend = new.sim_inner, new.sim_storage, new.sim_backend
+
+
+@_override(torch._has_compatible_shallow_copy_type)
+def _compatible_shallow_copy(tensor, other) -> bool:
+    """A host parameter moved to the simulated device is replaced by a new Parameter (as
+    ``Module._apply`` does for tensors of another kind), not given the device tensor's data."""
+    return isinstance(tensor, SimTensor) == isinstance(other, SimTensor)
+
+
+@_override(torch.Tensor.record_stream)
+def _record_stream(self, stream) -> None:
+    self.sim_backend.record_stream(self, getattr(stream, "sim_stream", stream))
+
+
+@_override(torch.Tensor.pin_memory)
+def _pin_memory(self, device=None):
+    raise RuntimeError(f"cannot pin '{self.type()}' only dense CPU tensors can be pinned")
+
+
+@_override(torch.Tensor.is_pinned)
+def _is_pinned(self, device=None) -> bool:
+    return False
+
+
+@_override(torch.Tensor.type)
+def _type(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None:
+        return {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.int64: "torch.cuda.LongTensor",
+                torch.int32: "torch.cuda.IntTensor", torch.bool: "torch.cuda.BoolTensor"}.get(
+            self.dtype, f"torch.cuda.{self.dtype}")
+    if isinstance(dtype, str):
+        raise NotImplementedError(f"Tensor.type({dtype!r}) on the simulated device; pass a torch.dtype")
+    return self.to(dtype, non_blocking=non_blocking)
 
 
 _SIM_CUDA = torch.device("cuda", 0)
@@ -444,7 +604,7 @@ def _numpy(self, *args, **kwargs):
 
 @_override(torch.Tensor.tolist)
 def _tolist(self):
-    return to_host(self).tolist()
+    return host.to_host(self).tolist()
 
 
 @_override(torch.Tensor.data_ptr)
@@ -457,13 +617,25 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, **kwar
     if device is not None and not _is_cuda(device):
         return torch.tensor(data, dtype=dtype or self.dtype, device=device)
     plain = torch.tensor(data, dtype=dtype or self.dtype, requires_grad=False)
-    return self.sim_backend.from_host(plain)
+    return _from_python_data(self.sim_backend, plain)
+
+
+def _from_python_data(backend, plain: torch.Tensor) -> SimTensor:
+    """``torch.tensor(data, device="cuda")``: the device block, then a copy from pageable memory."""
+    placed = backend.from_host(plain)
+    if backend.capture_for_current_stream() is not None and plain.numel():  # nothing to copy: no copy
+        del placed  # allocated, then freed as the refusal unwinds (as on CUDA)
+        raise host.refuse_pageable()
+    return placed
 
 
 @_override(torch.Tensor.__repr__)
 def _repr(self, *args, tensor_contents=None):
     backend = self.sim_backend
-    if not backend.backed:
+    if backend.capture_for_current_stream() is not None:
+        raise host.not_permitted(backend)
+    if not backend.backed and (self.sim_inner.is_meta or (self.sim_storage is not None and
+                                                         not self.sim_storage.values)):
         return (
             f"tensor(..., size={tuple(self.shape)}, dtype={self.dtype}, device='sim', "
             "layout_only=True)"
@@ -513,6 +685,10 @@ def _check_index(d: torch.device) -> None:
         )
 
 
+_FROM_PYTHON_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+_PARSE_TO = torch._C._nn._parse_to
+
+
 class SimFunctionMode(TorchFunctionMode):
     """Maps ``device="cuda"`` onto one simulated device (pushed while it is active)."""
 
@@ -523,10 +699,16 @@ class SimFunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.to or func is torch.Tensor.cuda:
             return self._move(func, args, kwargs or {})
-        if kwargs:
+        if func is torch.Tensor.pin_memory and not isinstance(args[0], SimTensor):
+            return host.pin(args[0])
+        if func is torch.Tensor.is_pinned and not isinstance(args[0], SimTensor):
+            return host.is_pinned(args[0])
+        if kwargs and func is not _PARSE_TO:  # Module.to parses its arguments: not a factory
             dev = kwargs.get("device")
             if dev is not None and _is_cuda(dev):
                 return self._factory(func, args, kwargs)
+            if kwargs.get("pin_memory"):
+                return host.mark_pinned(func(*args, **dict(kwargs, pin_memory=False)))
         return func(*args, **(kwargs or {}))
 
     def _factory(self, func, args, kwargs):
@@ -536,12 +718,19 @@ class SimFunctionMode(TorchFunctionMode):
         kw.pop("pin_memory", None)
         requires_grad = kw.pop("requires_grad", False)
         out = func(*args, **kw)
+        if (not backend.backed and isinstance(out, torch.Tensor) and out.is_meta and func not in _UNINITIALISED
+                and keeps_values(out)):
+            kw["device"] = "cpu"  # small and with defined values: made again on the CPU, with its values
+            out = func(*args, **kw)
         if isinstance(out, SimTensor) or not isinstance(out, torch.Tensor):
             result = out
+        elif func in _FROM_PYTHON_DATA:
+            result = _from_python_data(backend, out)
         else:
             result = backend.place(out, func not in _UNINITIALISED)
+            result.sim_storage is not None and setattr(result.sim_storage, "origin", func)
             capture = backend.capture_for_current_stream()
-            if capture is not None and backend.backed:
+            if capture is not None and (backend.backed or not result.sim_inner.is_meta):
                 capture.record_op(func, args, kw, [(-1, result.sim_inner)])
         if requires_grad:
             result.requires_grad_(True)
@@ -555,13 +744,27 @@ class SimFunctionMode(TorchFunctionMode):
             dev = args[1] if len(args) > 1 else kwargs.get("device")
             if dev is not None:
                 _check_index(torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev))
-            return self.backend.from_host(self_)
+            return self._from_host(self_, kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
         kw = {k: v for k, v in kwargs.items() if k != "copy"}
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kw)
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kw)
         if device is None or device.type != "cuda":
             return func(*args, **kwargs)
         _check_index(device)
-        host = self_
-        if dtype is not None and dtype != host.dtype:
-            host = host.to(dtype)
-        return self.backend.from_host(host)
+        plain = self_
+        if dtype is not None and dtype != plain.dtype:
+            plain = plain.to(dtype)  # a copy with a conversion converts on the host (copy_kernel_cuda)
+        return self._from_host(plain, non_blocking)
+
+    def _from_host(self, plain: torch.Tensor, non_blocking: bool) -> SimTensor:
+        """``.to("cuda")`` of a host tensor: the device block, then the copy (refused in a capture
+        from pageable memory, or blocking; a captured copy from pinned memory runs again on replay)."""
+        backend = self.backend
+        placed = backend.from_host(plain)
+        error = host.check_host_to_device(backend, plain, bool(non_blocking))
+        if error is not None:
+            del placed
+            raise error
+        capture = backend.capture_for_current_stream()
+        if capture is not None and not placed.sim_inner.is_meta:
+            capture.record_op(torch.Tensor.copy_, (placed.sim_inner, plain), {}, [])
+        return placed

@@ -140,6 +140,7 @@ def borrow_saving(state, logits: torch.Tensor, backend) -> dict:
 
     The set is what the standard verifier materialises: fp32 target probabilities over the
     vocabulary for every draft token, and a draft-probability buffer of the same shape.
+    ``inside_runs`` says whether the borrowed set landed inside the pool's free runs.
     """
     rows, vocab = logits.reshape(-1, logits.shape[-1]).shape
 
@@ -162,13 +163,16 @@ def borrow_saving(state, logits: torch.Tensor, backend) -> dict:
     try:
         with state.borrow("probability set"):
             held = probability_set()
+            runs = state.free_runs()
+            inside = all(any(a <= backend.data_ptr(t) < a + n for a, n in runs) for t in held)
             backend.synchronize()
             free1, _ = backend.mem_get_info()
             del held
     except backend.OutOfMemoryError as e:  # the runs cannot hold the set: nothing is saved
-        return dict(result, borrowed_device_bytes=None, saved_bytes=0, error=str(e).splitlines()[0])
+        return dict(result, borrowed_device_bytes=None, saved_bytes=0, inside_runs=False,
+                    error=str(e).splitlines()[0])
     borrowed = free0 - free1
-    return dict(result, borrowed_device_bytes=borrowed, saved_bytes=plain - borrowed)
+    return dict(result, borrowed_device_bytes=borrowed, saved_bytes=plain - borrowed, inside_runs=inside)
 
 
 def vocab_of(ladder) -> int:

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from graphborrow.core.borrow import BorrowState
 from graphborrow.core.errors import ParameterError
 
+from .base import Ladder
+
 __all__ = [
     "LLAMA3_8B",
     "SYNTHETIC",
@@ -131,7 +133,7 @@ class LlamaMLP:
         return F.linear(self._rms_norm(x, self.norm), self.head).float()
 
 
-class GraphLadder:
+class GraphLadder(Ladder):
     """A prefill graph plus decode graphs for each batch size, in one shared pool.
 
     Decode graphs take ``batch * draft_tokens`` tokens (EAGLE verifies every draft token)
@@ -245,26 +247,6 @@ class GraphLadder:
             self.decode_batches.append(batch)
         return self.outputs[("decode", batch)]
 
-    def graph_batch(self, batch: int) -> int:
-        """Smallest captured decode batch that holds ``batch`` requests (padding up).
-
-        Args:
-            batch: requests in the step.
-
-        Returns:
-            The captured batch size to replay.
-
-        Raises:
-            ParameterError: ``batch`` exceeds the largest captured batch.
-        """
-        fits = [bs for bs in self.decode_batches if bs >= batch]
-        if not fits:
-            raise ParameterError(
-                f"batch {batch} exceeds the largest captured decode batch {max(self.decode_batches)}; "
-                "capture a larger ladder or split the batch"
-            )
-        return min(fits)
-
     def replay(self, key) -> torch.Tensor:
         """Replay one captured graph inside the borrow state's replay scope.
 
@@ -302,14 +284,6 @@ class GraphLadder:
             Its output activations, ``[prefill_tokens, hidden]`` (overwritten by the next replay).
         """
         return self.replay("prefill")
-
-    def snapshot(self) -> list:
-        """The shared pool's segments, where the idle runs are read from.
-
-        Returns:
-            Segment dicts in torch's snapshot format, this pool's only.
-        """
-        return self.backend.memory_snapshot(self.pool_id)
 
 
 def notebook_dtype(backend) -> torch.dtype:

@@ -33,9 +33,9 @@ def outside(rule) -> list:
         kinds = [True, "1", [1]] + ([1.5] if rule.integer else []) + ([] if rule.none_ok else [None])
         return [rule.lo - 1 if rule.integer else rule.lo / 2, rule.hi + 1, *kinds]
     if isinstance(rule, IntList):
-        return [[], [rule.hi + 1], [rule.lo - 1], [1.5], [True], "1,2", None]
+        return [[], [rule.hi + 1], [rule.lo - 1], [1.5], [True], "1,2"] + ([] if rule.none_ok else [None])
     if isinstance(rule, Choice):
-        return ["no-such-choice", None, 1.5]
+        return ["no-such-choice", 1.5] + ([] if any(v is None for v in rule.values) else [None])
     if isinstance(rule, OptionalPath):
         return ["", 5, ["a"]]
     if isinstance(rule, Text):
@@ -65,3 +65,27 @@ def test_every_parameter_of_every_shipped_notebook_has_a_rule_and_a_line_in_the_
             assert name in PARAMETERS, f"{nb.name} declares {name}, which has no rule"
     for name in PARAMETERS:
         assert f"`{name}`" in page, f"{name} is missing from the audit table"
+
+
+def test_the_audit_table_states_each_rule_as_the_code_has_it():
+    """A rule changed in the code and not in the table (a new None default, a new choice) fails here."""
+    page = (ROOT / "docs" / "reliability.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        for name, rule in zip(cells[0::3], cells[1::3]):
+            if name.startswith("`") and name.endswith("`"):
+                rows[name.strip("`")] = rule
+    for name, rule in PARAMETERS.items():
+        if name in PATH_PARAMETERS:
+            continue
+        text = rows[name]
+        try:
+            rule.check(name, None)
+            takes_none = True
+        except ParameterError:
+            takes_none = False
+        assert ("None" in text) == takes_none, f"{name}: the table says {text!r}"
+        if isinstance(rule, Choice) and not callable(rule.options):
+            for value in rule.values:
+                assert str(value) in text, f"{name}: the table leaves out {value!r}"

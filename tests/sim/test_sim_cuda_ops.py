@@ -57,7 +57,7 @@ def test_a_small_sort_fills_its_indices_from_an_arange(backend):
 def test_cumsum_over_every_element_takes_cub_storage(backend):
     ids = torch.ones(8, dtype=torch.int32, device=backend.device)
     rows = torch.ones(4, 8, dtype=torch.int32, device=backend.device)
-    scan = KernelModel().cub_scan_bytes
+    scan = KernelModel().cub_scan_bytes(8, 4)
     kept = []
     assert events(backend, lambda: kept.append(torch.cumsum(ids, 0, dtype=torch.int32))) == [
         ("alloc", 32), ("alloc", scan), ("free_completed", scan)]
@@ -127,7 +127,9 @@ def test_kernel_model_refuses_impossible_values():
     with pytest.raises(ValueError, match="multiprocessors must be >= 1"):
         KernelModel(multiprocessors=0)
     with pytest.raises(ValueError, match="byte counts must be >= 0"):
-        KernelModel(cub_scan_bytes=-1)
+        KernelModel(grouped_gemm_workspace_per_sm=-1)
+    with pytest.raises(ValueError, match="positive tile size"):
+        KernelModel(scan_tile_items=((4, 0),))
 
 
 def test_the_fallback_grouped_gemm_has_no_temporaries():

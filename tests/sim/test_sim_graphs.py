@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphborrow.sim import SimCaptureError
+from graphborrow.sim.host import CAPTURE_INVALIDATED, DEVICES_DIFFER, NOT_PERMITTED
 
 MiB = 2**20
 
@@ -99,8 +99,9 @@ def test_reset_releases_the_pool_to_empty_cache(sim):
     g.reset()
     sim.empty_cache()
     assert pool not in pools(sim)
-    # what stays: the RNG's graph-safe seed/offset that the first capture makes (measured on an H200)
-    assert sim.memory_reserved() == baseline + 2 * MiB
+    # the RNG's graph-safe seed and offset go with the last graph that registered them (as the
+    # H200 frees them when a program's last graph is deleted: data/fuzz, fuzz0001)
+    assert sim.memory_reserved() == baseline
     with pytest.raises(RuntimeError, match="without a preceding successful capture"):
         g.replay()
 
@@ -124,15 +125,15 @@ def test_capture_errors_are_clear(sim):
         g.replay()
     x = torch.randn(8, device="cuda")
     host = torch.randn(8)
-    with pytest.raises(SimCaptureError, match="plain CPU tensor"):
+    with pytest.raises(RuntimeError, match=DEVICES_DIFFER):
         with sim.graph(sim.CUDAGraph()):
             x + host
-    with pytest.raises(SimCaptureError, match="capturing"):
-        with sim.graph(sim.CUDAGraph()):
-            (x * 2).sum().item()
-    with pytest.raises(SimCaptureError, match="capturing"):
-        with sim.graph(sim.CUDAGraph()):
-            sim.synchronize()
+    for wait in (lambda: (x * 2).sum().item(), sim.synchronize):
+        # a host wait invalidates the capture: leaving it fails, raised while handling the first error
+        with pytest.raises(torch.AcceleratorError, match=CAPTURE_INVALIDATED) as failed:
+            with sim.graph(sim.CUDAGraph()):
+                wait()
+        assert str(failed.value.__context__) == NOT_PERMITTED
     assert sim.allocator.captures_underway == []  # failed captures ended their routing
     assert sim.current_stream().id == 0
     with pytest.raises(TypeError, match="simulated CUDAGraph"):

@@ -18,9 +18,12 @@ from graphborrow.core.runs import find_free_runs, summarize
 from graphborrow.core.sizes import MB
 from graphborrow.device import get_backend
 from graphborrow.eagle import eagle_verify
+from graphborrow.eagle.draft_tree import build_draft_tree
 from graphborrow.eagle.plan import describe_plan, plan_verify
 from graphborrow.studies.pools import borrow_saving
 from graphborrow.workloads.ladder import LLAMA3_8B, GraphLadder, ModelShape
+
+from .sweep.parameters import argument_type
 
 __all__ = ["main", "run_demo"]
 
@@ -108,8 +111,6 @@ def run_demo(device: str = "auto", batch: int = 16, draft_tokens: int = 4, out=p
 
 def _verify_step(ladder, logits, batch, draft_tokens, state) -> int:
     """Run one borrowed verification step over the decode logits; tokens it emitted."""
-    from graphborrow.eagle.draft_tree import build_draft_tree
-
     tree = build_draft_tree(min(2, draft_tokens), max(draft_tokens, 1), draft_tokens, batch, logits.shape[1],
                             generator=torch.Generator().manual_seed(0), device=ladder.backend.device)
     result = eagle_verify(logits.contiguous(), None, tree, 0.8, borrow=state,
@@ -118,8 +119,6 @@ def _verify_step(ladder, logits, batch, draft_tokens, state) -> int:
 
 
 def main(argv=None) -> int:
-    from .sweep.parameters import argument_type
-
     p = argparse.ArgumentParser(prog="python -m graphborrow demo", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--batch", type=argument_type("BATCH_SIZE"), default=16,

@@ -19,8 +19,10 @@ import torch.nn.functional as F
 
 from graphborrow.core.borrow import BorrowState
 from graphborrow.core.errors import ParameterError
+from graphborrow.planning.capacity import largest_borrowable
 
 from .base import Ladder
+from .models import MODELS, ModelLadder
 
 __all__ = [
     "LLAMA3_8B",
@@ -320,8 +322,6 @@ def borrowable_ladder(ladder: "GraphLadder", fallback: ModelShape | None = None)
     Raises:
         RuntimeError: the fallback ladder has no borrowable run either.
     """
-    from graphborrow.planning.capacity import largest_borrowable
-
     state = ladder.state
     if any(largest_borrowable(n, state.precarve_sizes([(0, n)])) for _, n in state.free_runs()):
         return ladder, ""
@@ -349,8 +349,6 @@ def model_names() -> tuple[str, ...]:
     Returns:
         ``"synthetic"`` followed by the names in :data:`graphborrow.workloads.models.MODELS`.
     """
-    from .models import MODELS
-
     return (SYNTHETIC,) + tuple(MODELS)
 
 
@@ -409,7 +407,6 @@ def build_ladder(
                            draft_tokens=draft_tokens, state=state, order=order, seed=seed)
     if shape is not None:
         raise ParameterError(f"shape applies to the synthetic workload only; {model!r} has its own widths")
-    from .models import MODELS, ModelLadder
 
     if isinstance(model, str):
         if model not in MODELS:

@@ -36,6 +36,7 @@ import torch
 
 from graphborrow.core.borrow import BorrowState
 from graphborrow.core.errors import ParameterError
+from graphborrow.sim.cuda_ops import device_queries
 
 from .base import Ladder
 
@@ -188,8 +189,6 @@ def _spec(name: str) -> ModelSpec:
 def _device_queries(backend):
     """On the simulated device, answer model code's CUDA capability query as an H200."""
     if backend.name == "sim":
-        from graphborrow.sim.cuda_ops import device_queries
-
         return device_queries()
     return contextlib.nullcontext()
 

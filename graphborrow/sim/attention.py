@@ -32,6 +32,7 @@ import math
 import torch
 
 from .tensor import SimTensor, register_cuda_model
+from .torch_function import torch_functions_off
 
 __all__ = [
     "AttentionModel",
@@ -250,7 +251,7 @@ def _like_query(q, shape):
 
 def _values(q, k, v, mask, is_causal, scale, enable_gqa):
     """Attention values by the math kernel on plain CPU tensors (backed devices, replay)."""
-    with torch._C.DisableTorchFunction():
+    with torch_functions_off():
         return torch.ops.aten._scaled_dot_product_attention_math(
             q, k, v, mask, 0.0, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
@@ -261,7 +262,7 @@ def _fill(backend, out: SimTensor, q, k, v, mask, is_causal, scale, enable_gqa) 
     if not backend.backed:
         return
     inner = [t.sim_inner if t is not None else None for t in (q, k, v, mask)]
-    with torch._C.DisableTorchFunction():
+    with torch_functions_off():
         out.sim_inner.copy_(_values(*inner, is_causal, scale, enable_gqa))
     capture = backend.capture_for_current_stream()
     if capture is not None:

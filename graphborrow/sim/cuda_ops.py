@@ -33,6 +33,7 @@ import torch
 
 from . import host
 from .tensor import SimTensor, dispatch, register_cuda_model
+from .torch_function import torch_functions_off
 
 __all__ = ["H200_CAPABILITY", "KernelModel", "SMALL_SORT_LIMIT", "device_queries", "grouped_mm_argument_bytes",
            "histc_any_dtype"]
@@ -334,7 +335,7 @@ def _compute_into(out, fn, *inputs) -> None:
                                     for t in inputs):
         return
     inner = [t.sim_inner if isinstance(t, SimTensor) else t for t in inputs]
-    with torch._C.DisableTorchFunction():
+    with torch_functions_off():
         out.sim_inner.copy_(fn(*inner))
     capture = out.sim_backend.capture_for_current_stream()
     if capture is not None:

@@ -33,6 +33,7 @@ from .tensor import (
     SimTensor,
     is_sim_tensor,
 )
+from .torch_function import torch_functions_off
 from .values import keeps_values
 
 __all__ = ["GiB", "MemPool", "SimBackend", "SimEvent"]  # MemPool lives in .pools
@@ -767,7 +768,7 @@ class SimBackend(DeviceAPI):
         """
         if is_sim_tensor(host):
             return host
-        with torch._C.DisableTorchFunction():
+        with torch_functions_off():
             if not self.backed and keeps_values(host):  # layout only, small: it keeps its values
                 layout = torch.empty_like(host)
                 layout.copy_(host)

@@ -16,6 +16,7 @@ import gc
 import torch
 
 from .host import CAPTURE_INVALIDATED
+from .torch_function import torch_functions_off
 
 __all__ = ["CUDAGraph", "CaptureRegistry", "graph"]
 
@@ -120,7 +121,7 @@ class CUDAGraph:
         backend = self._backend
         if backend.capture_for_current_stream() is not None:
             raise RuntimeError("cannot replay a graph while the current stream is capturing another one")
-        with torch._C.DisableTorchFunction(), torch.inference_mode():
+        with torch_functions_off(), torch.inference_mode():
             for func, args, kwargs, fresh in self._ops:
                 out = func(*args, **kwargs)
                 for index, view in fresh:

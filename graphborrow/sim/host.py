@@ -26,6 +26,7 @@ import weakref
 
 import torch
 
+from .torch_function import torch_functions_off
 from .values import layout_error
 
 __all__ = ["CAPTURE_INVALIDATED", "DEVICES_DIFFER", "EVENT_IN_CAPTURE", "NOT_PERMITTED", "PAGEABLE_IN_CAPTURE",
@@ -55,7 +56,7 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     """``t.pin_memory()``: a copy in (simulated) page-locked host memory."""
     if t.device.type != "cpu":
         raise RuntimeError(f"cannot pin '{t.type()}' only dense CPU tensors can be pinned")
-    with torch._C.DisableTorchFunction():
+    with torch_functions_off():
         pinned = t.clone(memory_format=torch.contiguous_format) if not t.is_contiguous() else t.clone()
     _PINNED.add(pinned.untyped_storage())
     return pinned
@@ -147,7 +148,7 @@ def to_host(t, non_blocking: bool = False, into: torch.Tensor | None = None) -> 
         origin = t.sim_storage.origin if t.sim_storage is not None else None
         raise layout_error("copying a tensor to the host (.cpu(), .tolist(), printing, numpy)",
                            None if origin is None else str(origin))
-    with torch._C.DisableTorchFunction():
+    with torch_functions_off():
         if into is None:
             return inner.clone()
         into.copy_(inner)

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._mode_utils import no_dispatch
 
 from . import host
+from .torch_function import torch_functions_off
 from .values import SimLayoutOnlyError, keeps_values, layout_error, meta_like
 
 __all__ = [
@@ -141,8 +142,8 @@ class SimTensor(torch.Tensor):
         override = _OVERRIDES.get(func)
         if override is not None:
             return override(*args, **(kwargs or {}))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        # the guard lives in C++: no interrupt can leave it on (Note [torch functions off under interrupts])
+        return torch._C._disabled_torch_function_impl(_call, types, (func, args, kwargs), None)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -155,6 +156,10 @@ class SimTensor(torch.Tensor):
             if out is not NotImplemented:
                 return out
         return dispatch(func, args, kwargs)
+
+
+def _call(func, args, kwargs):
+    return func(*args, **(kwargs or {}))
 
 
 _COMPOSITE: dict = {}
@@ -514,7 +519,7 @@ def _to(self, *args, **kwargs):
     kw = {"copy": copy}
     if memory_format is not None:
         kw["memory_format"] = memory_format
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch_functions_off(subclasses_only=True):
         if dtype is None:
             return torch.Tensor.to(self, self.dtype, **kw)
         return torch.Tensor.to(self, dtype, **kw)
@@ -535,7 +540,7 @@ def _set_data(self, new) -> None:
         raise RuntimeError(
             f"cannot set the data of a simulated cuda tensor to a {new.device} tensor; move it with "
             "x.to('cuda') first")
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch_functions_off(subclasses_only=True):
         torch.Tensor.data.__set__(self, new)
     self.sim_inner, self.sim_storage, self.sim_backend = new.sim_inner, new.sim_storage, new.sim_backend
 
@@ -640,7 +645,7 @@ def _repr(self, *args, tensor_contents=None):
             f"tensor(..., size={tuple(self.shape)}, dtype={self.dtype}, device='sim', "
             "layout_only=True)"
         )
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch_functions_off(subclasses_only=True):
         text = repr(self.sim_inner)
     if text.endswith(")"):
         text = text[:-1] + ", device='sim')"

@@ -7,7 +7,7 @@ below 1.0, whatever the cut, and never fail inside its reconstruction of what ex
 the first entry. The cut points are sampled (Hypothesis; ``make deep`` samples 50 times more).
 
 A cut that drops only entries that leave no mark on the end (allocations freed again, in the
-same blocks, and nothing else) cannot be seen in the snapshot; where the trace carries the
+same blocks, failed allocations that released nothing, and nothing else) cannot be seen in the snapshot; where the trace carries the
 real ``memory_stats()`` (the differential corpus does), the statistics must disagree then.
 """
 
@@ -47,11 +47,12 @@ def trace(path: Path) -> tuple[dict, dict]:
 
 def leaves_no_mark(tail: list[dict]) -> bool:
     """Whether these entries, dropped from the end, leave the final segments and blocks as they were:
-    no device call, no failed allocation, and every block they allocate freed again in them."""
+    no device call, and every block they allocate freed again in them. A failed allocation (``oom``)
+    leaves no mark of its own: what it released first shows as ``segment_free`` entries."""
     counts: dict[int, Counter] = {}
     for entry in tail:
         action = entry["action"]
-        if action in SKIPPED:
+        if action in SKIPPED or action == "oom":
             continue
         if action not in ("alloc", "free_requested", "free_completed"):
             return False

@@ -35,9 +35,11 @@ program 0 takes every ticket in order and never waits.
 With top-k / top-p, a step of ``SPLIT_ROWS`` rows or more runs as one launch per kind of
 item instead (maxima and sums; per search its bracket, passes, gather, resolve and kept
 sums; residuals: 12 launches with both): the same kernel, each launch taking a range of
-tickets and compiled with the code of its items alone, so the memory-bound passes run with
-few registers and many programs per SM, while the host time of the launches is small
-beside the step's device time. Below it, one launch, whose code holds every kind of item.
+tickets and compiled with the code of its items alone, so the memory-bound passes need
+fewer registers (more programs per SM) than in the one launch whose code holds every kind
+of item, while the host time of the launches is small beside the step's device time. Below
+it, that one launch. (On the H200 both are still slower on the device than the earlier
+one-kernel-per-step design: docs/kernels.md.)
 
 Nothing synchronises with the host, so the step can be captured in a CUDA graph.
 

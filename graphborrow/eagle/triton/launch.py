@@ -4,9 +4,9 @@
 the kernel's parameters, derives a specialisation key from them (dtypes, 16-byte
 alignment of every pointer, integers equal to 1 or divisible by 16), looks the compiled
 kernel up, and its launcher then asks the CUDA driver about every tensor argument
-(``cuPointerGetAttribute``). For a verification step of three launches with fifteen
-pointers each that was most of the step's host time (about 0.4 ms on the H200's host),
-and all of it is the same on every call of the same shape.
+(``cuPointerGetAttribute``). For the verification step, then three launches with fifteen
+pointers each, that was most of its host time (about 0.4 ms on the H200's host), and all
+of it is the same on every call of the same shape.
 
 A :class:`Launcher` belongs to one step plan (one shape, one form of every argument; see
 :mod:`.fused`). The plan's first call goes through the JIT front end with tensors, which

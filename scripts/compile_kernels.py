@@ -100,6 +100,9 @@ def main(argv=None) -> int:
             step = VerifyStep(logits, tree.candidates, tree, params["temperatures"], params.get("top_ks"),
                               params.get("top_ps"), coins, final).check()
             fv.run_step(step, fv.allocate_outputs(step))  # every launch a compile-only warmup
+    one = build_draft_tree(4, 3, d, 1, vocab, generator=torch.Generator().manual_seed(1))  # one request: one launch
+    step = VerifyStep(torch.zeros(d, vocab), one.candidates, one, 1.0, 50, 0.9, torch.zeros(1, d), torch.zeros(1)).check()
+    fv.run_step(step, fv.allocate_outputs(step))
     fv.fused_token_probs(torch.zeros(bs * d, vocab), 1.0, d, torch.zeros(bs * d, 4, dtype=torch.int64))
     probs = torch.zeros(32, vocab)
     fs.top_p_renorm(probs, 0.9, validate=False)

@@ -116,6 +116,12 @@ def eagle_verify(
     if graph:
         return _graph_steps().verify(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final,
                                      generator, borrow, threshold_single, threshold_acc, impl, validate)
+    if (not validate and borrow is None and impl != "reference" and type(logits) is torch.Tensor and logits.is_cuda
+            and mode in MODES and impl in IMPLS and fused_available()):  # the eager serving call: its short path
+        out = _import(FUSED_MODULE).eager(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final,
+                                          generator, threshold_single, threshold_acc)
+        if out is not None:
+            return out
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if impl not in IMPLS:

@@ -1,5 +1,6 @@
-"""The eager fused step on a real GPU: what one call launches and allocates, the direct
-launch path against Triton's JIT front end, and the capture-once graph path.
+"""The eager fused step on a real GPU: what one call launches and allocates, the short
+path and the direct launch against Triton's JIT front end, the persistent kernel's work
+queue at any grid and on two streams, and the capture-once graph path.
 
 Run on a CUDA machine: ``pytest -m gpu tests/eagle/test_eager_launch_gpu.py -rA``. The
 oracle for tokens is the reference verification over ``target_probs_reference`` (as in
@@ -45,19 +46,114 @@ def kernels_and_allocations(fn):
 
 
 @pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
-def test_one_call_launches_the_step_and_allocates_once_or_twice(renorm):
-    """Plain: the three kernels and nothing else (parameters as numbers and tensors alike),
-    one allocation (outputs and a small workspace share it); with top-k and top-p, the
-    search's launches too, and its larger workspace allocated apart (freed at the end)."""
-    bs, d = 8, 8
-    tree, logits, coins, coins_final = gpu_case(1, bs, d, (4, 3), 32000, False)
-    for temperature in (0.8, torch.full((bs,), 0.8, device="cuda")):
-        kernels, allocations = kernels_and_allocations(
-            lambda: eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, impl="fused",
-                                 validate=False, **renorm))
-        assert allocations == (2 if renorm else 1)
-        searches = (1 if "top_ks" in renorm else 0) + (1 if "top_ps" in renorm else 0)
-        assert kernels == 3 + searches * (4 + fv._select.SELECT_PASSES) + (1 if searches else 0)
+def test_one_call_launches_one_kernel_and_allocates_its_outputs(renorm):
+    """One kernel (the persistent step) and one allocation (the outputs; the workspace is
+    the plan's, for this stream, made by the first call), parameters as numbers and as
+    tensors. With top-k and top-p a step of fewer than SPLIT_ROWS rows is one launch too;
+    a larger one is one launch per kind of item: maxima and sums, per search its bracket,
+    passes, gather, resolve and kept sums, then the residuals."""
+    for bs, d in ((1, 8), (8, 8)):
+        tree, logits, coins, coins_final = gpu_case(1, bs, d, (4, 3), 32000, False)
+        split = bool(renorm) and bs * d >= fv.SPLIT_ROWS
+        for temperature in (0.8, torch.full((bs,), 0.8, device="cuda")):
+            kernels, allocations = kernels_and_allocations(
+                lambda: eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final,
+                                     impl="fused", validate=False, **renorm))
+            assert (kernels, allocations) == ((2 + 2 * 5) if split else 1, 1)
+
+
+def plan_of(logits, tree, temperature, coins, coins_final, renorm):
+    return fv.plan_for(VerifyStep.of(logits, None, tree, temperature, renorm.get("top_ks"), renorm.get("top_ps"),
+                                     coins, coins_final))
+
+
+def counters_at_zero(plan):
+    return all(not bool(entry.views.sync.any()) for entry in plan.cached.values())
+
+
+@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
+def test_the_short_path_launches_what_the_general_path_does(renorm):
+    """From a plan's second call on (its kernel compiled, its workspace made), the eager
+    public call takes fused.eager: the reference's tokens, for parameters as numbers and
+    per-request tensors alike; coins not given are drawn into the workspace. Every call
+    leaves the workspace's counters at zero."""
+    bs, d, vocab = 16, 8, 50257
+    tree, logits, coins, coins_final = gpu_case(6, bs, d, (4, 3), vocab, False, 0.9)
+    temps = torch.full((bs,), 0.9, device="cuda")
+    params = dict(top_ks=torch.full((bs,), renorm["top_ks"], device="cuda"),
+                  top_ps=torch.full((bs,), renorm["top_ps"], device="cuda")) if renorm else {}
+    expected = reference(logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
+    for temperature, kw in ((0.9, renorm), (temps, params)):
+        first = eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, impl="fused",
+                             validate=False, **kw)
+        short = fv.eager(logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"), coins, coins_final)
+        assert short is not None and same(first, expected) and same(short, expected)
+        assert same(eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final,
+                                 validate=False, **kw), expected)
+        drawn = fv.eager(logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"))
+        assert drawn is not None and int(drawn.accept_length.min()) >= 1
+        torch.cuda.synchronize()
+        assert counters_at_zero(plan_of(logits, tree, temperature, coins, coins_final, kw))
+    shifted = torch.empty(logits.numel() + 1, device="cuda")[1:].view_as(logits).copy_(logits)
+    assert fv.eager(shifted, None, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final) is None
+
+
+@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
+def test_any_grid_gives_the_same_tokens_and_leaves_the_counters_at_zero(renorm):
+    """The work queue does not depend on how many programs the GPU holds at once: one
+    program, a few, the resident grid, and far more programs than fit (the late ones find
+    the queue empty) give the reference's tokens, call after call, each leaving every
+    counter at zero for the next; and so do many calls in a row on new inputs."""
+    bs, d, vocab = 8, 16, 32017
+    tree, logits, coins, coins_final = gpu_case(7, bs, d, (4, 5), vocab, False)
+    kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, **renorm)
+    eagle_verify(logits, None, tree, 1.0, **kw)
+    plan = plan_of(logits, tree, 1.0, coins, coins_final, renorm)
+    resident = list(plan.programs)
+    expected = reference(logits, tree, 1.0, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
+    try:
+        for programs in (1, 5, resident, 50 * max(resident)):
+            plan.set_programs(programs)
+            for _ in range(2):
+                assert same(eagle_verify(logits, None, tree, 1.0, **kw), expected), f"{programs} programs"
+                torch.cuda.synchronize()
+                assert counters_at_zero(plan), f"{programs} programs"
+    finally:
+        plan.set_programs(resident)
+    results = []
+    for seed in range(6):
+        _, new_logits, new_coins, new_final = gpu_case(40 + seed, bs, d, (4, 5), vocab, False, tree=tree)
+        logits.copy_(new_logits)
+        coins.copy_(new_coins)
+        coins_final.copy_(new_final)
+        results.append((eagle_verify(logits, None, tree, 1.0, **kw),
+                        reference(new_logits, tree, 1.0, renorm.get("top_ks"), renorm.get("top_ps"), new_coins,
+                                  new_final)))
+    assert all(same(got, want) for got, want in results)
+
+
+def test_two_streams_get_two_workspaces():
+    """Calls on two streams at once (one plan) each use their stream's workspace: both give
+    the reference's tokens."""
+    bs, d, vocab = 32, 8, 128256
+    tree, logits, coins, coins_final = gpu_case(8, bs, d, (4, 3), vocab, False)
+    _, other, other_coins, other_final = gpu_case(9, bs, d, (4, 3), vocab, False, tree=tree)
+    kw = dict(impl="fused", validate=False)
+    expected = [reference(logits, tree, 1.0, None, None, coins, coins_final),
+                reference(other, tree, 1.0, None, None, other_coins, other_final)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    got = [[], []]
+    for _ in range(3):
+        for i, (s, lg, c, f) in enumerate(zip(streams, (logits, other), (coins, other_coins),
+                                              (coins_final, other_final))):
+            with torch.cuda.stream(s):
+                got[i].append(eagle_verify(lg, None, tree, 1.0, coins=c, coins_final=f, **kw))
+    torch.cuda.synchronize()
+    assert all(same(out, expected[i]) for i in range(2) for out in got[i])
+    plan = plan_of(logits, tree, 1.0, coins, coins_final, {})
+    assert len(plan.cached) >= 2 and counters_at_zero(plan)
 
 
 @pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])

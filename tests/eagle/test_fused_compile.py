@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"_row_max_kernel", "_row_sum_kernel", "_walk_kernel", "_residual_kernel", "_token_prob_kernel",
-           "_init_kernel", "_pass_kernel", "_gather_kernel", "_resolve_kernel", "_kept_kernel", "_apply_kernel"}
+KERNELS = {"_step_kernel", "_token_prob_kernel", "_init_kernel", "_pass_kernel", "_gather_kernel", "_resolve_kernel",
+           "_kept_kernel", "_apply_kernel"}
 
 # (triton itself is imported only in the subprocess: importing it here, before
 # graphborrow.eagle.triton.probs selects the interpreter, would break the interpreted tests)

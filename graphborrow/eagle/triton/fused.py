@@ -1,38 +1,68 @@
-"""EAGLE verification at kernel speed: Triton kernels that read the logits directly.
+"""EAGLE verification at kernel speed: one persistent Triton kernel that reads the logits directly.
 
 :func:`run_step` is :func:`graphborrow.eagle.eagle_verify`'s fused body (every mode is
 this one step: it holds no [bs*D, V] matrix); :func:`fused_verify` is the same call with
 static output buffers. Each row's target distribution is the formula of
 :mod:`graphborrow.eagle.probs`, which the reference computes too, computed where it is
-needed. The step is three launches:
+needed.
 
-1. ``_row_max_kernel`` — per (row, vocabulary slice): the largest logit. Its first slices
-   also zero ``predicts`` and the step's counters and write the per-request parameters
-   (temperature, top-k, top-p: numbers or the caller's tensors) into the workspace, so
-   nothing runs before it;
-2. ``_row_sum_kernel`` — per (row, slice): the fixed-point sum of ``exp(x / t - m)``.
-   The last slice of a request to finish (an atomic counter) walks the request's draft
-   tree: upstream's acceptance rule, each tried candidate's probability from its logit
-   and its row's statistics;
-3. ``_residual_kernel`` — per (request, slice): the float64 mass of the final row's
-   residual (its rejected children removed unless every depth was accepted); the last
-   slice to finish finds the slice where ``coin * mass`` falls and scans only that one.
+**One launch.** The step is one launch of ``_step_kernel`` (:mod:`.step_kernel`), a *persistent* kernel: a grid
+no larger than what the GPU holds at once, whose programs take work items from a queue
+(an atomic ticket counter in the workspace) until it is empty. The items, in ticket order:
 
-With top-k / top-p, :func:`graphborrow.eagle.triton.select.select_launches` finds every row's
-pivots and kept sums between 2 and 3 (a sort-free search, a few launches), and the walk
-runs in its own launch. Nothing synchronises with the host, so the step can be captured
-in a CUDA graph.
+1. per (row, vocabulary slice): the slice's largest logit (``m = max(x) / t`` later, as
+   division by t > 0 is monotone). A row's slice 0 also zeroes its ``predicts`` entry and
+   writes its request's parameters (temperature, top-k, top-p: numbers or the caller's
+   tensors) into the workspace;
+2. per (row, slice): the fixed-point sum of ``exp(x / t - m)``, once the row's maxima are
+   all in;
+3. with top-k / top-p: the sort-free pivot search of :mod:`.select` (bracket, passes,
+   gather, resolve, kept sum), each step once the row's previous one is done;
+4. per (request, slice): the float64 mass of the final row's residual (its rejected children
+   removed unless every depth was accepted), once the request's tree has been walked; the
+   request's last slice finds the slice where ``coin * mass`` falls and scans only that one.
+
+The walk of a request's draft tree (upstream's acceptance rule, each tried candidate's
+probability from its logit and its row's statistics) is done by the program that finishes
+the last row of the request. Dependencies are per row and per request: the program that
+completes a row's step (the last of its slices to arrive, an atomic counter) publishes it
+(a release store of the row's step number); an item of the next step spins until it sees
+it (acquire). Every item depends only on items with smaller tickets, taken earlier by
+programs that are running, so the spin always ends, whatever the grid size and however
+many programs the GPU holds at once; in Triton's interpreter (programs one after another)
+program 0 takes every ticket in order and never waits.
+
+With top-k / top-p, a step of ``SPLIT_ROWS`` rows or more runs as one launch per kind of
+item instead (maxima and sums; per search its bracket, passes, gather, resolve and kept
+sums; residuals: 12 launches with both): the same kernel, each launch taking a range of
+tickets and compiled with the code of its items alone, so the memory-bound passes need
+fewer registers (more programs per SM) than in the one launch whose code holds every kind
+of item, while the host time of the launches is small beside the step's device time. Below
+it, that one launch. (On the H200 both are still slower on the device than the earlier
+one-kernel-per-step design: docs/kernels.md.)
+
+Nothing synchronises with the host, so the step can be captured in a CUDA graph.
+
+**The counters start at zero and end at zero.** Every counter the kernel uses (ticket,
+arrivals, per-row step numbers, walk flags) lives in the workspace's ``sync`` slot, which
+must hold zeros when the kernel starts; the kernel leaves it zeroed (each counter is reset
+by the last program to use it, the ticket by the last program to leave). A fresh
+workspace has its ``sync`` slot zeroed before the launch (one fill); the cached workspace
+(below) is zeroed once, when it is made.
 
 Host time. Everything a call would otherwise redo is computed once per *plan* — the
 step's shape and the form of its arguments (a number or a tensor, and its dtype) —
-and cached (:class:`StepPlan`): the vocabulary split, grids, the workspace layout and,
-after the plan's first call, the compiled kernels, which later calls launch directly
-(:mod:`.launch`). Per call that leaves one workspace allocation (:mod:`.workspace`: a
-size fixed by the shape, so the capacity planner replays exactly this request, recorded
-by ``run_step(..., launch=False)`` on the layout-only device), the caller's device
-addresses, and the launches. The caller's coins are read where they are; coins not
-given are drawn into the workspace. Without CUDA the kernels run in Triton's
-interpreter (slow, for tests).
+and cached (:class:`StepPlan`): the vocabulary split, the item counts, launches and grids,
+the workspace layout and, after the plan's first call, the compiled kernels, which later
+calls launch directly (:mod:`.launch`). An eager call without a borrow (and not being captured
+into a CUDA graph) reuses the plan's workspace for the current stream, made on first use
+(:meth:`StepPlan.workspace`), so it allocates its outputs only; :func:`eager` is that call
+with the arguments checked and assembled in as few Python operations as the checks allow.
+With a borrow, or while a graph is captured, the step allocates its workspace (a size fixed
+by the shape, so the capacity planner replays exactly this request, recorded by
+``run_step(..., launch=False)`` on the layout-only device) and zeroes its counters first.
+The caller's coins are read where they are; coins not given are drawn into the
+workspace. Without CUDA the kernel runs in Triton's interpreter (slow, for tests).
 
 The same coins give the reference's tokens: every probability is bitwise the
 reference's; the float64 running sums of the residual and of top-k / top-p kept mass are
@@ -42,14 +72,17 @@ added in another order than torch's, which matters only when a coin lands within
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..draft_tree import DraftTree
 from ..modes import VerifyResult
 from ..scope import run_borrowing
 from ..step import VerifyStep, check_outputs, draw_into
+from ..validate import LOGIT_DTYPES
 from . import select as _select
-from .launch import Launcher, PlanCache, aligned
+from .launch import Launcher, PlanCache, aligned, bound_call, current_stream, launch_hooks
 from .probs import (
     INTERPRETED,
     TRITON_AVAILABLE,
@@ -58,25 +91,24 @@ from .probs import (
     target_probs_reference,
 )
 from .select import (
-    select_launches,
     select_slots,
     split_layout,
     top_k_renorm,
     top_p_renorm,
 )
+from .step_kernel import ABSENT, NUMBER, ONE_VALUE, PER_REQUEST, SYNC_HEAD, WALK_FIELDS
 from .workspace import Layout
 
 if TRITON_AVAILABLE:
     import triton
-    import triton.language as tl
 
-    from .probs import fixed_point_e, prob, renormed, row_max_y, row_norm
-    from .select import arrive
+    from .step_kernel import _step_kernel, _token_prob_kernel
 
 __all__ = [
     "TRITON_AVAILABLE",
     "StepPlan",
     "clear_plans",
+    "eager",
     "fused_token_probs",
     "fused_verify",
     "fused_workspace_bytes",
@@ -87,13 +119,23 @@ __all__ = [
     "top_p_renorm",
 ]
 
-WALK_WARPS = 1
-WALK_FIELDS = 4  # final node, its slot, last rejected token, dropped-token count; then the dropped tokens
-MERGED_WORKSPACE = 64 * 1024  # bytes: a workspace this small shares its outputs' allocation (without a borrow)
+PROGRAMS_PER_SM = 4  # the grid before the compiled kernel's occupancy is known
+# Registers per thread the kernel may use (ptxas: maxnreg), plain and with top-k / top-p: four
+# and two programs of 8 warps per SM. Uncapped, the whole step in one function takes 80 and
+# 255 registers, as many as its heaviest rarely run code (the sampling scan, the search's
+# sort) needs, and the GPU would hold three programs per SM, or one; capped, that code
+# spills a little to the stack and the streaming loops keep the GPU's memory busy.
+STEP_MAX_REGISTERS = (64, 128)
+# With top-k / top-p a step of at least this many rows runs as one launch per kind of item
+# (five to eight launches, each compiled with the code of its items alone): the memory-bound
+# passes then run at the occupancy of small kernels, and the host time of the launches is
+# small beside the step's.
+SPLIT_ROWS = 32
+MAX_SUM, RESIDUAL, BRACKET, RESOLVE, KEPT, PASS, GATHER = 1, 2, 4, 8, 16, 32, 64  # kinds, as _step_kernel's KINDS
+SPLIT_MAX_REGISTERS = {MAX_SUM: 64, BRACKET: 80, PASS: 80, GATHER: 80, KEPT: 64, RESIDUAL: 64}  # (resolve: uncapped)
+INTERPRETED_PROGRAMS = 3  # the interpreter runs programs one after another: program 0 does every item
 INT32_MAX = 2**31 - 1
 
-# How a per-request parameter reaches the kernels (the first kernel writes it into the workspace)
-ABSENT, NUMBER, PER_REQUEST, ONE_VALUE = 0, 1, 2, 3
 
 
 def fused_verify(
@@ -128,7 +170,7 @@ def fused_verify(
             step can be captured in a CUDA graph. Shapes and dtypes are always checked.
         chunk_requests: accepted (a positive int) for parity with the chunked reference; the
             fused step needs no chunking and runs over every request at once.
-        launch: ``False`` allocates the workspace (and outputs) and returns without running
+        launch: ``False`` allocates the outputs and the workspace and returns without running
             a kernel: the allocation sequence, for the capacity planner and the simulated device.
 
     Returns:
@@ -152,40 +194,48 @@ def fused_verify(
         return verify(step, borrow, launch)
     out = VerifyResult(*check_outputs(out, step))
     if step.batch_size:
-        run_borrowing(borrow, run_step, step, out, launch)
+        _run(plan_for(step), step, out, borrow, launch)
     return out
 
 
 def verify(step: VerifyStep, borrow=None, launch: bool = True) -> VerifyResult:
     """:func:`~graphborrow.eagle.eagle_verify`'s fused path for a checked (and, if asked,
-    validated) ``step``: new outputs, then the step, its temporaries in ``borrow``'s scope
-    when it is enabled.
+    validated) ``step``: new outputs (one allocation), then the step.
 
-    Without a borrow a step whose workspace is small (``MERGED_WORKSPACE`` bytes at most)
-    makes one allocation, not two: its outputs and its workspace share one buffer, so the
-    workspace lives as long as the caller keeps the outputs.
+    With an enabled ``borrow`` the step's workspace is allocated inside the borrow scope and
+    freed there; without one (and outside a CUDA graph capture) the plan's cached workspace
+    for the current stream is used, so the call allocates nothing else.
 
     Returns:
         The step's :class:`~graphborrow.eagle.modes.VerifyResult`.
     """
     plan = plan_for(step)
-    if not step.batch_size or (borrow is not None and borrow.enabled) or plan.layout.nbytes > MERGED_WORKSPACE:
-        out = plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
-        if step.batch_size:
-            run_borrowing(borrow, run_step, step, out, launch)
-        return out
-    buffer = step.candidates.new_empty(plan.output_words + plan.layout.nbytes // 4, dtype=torch.int32)
-    out = plan.outputs(buffer)
-    if launch:
-        _launch(plan, step, out, buffer, 4 * plan.output_words)
+    out = plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
+    if step.batch_size:
+        _run(plan, step, out, borrow, launch)
     return out
 
 
 def allocate_outputs(step: VerifyStep) -> VerifyResult:
-    """The fused step's outputs, uninitialised (the kernels write every entry): three views
+    """The fused step's outputs, uninitialised (the kernel writes every entry): three views
     of one int32 allocation, each starting 16-byte aligned."""
     plan = plan_for(step)
     return plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
+
+
+def _run(plan: "StepPlan", step: VerifyStep, out: VerifyResult, borrow, launch: bool) -> None:
+    """The step into ``out``: in the plan's cached workspace when it can be (launched, no
+    enabled borrow, no graph being captured), else :func:`run_step` (in the borrow scope)."""
+    if launch and (borrow is None or not borrow.enabled) and not _capturing(step.logits):
+        _launch(plan, step, out, plan.workspace(step.logits), fresh=False)
+    else:
+        run_borrowing(borrow, run_step, step, out, launch)
+
+
+def _capturing(logits: torch.Tensor) -> bool:
+    """Whether the current CUDA stream is capturing a graph (a captured step must not bake in
+    a workspace that later eager calls share)."""
+    return logits.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _check_launchable(logits: torch.Tensor) -> None:
@@ -204,18 +254,42 @@ def _check_launchable(logits: torch.Tensor) -> None:
 # Plans: what a call of one shape and argument form computes once
 
 
+class CachedWorkspace:
+    """A plan's workspace for one stream, reused by every eager call on that stream.
+
+    ``buffer``: the workspace (its counters zeroed once, when it was made; each launch
+    leaves them zeroed); ``views``: its slots as tensors; ``pointers``: their addresses;
+    ``head`` / ``tail``: the direct launch's leading arguments (grid, stream, the compiled
+    kernel's handles) and the kernel arguments after the per-call ones, made once the plan's
+    kernel is compiled (:func:`eager`).
+    """
+
+    __slots__ = ("buffer", "views", "pointers", "launches")
+
+    def __init__(self, buffer: torch.Tensor, layout: Layout):
+        self.buffer = buffer
+        self.views = layout.views(buffer)
+        self.pointers = layout.pointers(buffer)
+        self.launches = None  # [(C launcher, leading arguments, trailing arguments)], one per launch
+
+
 class StepPlan:
     """Everything about a fused step that its shape and argument forms decide.
 
-    ``layout``: the workspace's slots; ``grid_rows`` / ``grid_walk`` / ``grid_residual``:
-    the launch grids; ``forms``: how temperature, top-k and top-p arrive (``ABSENT``,
-    ``NUMBER``, ``PER_REQUEST``, ``ONE_VALUE``) and whether the kernels read the caller's
-    tensor in place (``in_place``); ``output_words``: int32 words of the outputs, each of
-    the three starting 16-byte aligned; ``launcher``: the compiled kernels.
+    ``layout``: the workspace's slots; ``items``: the work items of one step; ``groups``:
+    its launches, ``(first ticket, end, kinds, walks)`` each (:func:`step_groups`), and
+    ``programs``: each one's persistent grid (at most what the GPU holds at once, once the
+    compiled kernel's occupancy is known); ``forms``: how temperature, top-k and top-p
+    arrive (``ABSENT``, ``NUMBER``, ``PER_REQUEST``, ``ONE_VALUE``) and whether the kernel
+    reads the caller's tensor in place (``in_place``); ``output_words``: int32 words of the
+    outputs, each of the three starting 16-byte aligned; ``launcher``: the compiled kernel;
+    ``cached``: the eager calls' workspaces by stream (:meth:`workspace`).
     """
 
-    def __init__(self, bs: int, d: int, vocab: int, steps: int, forms: tuple, in_place: tuple):
-        self.bs, self.d, self.vocab, self.steps = bs, d, vocab, steps
+    def __init__(self, bs: int, d: int, vocab: int, steps: int, forms: tuple, in_place: tuple, device: int = -1,
+                 step: bool = True):
+        self.bs, self.d, self.vocab, self.steps, self.device = bs, d, vocab, steps, device
+        self.torch_device = torch.device("cuda", device) if device >= 0 else torch.device("cpu")
         self.forms, self.in_place = forms, in_place
         self.copies = any(f == PER_REQUEST and not direct for f, direct in zip(forms, in_place))  # into slots first
         self.rows = rows = bs * d
@@ -225,17 +299,28 @@ class StepPlan:
         self.scale, self.unscale = 2.0 ** bits, 2.0 ** -bits
         self.has_k, self.has_p = forms[1] != ABSENT, forms[2] != ABSENT
         self.renorm = self.has_k or self.has_p
+        self.nsel = int(self.has_k) + int(self.has_p)
+        self.passes = _select.SELECT_PASSES
         self.layout = Layout(step_slots(bs, d, vocab, self.has_k, self.has_p))
         words = [bs * d, bs * steps, bs]
         self.output_starts = (0, -(-words[0] // 4) * 4, -(-words[0] // 4) * 4 + -(-words[1] // 4) * 4)
-        self.output_words = -(-(self.output_starts[2] + bs) // 32) * 32  # (128 bytes: the workspace after it aligned)
-        self.grid_rows = (rows, self.splits, 1)
-        self.grid_walk = (bs, 1, 1)
-        self.grid_residual = (bs, self.rsplits, 1)
+        self.output_words = -(-(self.output_starts[2] + bs) // 4) * 4
+        self.output_bytes = (4 * self.output_starts[1], 4 * self.output_starts[2])  # accept_index, accept_length
+        self.items = step_items(bs, d, self.splits, self.rsplits, self.nsel, self.passes, step)
+        self.split = self.renorm and rows >= SPLIT_ROWS
+        self.groups = step_groups(bs, d, self.splits, self.rsplits, self.nsel, self.passes, step, self.split)
+        self.programs = [max(1, min(end - first, _program_cap(device))) for first, end, _, _ in self.groups]
+        self.tuned = INTERPRETED  # (the grid is final once the kernel's occupancy is known)
         self.d_block = triton.next_power_of_2(d) if TRITON_AVAILABLE else d
-        self.stream_options = dict(num_warps=_select.STREAM_WARPS, **compile_options())
-        self.walk_options = dict(num_warps=WALK_WARPS, **compile_options())
+        self.options = []
+        for _, _, kinds, _ in self.groups:
+            options = dict(num_warps=_select.STREAM_WARPS, **compile_options())
+            cap = SPLIT_MAX_REGISTERS.get(kinds) if self.split else STEP_MAX_REGISTERS[int(self.renorm)]
+            if cap and not INTERPRETED:
+                options["maxnreg"] = cap
+            self.options.append(options)
         self.launcher = Launcher()
+        self.cached: dict = {}
 
     def outputs(self, buffer: torch.Tensor) -> VerifyResult:
         """The three outputs as views at the start of an int32 ``buffer``."""
@@ -243,28 +328,140 @@ class StepPlan:
         return VerifyResult(buffer.as_strided((bs * self.d,), (1,), p),
                             buffer.as_strided((bs, self.steps), (self.steps, 1), a), buffer.as_strided((bs,), (1,), n))
 
+    def workspace(self, like: torch.Tensor) -> CachedWorkspace:
+        """The workspace eager calls on the current stream share: made (its counters zeroed)
+        on first use and kept with the plan.
+
+        Calls on one stream run one after another, so one workspace per stream is safe;
+        calls on two streams get two. It is not used while a graph is captured (a graph
+        would keep its address and could run on another stream) nor with a borrow.
+        :func:`clear_plans` drops it (the memory returns to the caching allocator, on the
+        stream it was made on, so no launch still using it can see it reused).
+        """
+        stream = 0 if INTERPRETED else current_stream(self.device)
+        entry = self.cached.get(stream)
+        if entry is None:
+            buffer = self.layout.allocate(like)
+            self.layout.view(buffer, "sync").zero_()
+            entry = self.cached[stream] = CachedWorkspace(buffer, self.layout)
+        return entry
+
+    def tune(self) -> None:
+        """Once the kernel is compiled: the grid becomes what the GPU holds at once (more
+        programs would only start after others finished, to find the queue empty)."""
+        self.tuned = True
+        programs = []
+        for (first, end, _, _), kernel, now in zip(self.groups, self.launcher.compiled, self.programs):
+            resident = _resident_programs(kernel, self.device)
+            programs.append(min(end - first, resident) if resident else now)
+        self.set_programs(programs)
+
+    def set_programs(self, programs) -> None:
+        """Each launch's persistent grid from now on (one number: every launch's; any
+        positive size gives the same result)."""
+        if isinstance(programs, int):
+            programs = [programs] * len(self.groups)
+        self.programs = [max(1, int(n)) for n in programs]
+        for entry in self.cached.values():
+            entry.launches = None
+
+
+def step_items(bs: int, d: int, splits: int, rsplits: int, nsel: int, passes: int, step: bool = True) -> int:
+    """Work items of one step (as ``_step_kernel`` counts them): maxima and sums per (row,
+    slice); per top-k / top-p search, its bracket, passes, gather and kept sum per (row,
+    slice) and its resolve per row; the residual per (request, slice). ``step=False``: the
+    row statistics alone."""
+    rows = bs * d
+    per_row_slices = rows * splits
+    if not step:
+        return 2 * per_row_slices
+    return 2 * per_row_slices + nsel * ((passes + 3) * per_row_slices + rows) + bs * rsplits
+
+
+def step_groups(bs: int, d: int, splits: int, rsplits: int, nsel: int, passes: int, step: bool = True,
+                split: bool = False) -> list:
+    """The step's launches, ``(first ticket, end ticket, kinds, walks)`` each: one launch of
+    every item, or (``split``) one per kind of item: maxima and sums, then per search its
+    bracket, its passes, its gather, its resolve and its kept sums, then the residuals.
+    Kinds (``_step_kernel``'s ``KINDS``): 1 maxima and sums, 2 residuals, 4 a search's
+    bracket, 32 its passes, 64 its gather, 8 its resolve, 16 its kept sum; ``walks``: the launch
+    holds the items that finish a row, so it walks trees."""
+    rows = bs * d
+    per_step = rows * splits
+    total = step_items(bs, d, splits, rsplits, nsel, passes, step)
+    if not step:
+        return [(0, total, MAX_SUM, False)]
+    if not split:
+        return [(0, total, MAX_SUM | RESIDUAL | (BRACKET | PASS | GATHER | RESOLVE | KEPT if nsel else 0), True)]
+    groups = [(0, 2 * per_step, MAX_SUM, nsel == 0)]
+    search = (passes + 3) * per_step + rows
+    for q in range(nsel):
+        base = 2 * per_step + q * search
+        passed = base + (passes + 1) * per_step
+        gathered = passed + per_step
+        groups += [(base, base + per_step, BRACKET, False), (base + per_step, passed, PASS, False),
+                   (passed, gathered, GATHER, False), (gathered, gathered + rows, RESOLVE, False),
+                   (gathered + rows, base + search, KEPT, True)]
+    return [g for g in groups if g[1] > g[0]] + [(2 * per_step + nsel * search, total, RESIDUAL, False)]
+
+
+def sync_words(bs: int, d: int) -> int:
+    """int32 counters of a step: the queue's (``SYNC_HEAD``), then per row its step number
+    and arrivals, per request its rows done, its walk flag and its residual arrivals."""
+    return SYNC_HEAD + 2 * bs * d + 3 * bs
+
+
+@functools.cache
+def _device_properties(device: int):
+    return torch.cuda.get_device_properties(device)
+
+
+def _program_cap(device: int) -> int:
+    """The grid before the kernel is compiled: ``PROGRAMS_PER_SM`` per SM."""
+    if INTERPRETED:
+        return INTERPRETED_PROGRAMS
+    if device < 0 or not torch.cuda.is_available():
+        return 132 * PROGRAMS_PER_SM  # (compiling without a GPU: an H200's)
+    return _device_properties(device).multi_processor_count * PROGRAMS_PER_SM
+
+
+def _resident_programs(kernel, device: int) -> int:
+    """Programs of ``kernel`` the GPU holds at once (by its registers, shared memory and
+    warps per program), or 0 when unknown."""
+    if device < 0 or not torch.cuda.is_available():
+        return 0
+    props = _device_properties(device)
+    threads = 32 * int(getattr(kernel.metadata, "num_warps", _select.STREAM_WARPS))
+    per_sm = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    regs = int(getattr(kernel, "n_regs", 0) or 0)
+    if regs:
+        per_sm = min(per_sm, getattr(props, "regs_per_multiprocessor", 65536) // (-(-regs // 8) * 8 * threads))
+    shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+    if shared:
+        per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 233472) // (shared + 1024))
+    return props.multi_processor_count * max(per_sm, 1)
+
 
 def step_slots(bs: int, d: int, vocab: int, has_k: bool, has_p: bool) -> list:
     """The fused step's workspace slots, ``(name, dtype, shape)``: per request ``temps``,
-    ``top_k`` (int32) and ``top_p`` as the kernels read them, ``coins`` / ``coins_final``
+    ``top_k`` (int32) and ``top_p`` as the kernel reads them, ``coins`` / ``coins_final``
     (drawn here when not given), ``walk_state`` [bs, 4 + D] (final node, its slot, last
     rejected token, dropped-token count, then those tokens), ``res_sum`` / ``res_last``
-    per (request, residual slice), ``counters``; per (row, slice) ``part_max`` and the
-    fixed-point ``part_sum``; with top-k / top-p, ``pivots`` [rows, 4] and the search's
-    slots (:func:`~graphborrow.eagle.triton.select.select_slots`). It grows with bs * D,
-    never with V."""
+    per (request, residual slice), ``sync`` (every counter: :func:`sync_words`); per (row,
+    slice) ``part_max`` and the fixed-point ``part_sum``; with top-k / top-p, ``pivots``
+    [rows, 4] and the search's slots (:func:`~graphborrow.eagle.triton.select.select_slots`;
+    without, they are empty). It grows with bs * D, never with V."""
     rows = bs * d
     splits, _ = split_layout(rows, vocab)
     rsplits, _ = split_layout(bs, vocab)
+    renorm = has_k or has_p
     slots = [("temps", torch.float32, (bs,)), ("top_k", torch.int32, (bs if has_k else 0,)),
              ("top_p", torch.float32, (bs if has_p else 0,)), ("coins", torch.float32, (bs, d)),
              ("coins_final", torch.float32, (bs,)), ("part_max", torch.float32, (rows, splits)),
              ("part_sum", torch.int64, (rows, splits)), ("walk_state", torch.int32, (bs, WALK_FIELDS + d)),
              ("res_sum", torch.float64, (bs, rsplits)), ("res_last", torch.int32, (bs, rsplits)),
-             ("counters", torch.int32, (bs,))]
-    if has_k or has_p:
-        slots += [("pivots", torch.float32, (rows, 4))] + select_slots(rows, splits)
-    return slots
+             ("sync", torch.int32, (sync_words(bs, d),)), ("pivots", torch.float32, (rows if renorm else 0, 4))]
+    return slots + select_slots(rows if renorm else 0, splits, counters=False)
 
 
 def fused_workspace_bytes(bs: int, d: int, vocab: int, top_k: bool = False, top_p: bool = False) -> int:
@@ -281,11 +478,17 @@ def fused_workspace_bytes(bs: int, d: int, vocab: int, top_k: bool = False, top_
     return Layout(step_slots(bs, d, vocab, top_k, top_p)).nbytes
 
 
+def tunables() -> tuple:
+    """The sizes a plan is made with as they are now (tests shrink them): part of every plan's key."""
+    return _select.tunables() + (STEP_MAX_REGISTERS, tuple(SPLIT_MAX_REGISTERS.items()), PROGRAMS_PER_SM, SPLIT_ROWS)
+
+
 _PLANS = PlanCache(StepPlan)
 
 
 def clear_plans() -> None:
-    """Forget every cached plan, the standalone renorm's too (and the compiled-kernel handles they hold)."""
+    """Forget every cached plan, the standalone renorm's too (the compiled-kernel handles and
+    the cached workspaces they hold)."""
     _PLANS.clear()
     _select.clear_plans()
 
@@ -303,15 +506,14 @@ def plan_for(step: VerifyStep) -> StepPlan:
         elif not isinstance(value, torch.Tensor):
             forms.append(NUMBER)
             in_place.append(False)
-        else:  # read in place when the kernels can; else copied into its slot first
+        else:  # read in place when the kernel can; else copied into its slot first
             direct = value.get_device() == device and value.is_contiguous()
             forms.append(PER_REQUEST if not direct or value.numel() == bs else ONE_VALUE)
             in_place.append(direct)
             dtypes.append(value.dtype)
-    forms, in_place = tuple(forms), tuple(in_place)
-    return _PLANS.get((bs, d, logits.shape[1], logits.dtype, step.tree.tree_depth, device, forms, in_place,
-                       tuple(dtypes), _select.tunables()),
-                      bs, d, logits.shape[1], step.tree.tree_depth, forms, in_place)
+    return _PLANS.get((bs, d, logits.shape[1], logits.dtype, step.tree.tree_depth, device, tuple(forms),
+                       tuple(in_place), tuple(dtypes), tunables()),
+                      bs, d, logits.shape[1], step.tree.tree_depth, tuple(forms), tuple(in_place), device)
 
 
 # ---------------------------------------------------------------------------------
@@ -324,43 +526,53 @@ def run_step(step: VerifyStep, out: VerifyResult, launch: bool = True) -> None:
 
     ``step`` was checked (``check`` and ``require_contiguous``) and, if asked, validated by
     the caller; nothing is checked again here. Allocates the step's one workspace, then
-    (unless ``launch`` is False) launches the kernels, which write every entry of ``out``
-    (``accept_length`` counting the emitted token). With ``launch=False`` nothing runs:
-    the capacity planner records this function on the layout-only device, so its plan is
-    the allocation sequence of exactly this path.
+    (unless ``launch`` is False) zeroes its counters and launches the kernel, which writes
+    every entry of ``out`` (``accept_length`` counting the emitted token). With
+    ``launch=False`` nothing runs: the capacity planner records this function on the
+    layout-only device, so its plan is the allocation sequence of exactly this path.
     """
     plan = plan_for(step)
     buffer = plan.layout.allocate(step.logits)
     if launch:
-        _launch(plan, step, out, buffer, 0)
+        _launch(plan, step, out, buffer, fresh=True)
 
 
-def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, buffer: torch.Tensor, at: int) -> None:
-    """Launch the step: its workspace is ``buffer``'s bytes from ``at``."""
+def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, workspace, fresh: bool) -> None:
+    """Launch the step. ``workspace``: a fresh buffer (``fresh``: its counters are zeroed
+    first) or the plan's :class:`CachedWorkspace`."""
     tree, device = step.tree, step.logits.get_device()
+    buffer = workspace if fresh else workspace.buffer
+    if fresh:
+        plan.layout.view(buffer, "sync").zero_()
     values = (step.temperatures, step.top_ks, step.top_ps)
     params = [v if direct else None for v, direct in zip(values, plan.in_place)]
     coins = [c if c is not None and c.get_device() == device else None for c in (step.coins, step.coins_final)]
     if coins[0] is None or coins[1] is None or plan.copies:
-        _fill_slots(plan, step, buffer, at, coins)
+        _fill_slots(plan, step, buffer, coins)
     given = [step.logits, step.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling,
              *out, *coins, *params]
     pointers = [None if t is None else t.data_ptr() for t in given]
     launcher = plan.launcher
     if launcher.direct(device, aligned(*(p for p in pointers if p is not None))):
-        w = plan.layout.pointers(buffer, at)
+        w = workspace.pointers if not fresh else plan.layout.pointers(buffer)
     else:
-        w, pointers = plan.layout.views(buffer, at), given
-    launcher.run(_launches(plan, step, w, pointers))
+        w, pointers = (workspace.views if not fresh else plan.layout.views(buffer)), given
+    numbers = (_number(step.temperatures, plan.forms[0], float), _number(step.top_ks, plan.forms[1], _clamped_int),
+               _number(step.top_ps, plan.forms[2], float), step.threshold_single, step.threshold_acc)
+    call, tails = _step_args(plan, w, pointers, numbers)
+    launcher.run([(_step_kernel, (programs, 1, 1), call + tail, options)
+                  for programs, tail, options in zip(plan.programs, tails, plan.options)])
+    if launcher.ready and not plan.tuned:
+        plan.tune()
 
 
-def _fill_slots(plan: StepPlan, step: VerifyStep, buffer: torch.Tensor, at: int, coins: list) -> None:
-    """Fill the slots the kernels read instead of the caller's tensors: coins drawn (or
-    copied from another device), parameter tensors the kernels cannot read in place."""
+def _fill_slots(plan: StepPlan, step: VerifyStep, buffer: torch.Tensor, coins: list) -> None:
+    """Fill the slots the kernel reads instead of the caller's tensors: coins drawn (or
+    copied from another device), parameter tensors the kernel cannot read in place."""
     layout = plan.layout
     for name, given, usable in (("coins", step.coins, coins[0]), ("coins_final", step.coins_final, coins[1])):
         if usable is None:
-            slot = layout.view(buffer, name, at)
+            slot = layout.view(buffer, name)
             if given is None:
                 draw_into(slot, step.generator)
             else:
@@ -368,54 +580,39 @@ def _fill_slots(plan: StepPlan, step: VerifyStep, buffer: torch.Tensor, at: int,
     for name, value, form, direct in zip(("temps", "top_k", "top_p"), (step.temperatures, step.top_ks, step.top_ps),
                                          plan.forms, plan.in_place):
         if form == PER_REQUEST and not direct:
-            layout.view(buffer, name, at).copy_(value.reshape(-1).expand(plan.bs))
+            layout.view(buffer, name).copy_(value.reshape(-1).expand(plan.bs))
 
 
-def _launches(plan: StepPlan, step: VerifyStep, w, pointers: list) -> list:
-    """The step's launches, ``(kernel, grid, args, options)``: pointer arguments are ``w``'s
-    slots and ``pointers`` (the caller's tensors, None where a slot stands in), as device
-    addresses or tensors alike."""
+def _step_args(plan: StepPlan, w, pointers, numbers, step: bool = True) -> tuple:
+    """``_step_kernel``'s arguments: the per-call ones (the caller's tensors, numbers and
+    thresholds) as a tuple, and the rest (the workspace's slots, the plan's sizes and
+    constexprs) as a tuple per launch, as device addresses or tensors alike. ``pointers``: logits, candidates, the
+    tree's three tables, the three outputs, coins, coins_final and the temperature / top-k /
+    top-p tensors read in place (None where a slot stands in); ``numbers``: temperature,
+    top-k and top-p as the kernel takes them, then the two thresholds."""
     (logits, candidates, retrive_index, next_token, next_sibling, predicts, accept_index, accept_length,
-     coins, coins_final, temps_src, k_src, p_src) = pointers
-    coins = w.coins if coins is None else coins
-    coins_final = w.coins_final if coins_final is None else coins_final
+     coins, coins_final, t_src, k_src, p_src) = pointers
+    call = (logits, candidates, retrive_index, next_token, next_sibling, predicts, accept_index, accept_length,
+            w.coins if coins is None else coins, w.coins_final if coins_final is None else coins_final,
+            w.temps if t_src is None else t_src, w.top_k if k_src is None else k_src,
+            w.top_p if p_src is None else p_src, *numbers)
+    return call, _tails(plan, w, step)
+
+
+def _tails(plan: StepPlan, w, step: bool = True) -> list:
+    """Each launch's kernel arguments after the per-call ones: the workspace's slots, then the plan's."""
     t_form, k_form, p_form = plan.forms
-    top_k = w.top_k if plan.has_k else w.part_max  # (an unused pointer when absent)
-    top_p = w.top_p if plan.has_p else w.part_max
-    pivots = w.pivots if plan.renorm else w.part_max
-    select_counters = w.select_counters if plan.renorm else w.counters
-    bs, d, vocab, splits, steps = plan.bs, plan.d, plan.vocab, plan.splits, plan.steps
-    block, split_block, precise = _select.BLOCK, _select.SPLIT_MAX, not INTERPRETED
-    launches = [(_row_max_kernel, plan.grid_rows, (
-        logits, w.part_max, predicts, w.counters, select_counters,
-        w.temps, w.temps if temps_src is None else temps_src, _number(step.temperatures, t_form, float),
-        top_k, top_k if k_src is None else k_src, _number(step.top_ks, k_form, _clamped_int),
-        top_p, top_p if p_src is None else p_src, _number(step.top_ps, p_form, float),
-        bs, vocab, splits, plan.chunk, plan.renorm, t_form, k_form, p_form, block), plan.stream_options)]
-    walk = (pivots, candidates, retrive_index, next_token, next_sibling, coins, predicts, accept_index,
-            accept_length, w.walk_state)
-    thresholds = (step.threshold_single, step.threshold_acc)
-    launches.append((_row_sum_kernel, plan.grid_rows, (
-        logits, w.temps, w.part_max, w.part_sum, w.counters, *walk, d, vocab, splits, plan.chunk, steps,
-        plan.scale, plan.unscale, *thresholds, not plan.renorm, False, False, block, split_block, precise),
-        plan.stream_options))
-    if plan.renorm:
-        search = _select.SelectWorkspace(w.state_i, w.state_f, w.part_w, w.part_c, w.scratch, w.select_counters)
-        launches += select_launches(plan.rows, vocab, logits, pivots, search, top_k if plan.has_k else None,
-                                    top_p if plan.has_p else None, d, splits, plan.chunk,
-                                    stats=(w.temps, w.part_max, w.part_sum, plan.unscale))
-        launches.append((_walk_kernel, plan.grid_walk, (
-            logits, w.temps, w.part_max, w.part_sum, *walk, d, vocab, splits, steps, plan.unscale, *thresholds,
-            plan.has_k, plan.has_p, split_block, precise), plan.walk_options))
-    launches.append((_residual_kernel, plan.grid_residual, (
-        logits, w.temps, w.part_max, w.part_sum, pivots, w.walk_state, coins_final, w.res_sum, w.res_last,
-        w.counters, predicts, d, vocab, splits, plan.rsplits, plan.rchunk, plan.unscale, plan.has_k, plan.has_p,
-        plan.d_block, block, split_block, precise), plan.stream_options))
-    return launches
+    slots = (w.temps, w.top_k, w.top_p, w.part_max, w.part_sum, w.walk_state, w.res_sum, w.res_last, w.sync,
+             w.pivots, w.state_i, w.state_f, w.part_w, w.part_c, w.scratch,
+             plan.bs, plan.d, plan.vocab, plan.splits, plan.chunk, plan.rsplits, plan.rchunk, plan.steps, plan.passes)
+    return [(*slots, programs, first, end, plan.scale, plan.unscale, t_form, k_form, p_form, plan.has_k, plan.has_p,
+             plan.nsel, step, kinds, walks, _select.SELECT_THRESHOLDS, _select.SELECT_CAP, _select.SELECT_BLOCK,
+             _select.BLOCK, _select.SPLIT_MAX, plan.d_block, not INTERPRETED)
+            for programs, (first, end, kinds, walks) in zip(plan.programs, plan.groups)]
 
 
 def _number(value, form: int, convert):
-    """A parameter given as a number, as the first kernel takes it (0 of its type when it reads a tensor)."""
+    """A parameter given as a number, as the kernel takes it (0 of its type when it reads a tensor)."""
     return convert(value) if form == NUMBER else convert(0)
 
 
@@ -424,11 +621,153 @@ def _clamped_int(k) -> int:
     return min(int(k), INT32_MAX)
 
 
+# ---------------------------------------------------------------------------------
+# The eager call's short path
+
+_TENSOR = torch.Tensor
+_I64, _F32, _I32 = torch.int64, torch.float32, torch.int32
+
+
+def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coins=None, coins_final=None,
+          generator=None, threshold_single=1.0, threshold_acc=1.0):
+    """:func:`~graphborrow.eagle.eagle_verify` with ``validate=False``, no borrow and CUDA
+    logits, in as few Python operations as its checks allow; None when the call is not that
+    common case (the caller then takes the general path, which checks it and names any
+    problem).
+
+    The common case: plain tensors of the documented shapes and dtypes, contiguous (what
+    :meth:`~graphborrow.eagle.step.VerifyStep.check` and ``require_contiguous`` ask, checked
+    here directly); coins given on the logits' device or not given; temperature, top-k and
+    top-p numbers or tensors on that device the kernel reads in place; the plan already
+    compiled and its workspace made for the current stream (by an earlier call); every
+    pointer 16-byte aligned; no launch hook installed and no graph being captured. What it
+    accepts the general path accepts too, and it launches the same kernel with the same
+    arguments (:func:`_step_args`) into the same cached workspace.
+
+    Returns:
+        A :class:`~graphborrow.eagle.modes.VerifyResult`, or None.
+    """
+    if candidates is None:
+        candidates = getattr(tree, "candidates", None)
+    try:
+        index, next_token, next_sibling, depth = (tree.retrive_index, tree.retrive_next_token,
+                                                  tree.retrive_next_sibling, tree.tree_depth)
+    except AttributeError:
+        return None
+    T = _TENSOR
+    if not (type(logits) is T and type(candidates) is T and type(index) is T and type(next_token) is T
+            and type(next_sibling) is T and type(depth) is int and depth >= 1):
+        return None
+    shape = candidates.shape
+    if len(shape) != 2:
+        return None
+    bs, d = shape
+    lshape = logits.shape
+    if not (bs and d and len(lshape) == 2 and lshape[0] == bs * d and lshape[1] and index.shape == shape
+            and next_token.shape == shape and next_sibling.shape == shape and candidates.dtype is _I64
+            and index.dtype is _I64 and next_token.dtype is _I64 and next_sibling.dtype is _I64
+            and logits.dtype in LOGIT_DTYPES and logits.is_contiguous() and candidates.is_contiguous()
+            and index.is_contiguous() and next_token.is_contiguous() and next_sibling.is_contiguous()):
+        return None
+    device = logits.get_device()
+    if coins is not None and not (type(coins) is T and coins.shape == shape and coins.dtype is _F32
+                                  and coins.is_contiguous() and coins.get_device() == device):
+        return None
+    if coins_final is not None and not (type(coins_final) is T and coins_final.shape == (bs,)
+                                        and coins_final.dtype is _F32 and coins_final.is_contiguous()
+                                        and coins_final.get_device() == device):
+        return None
+    ts, ta = threshold_single, threshold_acc
+    if not ((type(ts) is float or type(ts) is int) and (type(ta) is float or type(ta) is int)
+            and 0.0 <= ts <= 1.0 and 0.0 <= ta <= 1.0):
+        return None
+    kind = type(temperatures)
+    if kind is float or kind is int:
+        forms, in_place, dtypes, t_value, t_tensor = (NUMBER,), (False,), (), float(temperatures), None
+    elif kind is T and _readable(temperatures, bs, device):
+        forms, in_place, dtypes, t_value, t_tensor = ((PER_REQUEST if temperatures.numel() == bs else ONE_VALUE,),
+                                                      (True,), (temperatures.dtype,), 0.0, temperatures)
+    else:
+        return None
+    k_value, k_tensor, p_value, p_tensor = 0, None, 0.0, None
+    if top_ks is None:
+        forms, in_place = forms + (ABSENT,), in_place + (False,)
+    else:
+        kind = type(top_ks)
+        if kind is int or (kind is float and top_ks.is_integer()):
+            forms, in_place, k_value = forms + (NUMBER,), in_place + (False,), min(int(top_ks), INT32_MAX)
+        elif kind is T and _readable(top_ks, bs, device) and not top_ks.is_floating_point():
+            forms = forms + (PER_REQUEST if top_ks.numel() == bs else ONE_VALUE,)
+            in_place, dtypes, k_tensor = in_place + (True,), dtypes + (top_ks.dtype,), top_ks
+        else:
+            return None
+    if top_ps is None:
+        forms, in_place = forms + (ABSENT,), in_place + (False,)
+    else:
+        kind = type(top_ps)
+        if kind is float or kind is int:
+            forms, in_place, p_value = forms + (NUMBER,), in_place + (False,), float(top_ps)
+        elif kind is T and _readable(top_ps, bs, device):
+            forms = forms + (PER_REQUEST if top_ps.numel() == bs else ONE_VALUE,)
+            in_place, dtypes, p_tensor = in_place + (True,), dtypes + (top_ps.dtype,), top_ps
+        else:
+            return None
+    plan = _PLANS.plans.get((bs, d, lshape[1], logits.dtype, depth, device, forms, in_place, dtypes, tunables()))
+    if plan is None or not plan.launcher.ready or launch_hooks() or torch.cuda.is_current_stream_capturing():
+        return None
+    entry = plan.cached.get(current_stream(device))
+    if entry is None:
+        return None
+    w = entry.pointers
+    pointers = (logits.data_ptr(), candidates.data_ptr(), index.data_ptr(), next_token.data_ptr(),
+                next_sibling.data_ptr(), w.coins if coins is None else coins.data_ptr(),
+                w.coins_final if coins_final is None else coins_final.data_ptr(),
+                w.temps if t_tensor is None else t_tensor.data_ptr(),
+                w.top_k if k_tensor is None else k_tensor.data_ptr(),
+                w.top_p if p_tensor is None else p_tensor.data_ptr())
+    if not aligned(*pointers):
+        return None
+    if entry.launches is None:
+        _direct_launches(plan, entry, device)
+    if coins is None:
+        draw_into(entry.views.coins, generator)
+    if coins_final is None:
+        draw_into(entry.views.coins_final, generator)
+    buffer = torch.empty(plan.output_words, dtype=_I32, device=plan.torch_device)
+    base = buffer.data_ptr()
+    at_index, at_length = plan.output_bytes
+    logits_, candidates_, index_, next_token_, next_sibling_, coins_, final_, t_src, k_src, p_src = pointers
+    call = (logits_, candidates_, index_, next_token_, next_sibling_, base, base + at_index, base + at_length, coins_,
+            final_, t_src, k_src, p_src, t_value, k_value, p_value, float(ts), max(float(ta), 1e-9))
+    for launch, head, tail in entry.launches:
+        launch(*head, *call, *tail)
+    return plan.outputs(buffer)
+
+
+def _readable(value: torch.Tensor, bs: int, device: int) -> bool:
+    """A per-request tensor the kernel reads in place: on the logits' device, contiguous, one
+    value per request or a single value (0-d)."""
+    return (value.get_device() == device and value.is_contiguous()
+            and (value.numel() == bs or value.dim() == 0))
+
+
+def _direct_launches(plan: StepPlan, entry: CachedWorkspace, device: int) -> None:
+    """The direct launches' fixed arguments for ``entry``'s stream: grid, stream and the
+    compiled kernel's handles before the kernel arguments, the workspace's and plan's after."""
+    stream = current_stream(device)
+    launches = []
+    for kernel, programs, tail in zip(plan.launcher.compiled, plan.programs, _tails(plan, entry.pointers)):
+        launch, leading = bound_call(kernel)
+        launches.append((launch, (programs, 1, 1, stream, *leading), tail))
+    entry.launches = launches
+
+
 def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.Tensor) -> torch.Tensor:
     """The fused path's target probabilities at ``tokens`` [rows, K] (int64), per row.
 
     For checking: they equal ``target_probs_reference(logits, temperatures per row)``
-    gathered at ``tokens``, bit for bit.
+    gathered at ``tokens``, bit for bit. The row statistics come from the step's own kernel
+    (``_step_kernel`` stopped after the sums), the probabilities from a second launch.
 
     Args:
         logits: [rows, V] logits, rows a multiple of ``d``.
@@ -449,280 +788,23 @@ def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.
         raise ValueError(f"logits hold {rows} rows, not a whole number of requests of d={d} rows")
     bs = rows // d
     form = PER_REQUEST if isinstance(temperatures, torch.Tensor) else NUMBER
-    plan = StepPlan(bs, d, vocab, 1, (form, ABSENT, ABSENT), (False, False, False))
-    w = plan.layout.views(plan.layout.allocate(logits))
+    plan = StepPlan(bs, d, vocab, 1, (form, ABSENT, ABSENT), (False, False, False), logits.get_device(), step=False)
+    buffer = plan.layout.allocate(logits)
+    w = plan.layout.views(buffer)
+    w.sync.zero_()
     if form == PER_REQUEST:
         w.temps.copy_(temperatures.reshape(-1).expand(bs))
     tokens = tokens.contiguous()
     out = logits.new_empty(tokens.shape, dtype=torch.float32)
-    none, block, split_block, precise = w.part_max, _select.BLOCK, _select.SPLIT_MAX, not INTERPRETED
+    none = w.part_max  # (the step's tree and outputs: not read without the step)
+    pointers = (logits, *([none] * 7), None, None, None, None, None)  # coins and parameters: the slots
+    numbers = (_number(temperatures, form, float), 0, 0.0, 1.0, 1.0)
+    call, (tail,) = _step_args(plan, w, pointers, numbers, step=False)
     launcher = Launcher()  # a check, not a hot path: every launch through the JIT front end
     launcher.direct(logits.get_device(), False)
     launcher.run([
-        (_row_max_kernel, plan.grid_rows, (
-            logits, w.part_max, w.walk_state, w.counters, w.counters, w.temps, w.temps,
-            _number(temperatures, form, float), none, none, 0, none, none, 0.0, bs, vocab, plan.splits, plan.chunk,
-            False, form, ABSENT, ABSENT, block), plan.stream_options),
-        (_row_sum_kernel, plan.grid_rows, (
-            logits, w.temps, w.part_max, w.part_sum, w.counters, *([none] * 10), d, vocab, plan.splits, plan.chunk,
-            1, plan.scale, plan.unscale, 1.0, 1.0, False, False, False, block, split_block, precise),
-         plan.stream_options),
+        (_step_kernel, (plan.programs[0], 1, 1), call + tail, plan.options[0]),
         (_token_prob_kernel, (rows, 1, 1), (
             logits, w.temps, w.part_max, w.part_sum, tokens, out, d, vocab, plan.splits, tokens.shape[1],
-            plan.unscale, 256, split_block, precise), dict(num_warps=4, **compile_options()))])
+            plan.unscale, 256, _select.SPLIT_MAX, not INTERPRETED), dict(num_warps=4, **compile_options()))])
     return out
-
-
-# ---------------------------------------------------------------------------------
-# Kernels
-
-if TRITON_AVAILABLE:
-    WALK_FIELDS_C = tl.constexpr(WALK_FIELDS)
-
-    @triton.jit
-    def _store_param(dst, src, value, req, FORM: tl.constexpr, CLAMP: tl.constexpr):
-        """Request ``req``'s parameter into its slot: from a number, the caller's per-request
-        tensor or its one value (ABSENT: nothing). CLAMP: an integer read as int32, where
-        k >= 2**31 keeps everything as 2**31 - 1 does."""
-        if FORM == 1:
-            tl.store(dst + req, value)
-        elif FORM >= 2:
-            if FORM == 2:
-                v = tl.load(src + req)
-            else:
-                v = tl.load(src)
-            if CLAMP:
-                v = tl.minimum(v.to(tl.int64), 2147483647)
-            tl.store(dst + req, v)
-
-    @triton.jit(do_not_specialize=["bs", "splits", "t_value", "k_value", "p_value"])
-    def _row_max_kernel(logits, part_max, predicts, counters, select_counters, temps, t_src, t_value, top_k, k_src,
-                        k_value, top_p, p_src, p_value, bs, vocab, splits, chunk,
-                        ZERO_SELECT: tl.constexpr, T_FORM: tl.constexpr, K_FORM: tl.constexpr,
-                        P_FORM: tl.constexpr, BLOCK: tl.constexpr):
-        """Largest logit per (row, slice): m = max(x) / t later, as division by t > 0 is monotone.
-        Slice 0 of each row zeroes its output and counters; of the first bs rows, also writes
-        that request's parameters."""
-        row = tl.program_id(0)
-        c = tl.program_id(1)
-        base = logits + row.to(tl.int64) * vocab
-        lo = c * chunk
-        hi = tl.minimum(lo + chunk, vocab)
-        offs = tl.arange(0, BLOCK)
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(lo, hi, BLOCK):
-            idx = start + offs
-            m = tl.maximum(m, tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32))
-        tl.store(part_max + row.to(tl.int64) * splits + c, tl.max(m, axis=0))
-        if c == 0:
-            tl.store(predicts + row, 0)
-            if row < bs:
-                tl.store(counters + row, 0)
-                _store_param(temps, t_src, t_value, row, T_FORM, False)
-                _store_param(top_k, k_src, k_value, row, K_FORM, True)
-                _store_param(top_p, p_src, p_value, row, P_FORM, False)
-            if ZERO_SELECT:
-                tl.store(select_counters + row, 0)
-
-    @triton.jit(do_not_specialize=["d", "splits", "steps"])
-    def _row_sum_kernel(logits, temps, part_max, part_sum, counters,
-                        pivots, candidates, retrive_index, next_token, next_sibling, coins, predicts, accept_index,
-                        accept_length, walk_state,
-                        d, vocab, splits, chunk, steps, scale, unscale, thr_single, thr_acc,
-                        WALK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr,
-                        SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-        """Fixed-point sum of e per (row, slice); with WALK, a request's last slice walks its tree."""
-        row = tl.program_id(0)
-        c = tl.program_id(1)
-        req = row // d
-        t = tl.load(temps + req)
-        big = row_max_y(part_max, row, splits, t, SPLIT_BLOCK)
-        base = logits + row.to(tl.int64) * vocab
-        lo = c * chunk
-        hi = tl.minimum(lo + chunk, vocab)
-        offs = tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], tl.int64)
-        for start in range(lo, hi, BLOCK):
-            idx = start + offs
-            x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
-            acc += fixed_point_e(x, t, big, scale, PRECISE)
-        tl.store(part_sum + row.to(tl.int64) * splits + c, tl.sum(acc, axis=0))
-        if WALK:
-            if arrive(counters, req, d * splits):
-                _walk(req, logits, temps, part_max, part_sum, pivots, candidates, retrive_index, next_token,
-                      next_sibling, coins, predicts, accept_index, accept_length, walk_state,
-                      d, vocab, steps, splits, unscale, thr_single, thr_acc,
-                      HAS_TOPK, HAS_TOPP, SPLIT_BLOCK, PRECISE)
-
-    @triton.jit(do_not_specialize=["d", "splits", "steps"])
-    def _walk_kernel(logits, temps, part_max, part_sum,
-                     pivots, candidates, retrive_index, next_token, next_sibling, coins, predicts, accept_index,
-                     accept_length, walk_state,
-                     d, vocab, splits, steps, unscale, thr_single, thr_acc,
-                     HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                     PRECISE: tl.constexpr):
-        """One request's walk (with top-k / top-p, once every row's pivots are known)."""
-        _walk(tl.program_id(0), logits, temps, part_max, part_sum, pivots, candidates, retrive_index, next_token,
-              next_sibling, coins, predicts, accept_index, accept_length, walk_state,
-              d, vocab, steps, splits, unscale, thr_single, thr_acc,
-              HAS_TOPK, HAS_TOPP, SPLIT_BLOCK, PRECISE)
-
-    @triton.jit
-    def _pivots_of(pivots, row, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr):
-        pk = 0.0
-        sk = 1.0
-        pp = 0.0
-        sp = 1.0
-        if HAS_TOPK:
-            pk = tl.load(pivots + row * 4 + 0)
-            sk = tl.load(pivots + row * 4 + 1)
-        if HAS_TOPP:
-            pp = tl.load(pivots + row * 4 + 2)
-            sp = tl.load(pivots + row * 4 + 3)
-        return pk, sk, pp, sp
-
-    @triton.jit
-    def _walk(b, logits, temps, part_max, part_sum, pivots, candidates, retrive_index, next_token, next_sibling,
-              coins, predicts, accept_index, accept_length, walk_state,
-              d, vocab, steps, splits, unscale, thr_single, thr_acc,
-              HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-        """Upstream's acceptance rule down one request's tree; records where the walk ended."""
-        node0 = b * d
-        state = walk_state + b * (WALK_FIELDS_C + d)
-        t = tl.load(temps + b)
-        node = 0
-        coin = tl.load(coins + node0)
-        tried = 0
-        last = tl.load(retrive_index + node0).to(tl.int32)
-        tl.store(accept_index + b * steps, last)
-        accepted = 0
-        last_rej = -1
-        alive = 1
-        j = 1
-        while (j < steps) & (alive != 0):
-            row = node0 + node
-            big, total = row_norm(part_max, part_sum, row, splits, t, unscale, SPLIT_BLOCK)
-            pk, sk, pp, sp = _pivots_of(pivots, row, HAS_TOPK, HAS_TOPP)
-            child = tl.load(next_token + row).to(tl.int32)
-            chosen = -1
-            acc = 0.0
-            tried = 0
-            while (child != -1) & (chosen == -1):
-                tok = tl.load(candidates + node0 + child).to(tl.int32)
-                tl.store(state + WALK_FIELDS_C + tried, tok)  # the residual drops this depth's tried tokens
-                tried += 1
-                x = tl.load(logits + row.to(tl.int64) * vocab + tok).to(tl.float32)
-                p = renormed(prob(x, t, big, total, PRECISE), pk, sk, pp, sp, HAS_TOPK, HAS_TOPP)
-                acc = acc + p
-                ok = (p > 0) & ((coin < tl.math.div_rn(acc, thr_acc)) | (p >= thr_single))
-                last_rej = tl.where((~ok) & (p > 0), tok, last_rej)
-                chosen = tl.where(ok, child, -1)
-                nxt = tl.load(next_sibling + node0 + child).to(tl.int32)
-                child = tl.where(ok, child, nxt)
-            if chosen >= 0:
-                tl.store(predicts + last, tl.load(candidates + node0 + chosen).to(tl.int32))
-                accepted += 1
-                last = tl.load(retrive_index + node0 + chosen).to(tl.int32)
-                tl.store(accept_index + b * steps + accepted, last)
-                node = chosen
-                coin = tl.load(coins + node0 + node)
-            else:
-                alive = 0
-            j += 1
-        for col in range(accepted + 1, steps):
-            tl.store(accept_index + b * steps + col, -1)
-        tl.store(accept_length + b, accepted + 1)
-        tl.store(state + 0, node)
-        tl.store(state + 1, last)
-        tl.store(state + 2, last_rej)
-        # every child of the final node was tried and rejected, unless every depth was accepted
-        tl.store(state + 3, tl.where(accepted == steps - 1, 0, tried))
-
-    @triton.jit
-    def _residual_tile(base, idx, hi, start, t, big, total, pk, sk, pp, sp, dropped, D_BLOCK: tl.constexpr,
-                       BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, PRECISE: tl.constexpr):
-        """One tile of the final row's probabilities with the rejected children's tokens
-        (``dropped``, -1 padded) zeroed: relu(p - p) = 0 where upstream subtracts the draft."""
-        valid = idx < hi
-        x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
-        r = tl.where(valid, renormed(prob(x, t, big, total, PRECISE), pk, sk, pp, sp, HAS_TOPK, HAS_TOPP), 0.0)
-        here = (dropped >= start) & (dropped < start + BLOCK)
-        if tl.sum(here.to(tl.int32), axis=0) > 0:  # few tiles hold one
-            k = tl.arange(0, D_BLOCK)
-            for i in range(0, D_BLOCK):
-                tok = tl.max(tl.where((k == i) & here, dropped, -1), axis=0)  # -1: none
-                r = tl.where(idx == tok, 0.0, r)
-        return r
-
-    @triton.jit(do_not_specialize=["d", "splits", "rsplits"])
-    def _residual_kernel(logits, temps, part_max, part_sum, pivots, walk_state, coins_final, res_sum, res_last,
-                         counters, predicts, d, vocab, splits, rsplits, rchunk, unscale,
-                         HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                         SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-        """Residual mass per (request, slice); the request's last slice samples the final token."""
-        b = tl.program_id(0)
-        c = tl.program_id(1)
-        state = walk_state + b * (WALK_FIELDS_C + d)
-        row = b * d + tl.load(state + 0)
-        t = tl.load(temps + b)
-        big, total = row_norm(part_max, part_sum, row, splits, t, unscale, SPLIT_BLOCK)
-        pk, sk, pp, sp = _pivots_of(pivots, row, HAS_TOPK, HAS_TOPP)
-        k = tl.arange(0, D_BLOCK)
-        dropped = tl.load(state + WALK_FIELDS_C + k, mask=k < tl.load(state + 3), other=-1)
-        base = logits + row.to(tl.int64) * vocab
-        offs = tl.arange(0, BLOCK)
-        lo = c * rchunk
-        hi = tl.minimum(lo + rchunk, vocab)
-        mass = tl.zeros([BLOCK], tl.float64)
-        last_pos = tl.full([BLOCK], -1, tl.int32)
-        for start in range(lo, hi, BLOCK):
-            idx = start + offs
-            r = _residual_tile(base, idx, hi, start, t, big, total, pk, sk, pp, sp, dropped, D_BLOCK, BLOCK,
-                               HAS_TOPK, HAS_TOPP, PRECISE)
-            mass += r.to(tl.float64)
-            last_pos = tl.maximum(last_pos, tl.where(r > 0, idx, -1))
-        tl.store(res_sum + b * rsplits + c, tl.sum(mass, axis=0))
-        tl.store(res_last + b * rsplits + c, tl.max(last_pos, axis=0))
-        if arrive(counters, b, rsplits):
-            # u = coin * total mass; find the slice where the running sum crosses u, then
-            # scan it from the running sum before it (<= u, so no zero entry can be picked)
-            slots = tl.arange(0, SPLIT_BLOCK)
-            inside = slots < rsplits
-            running = tl.cumsum(tl.load(res_sum + b * rsplits + slots, mask=inside, other=0.0, cache_modifier=".cg"),
-                                axis=0)
-            u = tl.load(coins_final + b).to(tl.float64) * tl.max(running, axis=0)
-            first = tl.min(tl.where((running > u) & inside, slots, SPLIT_BLOCK), axis=0)
-            token = -1
-            if first < rsplits:  # (rounding may carry the crossing past that slice's end)
-                cum = tl.sum(tl.where(slots == first - 1, running, 0.0), axis=0)
-                pos = first * rchunk
-                while (pos < vocab) & (token == -1):
-                    sidx = pos + offs
-                    sr = _residual_tile(base, sidx, vocab, pos, t, big, total, pk, sk, pp, sp, dropped, D_BLOCK, BLOCK,
-                                        HAS_TOPK, HAS_TOPP, PRECISE)
-                    cdf = cum + tl.cumsum(sr.to(tl.float64), axis=0)
-                    at = tl.min(tl.where((cdf > u) & (sidx < vocab), sidx, vocab), axis=0)
-                    token = tl.where(at < vocab, at, -1)
-                    cum = tl.max(cdf, axis=0)
-                    pos += BLOCK
-            if token == -1:  # the reference's fallbacks: last positive index, last rejected token, V - 1
-                positive = tl.max(tl.load(res_last + b * rsplits + slots, mask=inside, other=-1,
-                                          cache_modifier=".cg"), axis=0)
-                last_rej = tl.load(state + 2)
-                token = tl.where(positive >= 0, positive, tl.where(last_rej >= 0, last_rej, vocab - 1))
-            tl.store(predicts + tl.load(state + 1), token)
-
-    @triton.jit(do_not_specialize=["d", "splits", "k"])
-    def _token_prob_kernel(logits, temps, part_max, part_sum, tokens, out, d, vocab, splits, k, unscale,
-                           BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-        row = tl.program_id(0)
-        t = tl.load(temps + row // d)
-        big, total = row_norm(part_max, part_sum, row, splits, t, unscale, SPLIT_BLOCK)
-        offs = tl.arange(0, BLOCK)
-        for start in range(0, k, BLOCK):
-            i = start + offs
-            tok = tl.load(tokens + row.to(tl.int64) * k + i, mask=i < k, other=0)
-            x = tl.load(logits + row.to(tl.int64) * vocab + tok, mask=i < k, other=0.0).to(tl.float32)
-            tl.store(out + row.to(tl.int64) * k + i, prob(x, t, big, total, PRECISE), mask=i < k)
-
-

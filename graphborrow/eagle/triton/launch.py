@@ -4,9 +4,9 @@
 the kernel's parameters, derives a specialisation key from them (dtypes, 16-byte
 alignment of every pointer, integers equal to 1 or divisible by 16), looks the compiled
 kernel up, and its launcher then asks the CUDA driver about every tensor argument
-(``cuPointerGetAttribute``). For a verification step of three launches with fifteen
-pointers each that was most of the step's host time (about 0.4 ms on the H200's host),
-and all of it is the same on every call of the same shape.
+(``cuPointerGetAttribute``). For the verification step, then three launches with fifteen
+pointers each, that was most of its host time (about 0.4 ms on the H200's host), and all
+of it is the same on every call of the same shape.
 
 A :class:`Launcher` belongs to one step plan (one shape, one form of every argument; see
 :mod:`.fused`). The plan's first call goes through the JIT front end with tensors, which
@@ -38,7 +38,7 @@ if TRITON_AVAILABLE:
 else:
     _BASE_ARGS_FORMAT = None
 
-__all__ = ["ALIGN", "Launcher", "PlanCache", "aligned"]
+__all__ = ["ALIGN", "Launcher", "PlanCache", "aligned", "bound_call", "current_stream", "launch_hooks"]
 
 ALIGN = 16  # bytes: the pointer alignment Triton specialises on
 RAW_FORMAT = "iiiKKppOOOOOO"  # grid x3, stream, function, cooperative, pdl, two scratch buffers, metadata, hooks
@@ -52,14 +52,19 @@ def aligned(*pointers: int) -> bool:
     return bits % ALIGN == 0
 
 
-def _launch_hooks() -> bool:
+def launch_hooks() -> bool:
     """Whether a launch hook is installed (a profiler's): then every launch takes the JIT
     front end, which calls it. (Triton 3.6 keeps hooks in a chain, empty when none is set.)"""
     hook = knobs.runtime.launch_enter_hook
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _bind(kernel) -> tuple:
+def current_stream(device: int) -> int:
+    """The raw handle of the current CUDA stream of ``device`` (what a launch goes to)."""
+    return driver.active.get_current_stream(device)
+
+
+def bound_call(kernel) -> tuple:
     """``(call, leading arguments)`` that launch a compiled kernel as
     ``call(grid_x, grid_y, grid_z, stream, *leading, *kernel_args)``: its C launcher itself
     where the layout is known and the kernel needs no scratch memory, else the Python
@@ -89,7 +94,7 @@ class Launcher:
     def __init__(self):
         self.compiled: list = []  # the CompiledKernel of each launch, in order
         self.ready = False  # a whole step went through the JIT front end and filled ``compiled``
-        self._bound: list = []  # _bind of each, made on the first direct step
+        self._bound: list = []  # bound_call of each, made on the first direct step
         self._direct = False
         self._stream = 0
         self._cacheable = False
@@ -97,11 +102,11 @@ class Launcher:
     def direct(self, device: int, pointers_aligned: bool) -> bool:
         """Begin one step on CUDA device ``device``; returns whether it launches directly."""
         self._cacheable = not INTERPRETED and pointers_aligned
-        self._direct = self.ready and self._cacheable and not _launch_hooks()
+        self._direct = self.ready and self._cacheable and not launch_hooks()
         if self._direct:
             if not self._bound:
-                self._bound = [_bind(k) for k in self.compiled]
-            self._stream = driver.active.get_current_stream(device)
+                self._bound = [bound_call(k) for k in self.compiled]
+            self._stream = current_stream(device)
         return self._direct
 
     def run(self, launches: list) -> None:

@@ -95,13 +95,15 @@ def tunables() -> tuple:
             SELECT_WARPS, STREAM_WARPS)
 
 
-def select_slots(rows: int, splits: int) -> list:
+def select_slots(rows: int, splits: int, counters: bool = True) -> list:
     """The search's workspace slots, ``(name, dtype, shape)``, named as :class:`SelectWorkspace`'s
-    fields (``counters`` as ``select_counters``)."""
+    fields (``counters`` as ``select_counters``; ``counters=False`` leaves them out, for a
+    caller whose per-row counters live elsewhere)."""
     t = SELECT_THRESHOLDS
-    return [("state_i", torch.int32, (rows, STATE_INTS)), ("state_f", torch.float64, (rows, STATE_FLOATS)),
-            ("part_w", torch.float64, (rows, splits, t)), ("part_c", torch.int32, (rows, splits, t)),
-            ("scratch", torch.int32, (rows, SELECT_CAP)), ("select_counters", torch.int32, (rows,))]
+    slots = [("state_i", torch.int32, (rows, STATE_INTS)), ("state_f", torch.float64, (rows, STATE_FLOATS)),
+             ("part_w", torch.float64, (rows, splits, t)), ("part_c", torch.int32, (rows, splits, t)),
+             ("scratch", torch.int32, (rows, SELECT_CAP))]
+    return slots + [("select_counters", torch.int32, (rows,))] if counters else slots
 
 
 def select_launches(rows: int, vocab: int, src, pivots, ws: SelectWorkspace, top_k, top_p, d: int, splits: int,
@@ -260,7 +262,7 @@ if TRITON_AVAILABLE:
         pk = 0.0
         sk = 1.0
         if FROM_LOGITS:
-            t = tl.load(temps + row // d)
+            t = tl.load(temps + row // d, cache_modifier=".cg")
             big, total = row_norm(part_max, part_sum, row, splits, t, unscale, SPLIT_BLOCK)
         if TOPP and HAS_TOPK:
             pk = tl.load(pivots + row * 4 + 0, cache_modifier=".cg")
@@ -385,15 +387,20 @@ if TRITON_AVAILABLE:
             tl.store(counters + row, 0)
         return last
 
-    @triton.jit(do_not_specialize=["d", "splits"])
-    def _init_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
-                     counters, d, vocab, splits, chunk, unscale,
-                     FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
-                     CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                     PRECISE: tl.constexpr):
+    # Each step of the search is an *item* function of one (row, slice) (``resolve_item``: of
+    # one row) returning whether this program was the row's last to arrive (and so acted for
+    # it): the kernels below run one item per program; the fused verification's persistent
+    # kernel (:mod:`.fused`) runs them as the items of its work queue. Every load of state
+    # another program wrote bypasses L1 (``.cg``): within one persistent launch an SM may
+    # hold an older copy of it.
+
+    @triton.jit
+    def init_item(row, c, src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                  counters, d, vocab, splits, chunk, unscale,
+                  FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                  CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                  PRECISE: tl.constexpr):
         """Per slice: smallest and largest key in play, their count and total weight; then the bracket."""
-        row = tl.program_id(0)
-        c = tl.program_id(1)
         t, big, total, pk, sk = _context(temps, part_max, part_sum, pivots, row, d, splits, unscale,
                                          FROM_LOGITS, TOPP, HAS_TOPK, SPLIT_BLOCK)
         base = src + row.to(tl.int64) * vocab
@@ -424,7 +431,8 @@ if TRITON_AVAILABLE:
         tl.store(part_c + part + 1, tl.max(kmax, axis=0))
         tl.store(part_c + part + 2, tl.sum(n, axis=0))
         tl.store(part_w + part + 0, tl.sum(w, axis=0))
-        if arrive(counters, row, splits):
+        last = arrive(counters, row, splits)
+        if last:
             s = tl.arange(0, SPLIT_BLOCK)
             parts = (row.to(tl.int64) * splits + s) * NT
             ok = s < splits
@@ -432,11 +440,10 @@ if TRITON_AVAILABLE:
             hi = tl.max(tl.load(part_c + parts + 1, mask=ok, other=_KEY_MIN, cache_modifier=".cg"), axis=0) + 1
             count = tl.sum(tl.load(part_c + parts + 2, mask=ok, other=0, cache_modifier=".cg"), axis=0)
             whole = tl.sum(tl.load(part_w + parts + 0, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+            target = tl.load(param + row // d, cache_modifier=".cg").to(tl.float64)
             if TOPP:
-                target = tl.load(param + row // d).to(tl.float64)
                 active = (target < 1.0) & (whole >= target) & (count > 0)
             else:
-                target = tl.load(param + row // d).to(tl.float64)
                 active = target < vocab
             si = state_i + row * _NI
             tl.store(si + 0, lo)
@@ -450,89 +457,92 @@ if TRITON_AVAILABLE:
             tl.store(sf + 0, 0.0)
             tl.store(sf + 1, whole)
             tl.store(sf + 2, target)
+        return last
 
-    @triton.jit(do_not_specialize=["d", "splits"])
-    def _pass_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
-                     counters, d, vocab, splits, chunk, unscale,
-                     FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
-                     CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                     PRECISE: tl.constexpr):
-        """One k-ary step of the search, each program over its slice; the last narrows the bracket."""
-        row = tl.program_id(0)
-        c = tl.program_id(1)
+    @triton.jit
+    def pass_item(row, c, src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                  counters, d, vocab, splits, chunk, unscale,
+                  FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                  CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                  PRECISE: tl.constexpr):
+        """One k-ary step of the search over this slice; the row's last narrows the bracket.
+        (A row already narrowed enough, or inactive, only counts its programs in.)"""
         si = state_i + row * _NI
-        lo = tl.load(si + 0)
-        hi = tl.load(si + 1)
-        c_lo = tl.load(si + 2)
-        c_hi = tl.load(si + 3)
-        passes = tl.load(si + 4)
-        active = tl.load(si + 5)
-        if (active != 0) & (hi.to(tl.int64) - lo > 1) & (c_lo - c_hi > CAP):
+        lo = tl.load(si + 0, cache_modifier=".cg")
+        hi = tl.load(si + 1, cache_modifier=".cg")
+        c_lo = tl.load(si + 2, cache_modifier=".cg")
+        c_hi = tl.load(si + 3, cache_modifier=".cg")
+        passes = tl.load(si + 4, cache_modifier=".cg")
+        active = tl.load(si + 5, cache_modifier=".cg")
+        work = (active != 0) & (hi.to(tl.int64) - lo > 1) & (c_lo - c_hi > CAP)
+        by_value = (passes % 2) == (1 if TOPP else 0)  # top-p starts by key (masses span octaves)
+        thr = _thresholds(lo, hi, by_value, NT)
+        j = tl.arange(0, NT)
+        if work:
             t, big, total, pk, sk = _context(temps, part_max, part_sum, pivots, row, d, splits, unscale,
                                              FROM_LOGITS, TOPP, HAS_TOPK, SPLIT_BLOCK)
-            by_value = (passes % 2) == (1 if TOPP else 0)  # top-p starts by key (masses span octaves)
-            thr = _thresholds(lo, hi, by_value, NT)
             lo_idx = c * chunk
             w, cnt = _weights_at(src + row.to(tl.int64) * vocab, lo_idx, tl.minimum(lo_idx + chunk, vocab), thr,
                                  t, big, total, pk, sk, FROM_LOGITS, TOPP, HAS_TOPK, NT, BLOCK_S, PRECISE)
-            j = tl.arange(0, NT)
             part = (row.to(tl.int64) * splits + c) * NT
             tl.store(part_w + part + j, w)
             tl.store(part_c + part + j, cnt)
-            if arrive(counters, row, splits):
-                s = tl.arange(0, SPLIT_BLOCK)
-                grid = (row.to(tl.int64) * splits + s)[:, None] * NT + j[None, :]
-                ok = (s < splits)[:, None]
-                w = tl.sum(tl.load(part_w + grid, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-                cnt = tl.sum(tl.load(part_c + grid, mask=ok, other=0, cache_modifier=".cg"), axis=0)
-                sf = state_f + row * _NF
-                lo, hi, c_lo, c_hi, w_hi = _narrow(lo, hi, c_lo, c_hi, tl.load(sf + 0), thr, w, cnt, tl.load(sf + 2))
-                tl.store(si + 0, lo)
-                tl.store(si + 1, hi)
-                tl.store(si + 2, c_lo)
-                tl.store(si + 3, c_hi)
-                tl.store(si + 4, passes + 1)
-                tl.store(sf + 0, w_hi)
+        last = arrive(counters, row, splits)
+        if last & work:
+            s = tl.arange(0, SPLIT_BLOCK)
+            grid = (row.to(tl.int64) * splits + s)[:, None] * NT + j[None, :]
+            ok = (s < splits)[:, None]
+            w = tl.sum(tl.load(part_w + grid, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+            cnt = tl.sum(tl.load(part_c + grid, mask=ok, other=0, cache_modifier=".cg"), axis=0)
+            sf = state_f + row * _NF
+            lo, hi, c_lo, c_hi, w_hi = _narrow(lo, hi, c_lo, c_hi, tl.load(sf + 0, cache_modifier=".cg"), thr, w,
+                                               cnt, tl.load(sf + 2, cache_modifier=".cg"))
+            tl.store(si + 0, lo)
+            tl.store(si + 1, hi)
+            tl.store(si + 2, c_lo)
+            tl.store(si + 3, c_hi)
+            tl.store(si + 4, passes + 1)
+            tl.store(sf + 0, w_hi)
+        return last
 
-    @triton.jit(do_not_specialize=["d", "splits"])
-    def _gather_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
-                       counters, d, vocab, splits, chunk, unscale,
-                       FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
-                       CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                       PRECISE: tl.constexpr):
-        """Copy the bracket's entries into the row's scratch (rows the passes narrowed enough)."""
-        row = tl.program_id(0)
-        c = tl.program_id(1)
+    @triton.jit
+    def gather_item(row, c, src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                    counters, d, vocab, splits, chunk, unscale,
+                    FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                    CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                    PRECISE: tl.constexpr):
+        """Copy the bracket's entries in this slice into the row's scratch (rows the passes
+        narrowed enough)."""
         si = state_i + row * _NI
-        lo = tl.load(si + 0)
-        hi = tl.load(si + 1)
-        c_lo = tl.load(si + 2)
-        c_hi = tl.load(si + 3)
-        active = tl.load(si + 5)
+        lo = tl.load(si + 0, cache_modifier=".cg")
+        hi = tl.load(si + 1, cache_modifier=".cg")
+        c_lo = tl.load(si + 2, cache_modifier=".cg")
+        c_hi = tl.load(si + 3, cache_modifier=".cg")
+        active = tl.load(si + 5, cache_modifier=".cg")
         if (active != 0) & (hi.to(tl.int64) - lo > 1) & (c_lo - c_hi <= CAP):
             lo_idx = c * chunk
             _gather(src + row.to(tl.int64) * vocab, lo_idx, tl.minimum(lo_idx + chunk, vocab), lo, hi,
                     scratch + row.to(tl.int64) * CAP, si + 6, True, BLOCK, CAP)
+        return arrive(counters, row, splits)
 
-    @triton.jit(do_not_specialize=["d", "splits"])
-    def _resolve_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
-                        counters, d, vocab, splits, chunk, unscale,
-                        FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
-                        CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                        PRECISE: tl.constexpr):
-        """Per row: sort the gathered entries and store the pivot (finishing the search first
+    @triton.jit
+    def resolve_item(row, src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                     counters, d, vocab, splits, chunk, unscale,
+                     FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                     CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                     PRECISE: tl.constexpr):
+        """One row: sort the gathered entries and store the pivot (finishing the search first
         where the passes left more than CAP entries in the bracket)."""
-        row = tl.program_id(0)
         si = state_i + row * _NI
         sf = state_f + row * _NF
-        lo = tl.load(si + 0)
-        hi = tl.load(si + 1)
-        c_lo = tl.load(si + 2)
-        c_hi = tl.load(si + 3)
-        passes = tl.load(si + 4)
-        active = tl.load(si + 5)
-        w_hi = tl.load(sf + 0)
-        target = tl.load(sf + 2)
+        lo = tl.load(si + 0, cache_modifier=".cg")
+        hi = tl.load(si + 1, cache_modifier=".cg")
+        c_lo = tl.load(si + 2, cache_modifier=".cg")
+        c_hi = tl.load(si + 3, cache_modifier=".cg")
+        passes = tl.load(si + 4, cache_modifier=".cg")
+        active = tl.load(si + 5, cache_modifier=".cg")
+        w_hi = tl.load(sf + 0, cache_modifier=".cg")
+        target = tl.load(sf + 2, cache_modifier=".cg")
         base = src + row.to(tl.int64) * vocab
         out = scratch + row.to(tl.int64) * CAP
         pivot = 0.0  # inactive: keep everything
@@ -556,15 +566,13 @@ if TRITON_AVAILABLE:
             pivot = _value(key_float(key), t, big, total, pk, sk, FROM_LOGITS, TOPP, HAS_TOPK, PRECISE)
         tl.store(pivots + row * 4 + (2 if TOPP else 0), pivot)
 
-    @triton.jit(do_not_specialize=["d", "splits"])
-    def _kept_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
-                     counters, d, vocab, splits, chunk, unscale,
-                     FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
-                     CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                     PRECISE: tl.constexpr):
-        """float64 sum of the kept values (>= pivot); the last program stores it, floored."""
-        row = tl.program_id(0)
-        c = tl.program_id(1)
+    @triton.jit
+    def kept_item(row, c, src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                  counters, d, vocab, splits, chunk, unscale,
+                  FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                  CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                  PRECISE: tl.constexpr):
+        """float64 sum of the kept values (>= pivot) in this slice; the row's last stores it, floored."""
         t, big, total, pk, sk = _context(temps, part_max, part_sum, pivots, row, d, splits, unscale,
                                          FROM_LOGITS, TOPP, HAS_TOPK, SPLIT_BLOCK)
         slot = 2 if TOPP else 0
@@ -582,11 +590,63 @@ if TRITON_AVAILABLE:
             acc += tl.where(valid & (v >= pivot), v.to(tl.float64), 0.0)
         part = (row.to(tl.int64) * splits + c) * NT
         tl.store(part_w + part, tl.sum(acc, axis=0))
-        if arrive(counters, row, splits):
+        last = arrive(counters, row, splits)
+        if last:
             s = tl.arange(0, SPLIT_BLOCK)
             kept = tl.sum(tl.load(part_w + (row.to(tl.int64) * splits + s) * NT, mask=s < splits, other=0.0,
                                   cache_modifier=".cg"), axis=0)
             tl.store(pivots + row * 4 + slot + 1, tl.maximum(kept, _FLOOR).to(tl.float32))
+        return last
+
+    @triton.jit(do_not_specialize=["d", "splits"])
+    def _init_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                     counters, d, vocab, splits, chunk, unscale,
+                     FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                     CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                     PRECISE: tl.constexpr):
+        init_item(tl.program_id(0), tl.program_id(1), src, temps, part_max, part_sum, param, pivots, state_i,
+                  state_f, part_w, part_c, scratch, counters, d, vocab, splits, chunk, unscale, FROM_LOGITS, TOPP,
+                  HAS_TOPK, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
+
+    @triton.jit(do_not_specialize=["d", "splits"])
+    def _pass_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                     counters, d, vocab, splits, chunk, unscale,
+                     FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                     CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                     PRECISE: tl.constexpr):
+        pass_item(tl.program_id(0), tl.program_id(1), src, temps, part_max, part_sum, param, pivots, state_i,
+                  state_f, part_w, part_c, scratch, counters, d, vocab, splits, chunk, unscale, FROM_LOGITS, TOPP,
+                  HAS_TOPK, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
+
+    @triton.jit(do_not_specialize=["d", "splits"])
+    def _gather_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                       counters, d, vocab, splits, chunk, unscale,
+                       FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                       CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                       PRECISE: tl.constexpr):
+        gather_item(tl.program_id(0), tl.program_id(1), src, temps, part_max, part_sum, param, pivots, state_i,
+                    state_f, part_w, part_c, scratch, counters, d, vocab, splits, chunk, unscale, FROM_LOGITS, TOPP,
+                    HAS_TOPK, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
+
+    @triton.jit(do_not_specialize=["d", "splits"])
+    def _resolve_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                        counters, d, vocab, splits, chunk, unscale,
+                        FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                        CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                        PRECISE: tl.constexpr):
+        resolve_item(tl.program_id(0), src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w,
+                     part_c, scratch, counters, d, vocab, splits, chunk, unscale, FROM_LOGITS, TOPP, HAS_TOPK, NT,
+                     CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
+
+    @triton.jit(do_not_specialize=["d", "splits"])
+    def _kept_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+                     counters, d, vocab, splits, chunk, unscale,
+                     FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
+                     CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                     PRECISE: tl.constexpr):
+        kept_item(tl.program_id(0), tl.program_id(1), src, temps, part_max, part_sum, param, pivots, state_i,
+                  state_f, part_w, part_c, scratch, counters, d, vocab, splits, chunk, unscale, FROM_LOGITS, TOPP,
+                  HAS_TOPK, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
 
     @triton.jit
     def _apply_kernel(probs, pivots, out, vocab, chunk, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"_step_kernel", "_token_prob_kernel", "_init_kernel", "_pass_kernel", "_gather_kernel", "_resolve_kernel",
+KERNELS = {"verify_kernel", "token_prob_kernel", "_init_kernel", "_pass_kernel", "_gather_kernel", "_resolve_kernel",
            "_kept_kernel", "_apply_kernel"}
 
 # (triton itself is imported only in the subprocess: importing it here, before

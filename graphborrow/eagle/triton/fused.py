@@ -6,7 +6,7 @@ static output buffers. Each row's target distribution is the formula of
 :mod:`graphborrow.eagle.probs`, which the reference computes too, computed where it is
 needed.
 
-**One launch.** The step is one launch of ``_step_kernel`` (:mod:`.step_kernel`), a *persistent* kernel: a grid
+**One launch.** The step is one launch of ``verify_kernel`` (:mod:`.step_kernel`), a *persistent* kernel: a grid
 no larger than what the GPU holds at once, whose programs take work items from a queue
 (an atomic ticket counter in the workspace) until it is empty. The items, in ticket order:
 
@@ -102,7 +102,7 @@ from .workspace import Layout
 if TRITON_AVAILABLE:
     import triton
 
-    from .step_kernel import _step_kernel, _token_prob_kernel
+    from .step_kernel import token_prob_kernel, verify_kernel
 
 __all__ = [
     "TRITON_AVAILABLE",
@@ -131,7 +131,7 @@ STEP_MAX_REGISTERS = (64, 128)
 # passes then run at the occupancy of small kernels, and the host time of the launches is
 # small beside the step's.
 SPLIT_ROWS = 32
-MAX_SUM, RESIDUAL, BRACKET, RESOLVE, KEPT, PASS, GATHER = 1, 2, 4, 8, 16, 32, 64  # kinds, as _step_kernel's KINDS
+MAX_SUM, RESIDUAL, BRACKET, RESOLVE, KEPT, PASS, GATHER = 1, 2, 4, 8, 16, 32, 64  # kinds, as verify_kernel's KINDS
 SPLIT_MAX_REGISTERS = {MAX_SUM: 64, BRACKET: 80, PASS: 80, GATHER: 80, KEPT: 64, RESIDUAL: 64}  # (resolve: uncapped)
 INTERPRETED_PROGRAMS = 3  # the interpreter runs programs one after another: program 0 does every item
 INT32_MAX = 2**31 - 1
@@ -367,7 +367,7 @@ class StepPlan:
 
 
 def step_items(bs: int, d: int, splits: int, rsplits: int, nsel: int, passes: int, step: bool = True) -> int:
-    """Work items of one step (as ``_step_kernel`` counts them): maxima and sums per (row,
+    """Work items of one step (as ``verify_kernel`` counts them): maxima and sums per (row,
     slice); per top-k / top-p search, its bracket, passes, gather and kept sum per (row,
     slice) and its resolve per row; the residual per (request, slice). ``step=False``: the
     row statistics alone."""
@@ -383,7 +383,7 @@ def step_groups(bs: int, d: int, splits: int, rsplits: int, nsel: int, passes: i
     """The step's launches, ``(first ticket, end ticket, kinds, walks)`` each: one launch of
     every item, or (``split``) one per kind of item: maxima and sums, then per search its
     bracket, its passes, its gather, its resolve and its kept sums, then the residuals.
-    Kinds (``_step_kernel``'s ``KINDS``): 1 maxima and sums, 2 residuals, 4 a search's
+    Kinds (``verify_kernel``'s ``KINDS``): 1 maxima and sums, 2 residuals, 4 a search's
     bracket, 32 its passes, 64 its gather, 8 its resolve, 16 its kept sum; ``walks``: the launch
     holds the items that finish a row, so it walks trees."""
     rows = bs * d
@@ -560,7 +560,7 @@ def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, workspace, fres
     numbers = (_number(step.temperatures, plan.forms[0], float), _number(step.top_ks, plan.forms[1], _clamped_int),
                _number(step.top_ps, plan.forms[2], float), step.threshold_single, step.threshold_acc)
     call, tails = _step_args(plan, w, pointers, numbers)
-    launcher.run([(_step_kernel, (programs, 1, 1), call + tail, options)
+    launcher.run([(verify_kernel, (programs, 1, 1), call + tail, options)
                   for programs, tail, options in zip(plan.programs, tails, plan.options)])
     if launcher.ready and not plan.tuned:
         plan.tune()
@@ -584,7 +584,7 @@ def _fill_slots(plan: StepPlan, step: VerifyStep, buffer: torch.Tensor, coins: l
 
 
 def _step_args(plan: StepPlan, w, pointers, numbers, step: bool = True) -> tuple:
-    """``_step_kernel``'s arguments: the per-call ones (the caller's tensors, numbers and
+    """``verify_kernel``'s arguments: the per-call ones (the caller's tensors, numbers and
     thresholds) as a tuple, and the rest (the workspace's slots, the plan's sizes and
     constexprs) as a tuple per launch, as device addresses or tensors alike. ``pointers``: logits, candidates, the
     tree's three tables, the three outputs, coins, coins_final and the temperature / top-k /
@@ -767,7 +767,7 @@ def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.
 
     For checking: they equal ``target_probs_reference(logits, temperatures per row)``
     gathered at ``tokens``, bit for bit. The row statistics come from the step's own kernel
-    (``_step_kernel`` stopped after the sums), the probabilities from a second launch.
+    (``verify_kernel`` stopped after the sums), the probabilities from a second launch.
 
     Args:
         logits: [rows, V] logits, rows a multiple of ``d``.
@@ -803,8 +803,8 @@ def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.
     launcher = Launcher()  # a check, not a hot path: every launch through the JIT front end
     launcher.direct(logits.get_device(), False)
     launcher.run([
-        (_step_kernel, (plan.programs[0], 1, 1), call + tail, plan.options[0]),
-        (_token_prob_kernel, (rows, 1, 1), (
+        (verify_kernel, (plan.programs[0], 1, 1), call + tail, plan.options[0]),
+        (token_prob_kernel, (rows, 1, 1), (
             logits, w.temps, w.part_max, w.part_sum, tokens, out, d, vocab, plan.splits, tokens.shape[1],
             plan.unscale, 256, _select.SPLIT_MAX, not INTERPRETED), dict(num_warps=4, **compile_options()))])
     return out

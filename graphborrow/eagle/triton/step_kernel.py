@@ -2,7 +2,7 @@
 
 :mod:`.fused` plans and launches these; its docstring describes the step (the item queue,
 ticket order, per-row step numbers, counters that start and end at zero). ``KINDS``, the
-items one launch of ``_step_kernel`` can meet (the others are not compiled in, so a launch
+items one launch of ``verify_kernel`` can meet (the others are not compiled in, so a launch
 of a few kinds needs fewer registers): 1 maxima and sums, 2 residuals, and for a top-k /
 top-p search 4 its bracket, 32 its passes, 64 its gather, 8 its resolve, 16 its kept sums
 (:data:`graphborrow.eagle.triton.fused.MAX_SUM` and the names beside it).
@@ -145,7 +145,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit(do_not_specialize=["t_value", "k_value", "p_value", "thr_single", "thr_acc", "bs", "d", "splits",
                                    "rsplits", "steps", "passes", "programs", "first", "end"])
-    def _step_kernel(logits, candidates, retrive_index, next_token, next_sibling, predicts, accept_index,
+    def verify_kernel(logits, candidates, retrive_index, next_token, next_sibling, predicts, accept_index,
                      accept_length, coins, coins_final, t_src, k_src, p_src, t_value, k_value, p_value, thr_single,
                      thr_acc,
                      temps, top_k, top_p, part_max, part_sum, walk_state, res_sum, res_last, sync, pivots, state_i,
@@ -416,7 +416,7 @@ if TRITON_AVAILABLE:
 
 
     @triton.jit(do_not_specialize=["d", "splits", "k"])
-    def _token_prob_kernel(logits, temps, part_max, part_sum, tokens, out, d, vocab, splits, k, unscale,
+    def token_prob_kernel(logits, temps, part_max, part_sum, tokens, out, d, vocab, splits, k, unscale,
                            BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
         row = tl.program_id(0)
         t = tl.load(temps + row // d)

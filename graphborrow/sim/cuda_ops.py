@@ -295,6 +295,32 @@ def _index(func, args, kwargs):
     return out
 
 
+@register_cuda_model(_aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default)
+def _index_put(func, args, kwargs):
+    """``x[i] = 0.0`` and ``index_put_``: a host scalar value (what ``__setitem__`` makes of a Python
+    number for a CUDA tensor) is copied to the device first (``value.to(self.device())``, an
+    element-sized block: refused inside a capture as any pageable copy, after the block was
+    allocated), then the kernel runs; the copy dies with the call."""
+    names = ("self", "indices", "values", "accumulate", "unsafe")
+    params = _named(args, kwargs, names)
+    value = params["values"]
+    if isinstance(value, SimTensor) or value.dim() != 0:
+        return dispatch(func, args, kwargs)
+    backend = params["self"].sim_backend
+    on_device = backend.from_host(value)
+    try:
+        host.check_host_to_device(backend, value, non_blocking=False)
+    except BaseException:
+        del on_device  # the destination block goes back as the error unwinds
+        raise
+    position = names.index("values")
+    if position < len(args):
+        args = args[:position] + (on_device,) + args[position + 1:]
+    else:
+        kwargs = dict(kwargs, values=on_device)
+    return dispatch(func, args, kwargs)
+
+
 # ----------------------------------------------------------------------------- linear
 
 
@@ -438,9 +464,7 @@ def _copy(func, args, kwargs):
     params = _named(args, kwargs, ("self", "src", "non_blocking"))
     dst, src, non_blocking = params["self"], params["src"], bool(params.get("non_blocking", False))
     if isinstance(dst, SimTensor) and not isinstance(src, SimTensor) and src.dim() > 0:
-        error = host.check_host_to_device(dst.sim_backend, src, non_blocking)
-        if error is not None:
-            raise error
+        host.check_host_to_device(dst.sim_backend, src, non_blocking)
     elif not isinstance(dst, SimTensor):
         return host.to_host(src, non_blocking, into=dst)
     return dispatch(func, args, kwargs)

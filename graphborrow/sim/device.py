@@ -156,6 +156,7 @@ class SimBackend:
         self._blas_workspaces: dict[int, SimStorage] = {}  # stream id -> workspace
         self._blaslt_workspaces: dict[int, SimStorage] = {}  # stream id -> cuBLASLt workspace
         self._generator_state: list[SimStorage] | None = None
+        self.cudnn_graphs: set = set()  # attention calls whose cuDNN graph is built (torch caches them)
         self._generator_users = 0  # graphs that registered the RNG state
         self._closed = False
         if activate:

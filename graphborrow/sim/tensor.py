@@ -760,10 +760,11 @@ class SimFunctionMode(TorchFunctionMode):
         from pageable memory, or blocking; a captured copy from pinned memory runs again on replay)."""
         backend = self.backend
         placed = backend.from_host(plain)
-        error = host.check_host_to_device(backend, plain, bool(non_blocking))
-        if error is not None:
-            del placed
-            raise error
+        try:
+            host.check_host_to_device(backend, plain, bool(non_blocking))
+        except BaseException:
+            del placed  # the destination block goes back as the error unwinds
+            raise
         capture = backend.capture_for_current_stream()
         if capture is not None and not placed.sim_inner.is_meta:
             capture.record_op(torch.Tensor.copy_, (placed.sim_inner, plain), {}, [])

@@ -64,13 +64,16 @@ browser:
 POINT_LABELS ?= h200
 # Long tests that repeat a check another target makes: compiling every kernel variant for sm_90 is
 # `make compile-kernels`; the deep Hypothesis profile's own test runs what `make deep` runs.
+# Rebuilding the Cython model from scratch is what `make setup` does; the tests of a damaged, truncated or
+# checksum-less build that stay in make test load prebuilt files instead.
 DEEP_TESTS = tests/eagle/test_fused_compile.py::test_every_kernel_variant_compiles_for_sm90_without_spills \
-	tests/tooling/test_profiles.py::test_the_deep_profile_runs_fifty_times_the_examples
+	tests/tooling/test_profiles.py::test_the_deep_profile_runs_fifty_times_the_examples \
+	tests/allocator/test_sim_compiled.py::test_build_force_replaces_a_damaged_build
 test: setup-test browser
 	$(MAKE) --no-print-directory test-nbval
 	rm -rf output/points
 	$(PY) -m graphborrow points --labels $(POINT_LABELS) --jobs 2 --out output/points
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu" $(addprefix --deselect ,$(DEEP_TESTS)) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope -m "not gpu" $(addprefix --deselect ,$(DEEP_TESTS)) tests
 
 # Everything `make test` leaves out: every notebook at the low and high corners of its ranges, the
 # H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim); about 15 minutes on 2 cores.

@@ -119,16 +119,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    values = []
-    for part in text.split(","):
-        try:
-            value = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{value} in {text!r} must be 1 or more")
-        values.append(value)
-    return values
+    """A comma-separated list of whole numbers, each 1 or more (``--batches 1,4,16``)."""
+    return [_positive_int(part) for part in text.split(",")]
 
 
 def _modes(text: str) -> list[str]:

@@ -15,11 +15,8 @@ nothing the borrow creates may outlive the scope.
     with state.replay_scope():
         g.replay()                          # raises if a borrowed tensor survived
 
-Scopes are safe against asynchronous interrupts: each one's entry and exit run inside
-critical sections (:mod:`graphborrow.core.interrupts`), so a Ctrl-C lands before or after a
-state change, never inside one, and a scope whose exit an interrupt prevented (the one
-instruction boundary before ``__exit__`` can act) is released when it is collected or
-when the next claimant finds it gone.
+Scopes are safe against asynchronous interrupts: a Ctrl-C lands before or after a state
+change, never inside one (Note [interrupt-safe scopes] in :mod:`graphborrow.core.interrupts`).
 """
 
 from __future__ import annotations
@@ -353,10 +350,14 @@ class BorrowState:
         return any(room >= segment for room in rooms)
 
     # ------------------------------------------------------------------ scopes
-    def _take_slot(self, user: str, scope: Any = None) -> None:
+    def _held_by(self) -> Optional[str]:
+        """Who holds the owner slot, once a scope collected without leaving has been reclaimed."""
         if self.holder is not None:
             self._reclaim_abandoned()
-        if self.holder is not None:
+        return self.holder
+
+    def _take_slot(self, user: str, scope: Any = None) -> None:
+        if self._held_by() is not None:
             raise PoolBusyError(
                 f"the graph pool is held by {self.holder!r}; cannot start {user!r}. "
                 "Capture, replay and borrowing never overlap: leave the first scope "
@@ -389,9 +390,7 @@ class BorrowState:
             self._release_slot()
 
     def _require_idle(self, action: str) -> None:
-        if self.holder is not None:
-            self._reclaim_abandoned()
-        if self.holder is not None:
+        if self._held_by() is not None:
             raise PoolBusyError(
                 f"cannot {action} while the graph pool is held by {self.holder!r}; "
                 "leave that scope first"
@@ -615,15 +614,8 @@ class BorrowState:
 
 
 class _SlotScope:
-    """A scope that holds the owner slot from entry to exit.
-
-    Entry runs in a critical section that carries interrupts past it (see
-    :data:`~graphborrow.core.interrupts.CRITICAL_ENTRY`): either the scope took effect and
-    ``__enter__`` returns, or nothing changed. Exit runs in a critical section too. If an
-    interrupt lands on the instruction boundary before ``__exit__`` can act, the with
-    statement drops the scope without leaving it; ``__del__`` then leaves it, and the next
-    claimant of the slot reclaims it if even that was interrupted.
-    """
+    """A scope that holds the owner slot from entry to exit; see Note [interrupt-safe scopes]
+    (:mod:`graphborrow.core.interrupts`) for how entry, exit and ``__del__`` share the work."""
 
     __slots__ = ("state", "user", "__weakref__")
 

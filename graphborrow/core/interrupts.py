@@ -207,6 +207,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# Note [interrupt-safe scopes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A scope that changes state on entry and undoes it on exit (the borrow state's capture,
+# replay and borrow scopes; routing allocations to a pool, on either device) is written so
+# that an interrupt lands before or after each change, never inside one:
+#
+#   - __enter__ runs in CRITICAL_ENTRY, which carries a signal past the section: either the
+#     scope took effect and __enter__ returns, or nothing changed. An exception raised out of
+#     __enter__ after the scope took effect would skip __exit__, so none may be.
+#   - __exit__ runs in CRITICAL and does nothing a second time.
+#   - One instruction boundary remains: the with statement's, after __enter__ returned and
+#     before __exit__ can act. An interrupt there drops the scope without leaving it; its
+#     __del__ (in CRITICAL) then leaves it, and for the owner slot, the next claimant
+#     reclaims a slot whose scope was collected without leaving.
+
+
 class Critical:
     """A reentrant critical section (use the shared :data:`CRITICAL` / :data:`CRITICAL_ENTRY`).
 

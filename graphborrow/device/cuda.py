@@ -22,8 +22,8 @@ from graphborrow.core.interrupts import CRITICAL, CRITICAL_ENTRY
 __all__ = ["CudaBackend", "ExternalBuffer"]
 
 
-class CudaBackend:
-    """The real device: thin wrappers over ``torch.cuda``.
+class CudaBackend(DeviceAPI):
+    """The real device: thin wrappers over ``torch.cuda`` (the contract: :class:`DeviceAPI`).
 
     Get it from :func:`get_backend` (one per process, as the device is). Sizes are bytes
     and streams are ``torch.cuda.Stream`` objects throughout.
@@ -56,61 +56,27 @@ class CudaBackend:
 
     # streams and synchronisation
     def current_stream(self):
-        """The calling thread's current stream; a borrow pool is pinned to the one it was built on.
-
-        Returns:
-            A ``torch.cuda.Stream``.
-        """
         return torch.cuda.current_stream()
 
     def current_stream_key(self) -> int:
-        """A cheap identity of the current stream (its raw handle).
-
-        Returns:
-            The ``cudaStream_t`` as an int; the borrow scope compares it on every entry.
-        """
         return self._raw_stream()
 
     def Stream(self, priority: int = 0):
-        """A new side stream, as ``torch.cuda.Stream``.
-
-        Args:
-            priority: the stream's priority (lower runs first; 0 is the default).
-
-        Returns:
-            A ``torch.cuda.Stream``.
-        """
         return torch.cuda.Stream(priority=priority)
 
     def stream(self, s):
-        """Make ``s`` the current stream for a with block, as ``torch.cuda.stream``.
-
-        Args:
-            s: a stream from :meth:`Stream`; None leaves the current stream as it is.
-
-        Returns:
-            The context manager.
-        """
         return torch.cuda.stream(s)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
     def sleep(self, stream, microseconds: float) -> None:
-        """Keep ``stream`` busy for about ``microseconds`` (for deferred-free demos).
-
-        Converted to clock cycles at the device's nominal clock rate, so the time is approximate.
-
-        Args:
-            stream: the stream that spins.
-            microseconds: how long, in microseconds.
-        """
+        # converted to clock cycles at the device's nominal clock rate: the time is approximate
         cycles = int(microseconds * torch.cuda.get_device_properties(0).clock_rate / 1e3)
         with torch.cuda.stream(stream):
             torch.cuda._sleep(max(cycles, 1))
 
     def touch(self) -> None:
-        """One small allocation outside any pool: lets the allocator process completed events."""
         self._touch()
 
     def clear_library_workspaces(self) -> None:
@@ -122,95 +88,32 @@ class CudaBackend:
 
     # pools
     def graph_pool_handle(self):
-        """A new private pool handle that several graph captures can share.
-
-        Returns:
-            The handle, as ``torch.cuda.graph_pool_handle``; pass it as ``pool=`` and as
-            :class:`~graphborrow.core.borrow.BorrowState`'s ``pool_id``.
-        """
         return torch.cuda.graph_pool_handle()
 
     def CUDAGraph(self):
-        """An empty graph to capture into.
-
-        Returns:
-            A ``torch.cuda.CUDAGraph``.
-        """
         return torch.cuda.CUDAGraph()
 
     def graph(self, g, pool=None, stream=None):
-        """Capture the with block's work into ``g``, as ``torch.cuda.graph``.
-
-        Args:
-            g: a graph from :meth:`CUDAGraph`.
-            pool: the pool handle to capture into (None: a private pool of its own).
-            stream: the stream to capture on (None: torch's side stream).
-
-        Returns:
-            The capture's context manager.
-        """
         return torch.cuda.graph(g, pool=pool, stream=stream)
 
     def arena_pool(self, arena: BumpArena):
-        """A MemPool whose segments come from ``arena`` (torch's pluggable allocator).
-
-        Args:
-            arena: the :class:`~graphborrow.core.arena.BumpArena` whose extents the pool's
-                segments are carved from.
-
-        Returns:
-            A ``torch.cuda.MemPool``; the caching allocator still splits its segments into blocks.
-        """
+        # torch's pluggable allocator over the arena's C functions
         return torch.cuda.MemPool(arena.allocator)
 
     def use_mem_pool(self, pool):
-        """Route this thread's allocations to ``pool`` for a with block, as ``torch.cuda.use_mem_pool``.
-
-        Args:
-            pool: a MemPool from :meth:`MemPool` or :meth:`arena_pool`.
-
-        Returns:
-            The context manager.
-        """
         return torch.cuda.use_mem_pool(pool)
 
     def route_to_pool(self, pool):
-        """``use_mem_pool`` outside graph capture, without its generator's overhead.
-
-        The borrow scope enters this every decode step (never during a capture: the
-        owner slot excludes that), so it calls the allocator's routing hooks directly.
-
-        Args:
-            pool: the borrow pool (a MemPool).
-
-        Returns:
-            A context manager; with a torch that lacks the hooks, ``use_mem_pool``'s.
-        """
+        # use_mem_pool without its generator's overhead: the borrow scope enters this every decode step
+        # (never during a capture), so it calls the allocator's routing hooks directly when torch has them
         if _ROUTING_HOOKS is None:
             return torch.cuda.use_mem_pool(pool)
         return _PoolRouting(self._index, pool.id)
 
     def pool_id(self, pool) -> tuple[int, int]:
-        """The id snapshots use for ``pool`` (``segment_pool_id``).
-
-        Args:
-            pool: a MemPool.
-
-        Returns:
-            The pool's id as a tuple of two ints.
-        """
         return tuple(pool.id)
 
     def memory_snapshot(self, pool_id=None) -> list[dict]:
-        """The allocator's segments, as ``torch.cuda.memory_snapshot``.
-
-        Args:
-            pool_id: only the segments of this pool (a graph pool handle or
-                :meth:`pool_id`); None for every segment of the device.
-
-        Returns:
-            Segment dicts in torch's format (sizes and addresses in bytes).
-        """
         if pool_id is None:
             return torch.cuda.memory_snapshot()
         try:
@@ -219,86 +122,31 @@ class CudaBackend:
             return torch.cuda.memory_snapshot(mempool_id=pool_id)
 
     def memory_stats(self) -> dict[str, Any]:
-        """The allocator's counters, as ``torch.cuda.memory_stats``.
-
-        Returns:
-            A flat dict such as ``"reserved_bytes.all.current"`` to int.
-        """
         return torch.cuda.memory_stats()
 
     def memory_reserved(self) -> int:
-        """Bytes in the caching allocator's segments, as ``torch.cuda.memory_reserved``.
-
-        Borrowed segments are counted here a second time although they use no new memory:
-        measure the device with :meth:`mem_get_info` instead.
-
-        Returns:
-            Bytes.
-        """
         return torch.cuda.memory_reserved()
 
     def memory_allocated(self) -> int:
-        """Bytes in blocks allocated to tensors, as ``torch.cuda.memory_allocated``.
-
-        Returns:
-            Bytes (allocator-rounded block sizes).
-        """
         return torch.cuda.memory_allocated()
 
     def mem_get_info(self) -> tuple[int, int]:
-        """Free and total device memory as the driver sees it: the physical measure.
-
-        Returns:
-            ``(free, total)`` in bytes.
-        """
         return torch.cuda.mem_get_info()
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
     def record_stream(self, tensor, stream) -> None:
-        """Mark ``tensor`` as in use by ``stream``: its block stays ``active_pending_free``
-        after it dies, until the work queued on ``stream`` by then has run.
-
-        Args:
-            tensor: a CUDA tensor.
-            stream: the other stream that uses it.
-        """
         tensor.record_stream(stream)
 
     def data_ptr(self, tensor) -> int:
-        """The device address of ``tensor``'s first element.
-
-        Args:
-            tensor: a CUDA tensor.
-
-        Returns:
-            The address, comparable with snapshot block addresses.
-        """
         return tensor.data_ptr()
 
     def describe(self) -> str:
-        """The device in words, for tables and plots.
-
-        Returns:
-            The device name and torch version.
-        """
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
 
     def MemPool(self, allocator=None, use_on_oom=False, no_split=False):
-        """A private pool, as ``torch.cuda.MemPool``.
-
-        Args:
-            allocator: a pluggable allocator whose memory the pool's segments use; None
-                for the device's own.
-            use_on_oom: let other allocations use this pool's cached memory when the
-                device is out of memory.
-            no_split: never split the pool's blocks (only passed when True, so older
-                torch versions without it work).
-
-        Returns:
-            A ``torch.cuda.MemPool``.
-        """
+        # no_split is passed only when True, so torch versions without it still work
         kwargs = {}
         if use_on_oom:
             kwargs["use_on_oom"] = True
@@ -307,60 +155,22 @@ class CudaBackend:
         return torch.cuda.MemPool(allocator, **kwargs)
 
     def Event(self, enable_timing: bool = False):
-        """A new event, as ``torch.cuda.Event``.
-
-        Args:
-            enable_timing: the event can measure elapsed time.
-
-        Returns:
-            A ``torch.cuda.Event``.
-        """
         return torch.cuda.Event(enable_timing=enable_timing)
 
     def record_memory_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
-        """Start or stop recording allocator trace entries (for :meth:`full_snapshot`).
-
-        Args:
-            enabled: record every event with its stack (``"all"``); False stops recording.
-            max_entries: how many entries the ring buffer keeps.
-        """
+        # "all": every event, with its stack
         torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max_entries)
 
     def full_snapshot(self) -> dict:
-        """segments, device traces and allocator settings, as memory_viz reads them.
-
-        Returns:
-            The dict of ``torch.cuda.memory._snapshot()``.
-        """
         return torch.cuda.memory._snapshot()
 
     def activated(self):
-        """The real device needs no activation; present so callers can treat backends alike.
-
-        Returns:
-            A context manager that does nothing.
-        """
         return contextlib.nullcontext()
 
     def close(self) -> None:
-        """Nothing to release: the CUDA device outlives any one user."""
+        pass  # nothing to release: the CUDA device outlives any one user
 
     def external_alloc(self, nbytes: int) -> "ExternalBuffer":
-        """Device memory from cudaMalloc itself, outside the caching allocator.
-
-        Static borrow runs must be storage the caching allocator does not track: its
-        block map is keyed by address, so a borrowed block starting where a live
-        caching-allocator block starts would clobber that block's entry.
-
-        Args:
-            nbytes: bytes wanted.
-
-        Returns:
-            An :class:`ExternalBuffer`; call its ``free()`` when no static run uses it any more.
-
-        Raises:
-            torch.cuda.OutOfMemoryError: cudaMalloc failed.
-        """
         cudart = _cudart()
         ptr = ctypes.c_void_p()
         err = cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
@@ -379,12 +189,9 @@ _ROUTING_HOOKS = _routing_hooks()
 
 
 class _PoolRouting:
-    """What torch.cuda.use_mem_pool does outside a graph capture, as a plain class.
-
-    Entry and exit each run in a critical section (nested in the borrow scope's, so
-    nearly free there): an interrupt cannot fall between ending the routing and
-    releasing the pool, and a second exit does nothing.
-    """
+    """What torch.cuda.use_mem_pool does outside a graph capture, as a plain class, safe against
+    interrupts (Note [interrupt-safe scopes] in :mod:`graphborrow.core.interrupts`; nested in the
+    borrow scope's sections, so nearly free there)."""
 
     __slots__ = ("device", "pool_id", "routed")
 

@@ -18,7 +18,9 @@ import math
 
 import torch
 
-from .draft_tree import DraftTree
+from .draft_tree import DraftTree, repeat_tree
+from .modes import VerifyResult
+from .verify import eagle_verify
 
 __all__ = ["children_of", "chi_square", "emitted_tokens", "expected_emitted_tokens", "path_probabilities",
            "sample_copies", "tokens_after"]
@@ -142,10 +144,6 @@ def sample_copies(tree: DraftTree, row_logits: torch.Tensor, temperature: float,
         generator: the coins' random source.
         copies_per_batch: copies verified at once.
     """
-    from .draft_tree import repeat_tree
-    from .modes import VerifyResult
-    from .verify import eagle_verify
-
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples={samples!r} must be a positive integer")
     d = row_logits.shape[0]

@@ -71,14 +71,14 @@ def verify_sequence(shape: StepShape, mode: str, per_chunk: Optional[int] = None
         return planner.AllocationSequence()
     prefix, release = _prepare_phases(bs, d, shape.top_k, shape.top_p)
     if mode == "lean":
-        return prefix + _lean_body(shape) + release
+        return prefix + _rows_body(shape, "lean") + release
     per = bs if mode == "standard" or per_chunk is None else int(per_chunk)
     if not 1 <= per <= bs:
         raise ValueError(f"per_chunk must be in [1, {bs}], got {per_chunk!r}")
     groups, rest = divmod(bs, per)
-    body = _standard_body(shape._replace(batch_size=per)) * groups
+    body = _rows_body(shape._replace(batch_size=per), "standard") * groups
     if rest:
-        body = body + _standard_body(shape._replace(batch_size=rest))
+        body = body + _rows_body(shape._replace(batch_size=rest), "standard")
     return prefix + body + release
 
 
@@ -256,26 +256,18 @@ def _prepare_phases(bs: int, d: int, top_k: bool, top_p: bool):
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def _standard_body(shape: StepShape) -> planner.AllocationSequence:
-    """One group's :func:`~graphborrow.eagle.modes.standard_rows`."""
+def _rows_body(shape: StepShape, mode: str) -> planner.AllocationSequence:
+    """One group's rows in ``mode``: :func:`~graphborrow.eagle.modes.standard_rows` or
+    :func:`~graphborrow.eagle.modes.lean_rows`, outputs and parameters made outside the phase."""
     with planner.recording() as rec:
         step = _dummy_step(shape)
         out = _outputs(step)
         params = prepare(step)
         with rec.phase() as body:
-            standard_rows(step, params, 0, shape.batch_size, out)
-        del params, out
-    return planner.AllocationSequence(tuple(body))
-
-
-@functools.lru_cache(maxsize=CACHE_SIZE)
-def _lean_body(shape: StepShape) -> planner.AllocationSequence:
-    with planner.recording() as rec:
-        step = _dummy_step(shape)
-        out = _outputs(step)
-        params = prepare(step)
-        with rec.phase() as body:
-            lean_rows(step, params, out)
+            if mode == "lean":
+                lean_rows(step, params, out)
+            else:
+                standard_rows(step, params, 0, shape.batch_size, out)
         del params, out
     return planner.AllocationSequence(tuple(body))
 

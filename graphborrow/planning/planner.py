@@ -28,8 +28,20 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from graphborrow.allocator.caching import CachingAllocator
+from graphborrow.allocator.config import AllocatorConfig
+from graphborrow.allocator.memory import PhysicalMemory
+from graphborrow.allocator.streams import Clockwork, Event
 from graphborrow.core.arena import BumpArena
-from graphborrow.core.sizes import MB, MIN_LARGE_ALLOC, SMALL_BUFFER, SMALL_SIZE, SizeClass, round_size, short_size, size_class
+from graphborrow.core.sizes import (
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    SizeClass,
+    round_size,
+    short_size,
+    size_class,
+)
+from graphborrow.sim import SimBackend
 
 __all__ = [
     "ALLOC",
@@ -101,8 +113,6 @@ def _layout_device():
     """The process's layout-only simulated device for recordings (created on first use)."""
     global _DEVICE
     if _DEVICE is None:
-        from graphborrow.sim import SimBackend
-
         _DEVICE = SimBackend(capacity=LAYOUT_CAPACITY, backed=False, activate=False, blas_workspace=0)
     return _DEVICE
 
@@ -276,8 +286,6 @@ class PoolImage:
 
 def _allocator_config(backend):
     """The device allocator's settings, so the model rounds and splits the same way."""
-    from graphborrow.sim import SimBackend
-
     if isinstance(backend, SimBackend):
         return backend.allocator.config
     return _cuda_allocator_config()
@@ -286,8 +294,6 @@ def _allocator_config(backend):
 @functools.lru_cache(maxsize=None)
 def _cuda_allocator_config():
     """The CUDA allocator's settings as its snapshot records them (read once per process)."""
-    from graphborrow.allocator.config import AllocatorConfig
-
     settings = torch.cuda.memory._snapshot().get("allocator_settings")
     if settings:
         return AllocatorConfig.from_settings(settings)
@@ -368,9 +374,6 @@ def replay(sequence: AllocationSequence, image: PoolImage,
     """
     if image.disabled is not None:
         return Replay(False, 0, 0, 0, None, disabled=image.disabled)
-    from graphborrow.allocator.caching import CachingAllocator
-    from graphborrow.allocator.memory import PhysicalMemory
-    from graphborrow.allocator.streams import Clockwork
 
     global _REPLAY_ARENA
     with _REPLAY_LOCK:
@@ -441,8 +444,6 @@ def _restore(allocator, image: PoolImage, arena: BumpArena) -> tuple[int, int]:
 
 def _never(allocator):
     """An event on a stream whose work never ends, for blocks whose frees are still pending."""
-    from graphborrow.allocator.streams import Event
-
     stream = allocator.clockwork.new_stream()
     stream.enqueue(float("inf"))
     event = Event()

@@ -18,8 +18,12 @@ from graphborrow.core.runs import find_free_runs, summarize
 from graphborrow.core.sizes import MB
 from graphborrow.device import get_backend
 from graphborrow.eagle import eagle_verify
+from graphborrow.eagle.draft_tree import build_draft_tree
 from graphborrow.eagle.plan import describe_plan, plan_verify
+from graphborrow.studies.pools import borrow_saving
 from graphborrow.workloads.ladder import LLAMA3_8B, GraphLadder, ModelShape
+
+from .sweep.parameters import argument_type
 
 __all__ = ["main", "run_demo"]
 
@@ -78,31 +82,15 @@ def run_demo(device: str = "auto", batch: int = 16, draft_tokens: int = 4, out=p
     out(f"verification probabilities for batch {batch} x {draft_tokens} drafts x vocab {vocab}: "
         f"{probs_bytes / MB:.2f} MiB (target + draft)")
 
-    def probability_set():
-        target = torch.softmax(logits / 0.7, dim=-1)
-        return target, torch.zeros_like(target)
-
-    backend.synchronize()
-    free0, _ = backend.mem_get_info()
-    with state.borrow("demo"):
-        held = probability_set()
-        inside_runs = all(
-            any(a <= backend.data_ptr(t) < a + n for a, n in state.free_runs()) for t in held
-        )
-        backend.synchronize()
-        free_borrowed, _ = backend.mem_get_info()
-        del held
-    backend.empty_cache()  # cached blocks would hide what a plain allocation costs
-    backend.synchronize()
-    free0, _ = backend.mem_get_info()
-    plain = probability_set()
-    backend.synchronize()
-    free_plain, _ = backend.mem_get_info()
-    del plain
-    borrowed_cost, plain_cost = free0 - free_borrowed, free0 - free_plain
-    out(f"borrowed: tensors inside free runs = {inside_runs}; device memory used {borrowed_cost / MB:.2f} MiB")
+    saving = borrow_saving(state, logits, backend)
+    borrowed_cost, plain_cost = saving["borrowed_device_bytes"], saving["plain_device_bytes"]
+    if borrowed_cost is None:
+        out(f"borrowed: the free runs cannot hold the set ({saving['error']})")
+    else:
+        out(f"borrowed: tensors inside free runs = {saving['inside_runs']}; "
+            f"device memory used {borrowed_cost / MB:.2f} MiB")
     out(f"plain allocation: device memory used {plain_cost / MB:.2f} MiB")
-    out(f"saved by borrowing: {(plain_cost - borrowed_cost) / MB:.2f} MiB")
+    out(f"saved by borrowing: {saving['saved_bytes'] / MB:.2f} MiB")
 
     plan = plan_verify(state, batch, draft_tokens, vocab, "standard")
     out(f"capacity planner: {describe_plan(plan)}")
@@ -112,7 +100,7 @@ def run_demo(device: str = "auto", batch: int = 16, draft_tokens: int = 4, out=p
     return {
         "device": backend.name,
         "pool": s,
-        "borrowed_inside_runs": inside_runs,
+        "borrowed_inside_runs": saving["inside_runs"],
         "borrowed_device_bytes": borrowed_cost,
         "plain_device_bytes": plain_cost,
         "verify_plan_fits": plan.fits,
@@ -123,8 +111,6 @@ def run_demo(device: str = "auto", batch: int = 16, draft_tokens: int = 4, out=p
 
 def _verify_step(ladder, logits, batch, draft_tokens, state) -> int:
     """Run one borrowed verification step over the decode logits; tokens it emitted."""
-    from graphborrow.eagle.draft_tree import build_draft_tree
-
     tree = build_draft_tree(min(2, draft_tokens), max(draft_tokens, 1), draft_tokens, batch, logits.shape[1],
                             generator=torch.Generator().manual_seed(0), device=ladder.backend.device)
     result = eagle_verify(logits.contiguous(), None, tree, 0.8, borrow=state,
@@ -133,8 +119,6 @@ def _verify_step(ladder, logits, batch, draft_tokens, state) -> int:
 
 
 def main(argv=None) -> int:
-    from .sweep.parameters import argument_type
-
     p = argparse.ArgumentParser(prog="python -m graphborrow demo", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--batch", type=argument_type("BATCH_SIZE"), default=16,

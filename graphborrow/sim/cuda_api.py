@@ -25,8 +25,8 @@ from typing import Iterator
 import torch
 
 from . import graphs, host
-from .pools import MemPool as SimMemPool
 from .cuda_ops import H200_CAPABILITY
+from .pools import MemPool as SimMemPool
 
 __all__ = ["CudaEvent", "CudaStream", "H200_NAME", "simulated_cuda"]
 

@@ -20,7 +20,7 @@ from graphborrow.allocator.caching import CachingAllocator
 from graphborrow.allocator.config import AllocatorConfig
 from graphborrow.allocator.memory import PhysicalMemory
 from graphborrow.allocator.streams import Clockwork, Event, Stream
-from graphborrow.core.device_api import ExternalBuffer
+from graphborrow.core.device_api import DeviceAPI, ExternalBuffer
 from graphborrow.core.interrupts import CRITICAL
 
 from . import graphs, host
@@ -95,7 +95,7 @@ class _StreamContext:
         self.backend._tls.stream = self.saved
 
 
-class SimBackend:
+class SimBackend(DeviceAPI):
     """A simulated CUDA device implementing :class:`~graphborrow.core.device_api.DeviceAPI`.
 
     ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM).
@@ -330,12 +330,6 @@ class SimBackend:
 
     # ------------------------------------------------------------------- pools, graphs
     def graph_pool_handle(self) -> tuple[int, int]:
-        """A new private pool handle that several graph captures can share.
-
-        Returns:
-            The handle, as ``torch.cuda.graph_pool_handle``; pass it as ``pool=`` and as
-            :class:`~graphborrow.core.borrow.BorrowState`'s ``pool_id``.
-        """
         return self.new_pool_id(graph=False)
 
     def CUDAGraph(self) -> graphs.CUDAGraph:
@@ -459,43 +453,16 @@ class SimBackend:
 
     # ----------------------------------------------------------------- introspection
     def memory_snapshot(self, pool_id=None) -> list[dict]:
-        """The allocator's segments, as ``torch.cuda.memory_snapshot``.
-
-        Args:
-            pool_id: only the segments of this pool (a graph pool handle or
-                :meth:`pool_id`); None for every segment of the device.
-
-        Returns:
-            Segment dicts in torch's format (sizes and addresses in bytes).
-        """
         with self.allocator_call():
             return self.allocator.snapshot(None if pool_id is None else tuple(pool_id))
 
     def memory_stats(self) -> dict[str, Any]:
-        """The allocator's counters, as ``torch.cuda.memory_stats``.
-
-        Returns:
-            A flat dict such as ``"reserved_bytes.all.current"`` to int, with torch's keys.
-        """
         return self.allocator.memory_stats()
 
     def memory_reserved(self) -> int:
-        """Bytes in the caching allocator's segments, as ``torch.cuda.memory_reserved``.
-
-        Borrowed segments are counted here a second time although they use no new memory:
-        measure the device with :meth:`mem_get_info` instead.
-
-        Returns:
-            Bytes.
-        """
         return self.allocator.memory_reserved()
 
     def memory_allocated(self) -> int:
-        """Bytes in blocks allocated to tensors, as ``torch.cuda.memory_allocated``.
-
-        Returns:
-            Bytes (allocator-rounded block sizes).
-        """
         return self.allocator.memory_allocated()
 
     def set_per_process_memory_fraction(self, fraction: float, device=None) -> None:

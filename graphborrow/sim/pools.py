@@ -69,12 +69,9 @@ class MemPool:
 
 
 class SimPoolRouting:
-    """``use_mem_pool`` on the simulated device, safe against interrupts.
-
-    Routing starts at entry and stops (ending the routing and releasing the pool) at
-    exit, each in a critical section; a routing dropped without its exit (an interrupt
-    right before ``__exit__``) is stopped when it is collected.
-    """
+    """``use_mem_pool`` on the simulated device: routing starts at entry and stops (ending the
+    routing and releasing the pool) at exit, safe against interrupts (Note [interrupt-safe
+    scopes] in :mod:`graphborrow.core.interrupts`)."""
 
     __slots__ = ("backend", "pool_id", "routed")
 

@@ -13,8 +13,12 @@ from typing import Iterable, Sequence
 import torch
 
 from graphborrow.core.errors import BorrowCapacityError
+from graphborrow.eagle import eagle_verify
 from graphborrow.eagle.draft_tree import DraftTree, build_draft_tree, tree_depth_for
 from graphborrow.eagle.modes import MODES
+from graphborrow.eagle.plan import plan_verify
+
+from .plots import capacity_map
 
 __all__ = ["boundary_cells", "verify_inputs", "fit_grid_figure", "fit_policy_contrast", "plan_table", "run_verify_step", "summarize_fit"]
 
@@ -34,8 +38,6 @@ def plan_table(pool, batches: Iterable[int], draft_tokens: Iterable[int], vocab:
         Rows with batch_size, draft_tokens, mode, fits, peak_bytes (most bytes of blocks
         the step holds at once), requests_per_chunk and reason.
     """
-    from graphborrow.eagle.plan import plan_verify
-
     rows = []
     for d in sorted(set(draft_tokens)):
         for bs in sorted(set(batches)):
@@ -116,8 +118,6 @@ def run_verify_step(state, batch_size: int, draft_tokens: int, vocab: int, mode:
     Returns:
         True if the step finished, False if it ran out of borrowed memory.
     """
-    from graphborrow.eagle import eagle_verify
-
     backend = state.backend
     logits, tree = verify_inputs(backend, batch_size, draft_tokens, vocab, branching, seed)
     state.retire()
@@ -138,8 +138,6 @@ def fit_grid_figure(rows: Sequence[dict], title: str = ""):
     """One capacity grid per mode (batch size x draft tokens): colour = the step's peak
     MiB, hatched = does not fit. Returns a matplotlib Figure."""
     from matplotlib.figure import Figure
-
-    from .plots import capacity_map
 
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     if not modes:
@@ -167,8 +165,6 @@ def fit_policy_contrast(state, vocab: int, batches: Iterable[int] = (1, 2, 4, 8,
     Returns:
         ``(batch_size, draft_tokens)`` or None.
     """
-    from graphborrow.eagle.plan import plan_verify
-
     saved = state.best_fit
     try:
         for bs in sorted(set(batches)):

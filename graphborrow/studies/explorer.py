@@ -21,10 +21,12 @@ import torch
 
 from graphborrow.core.errors import ParameterError
 from graphborrow.core.sizes import MB
+from graphborrow.device import get_backend
 from graphborrow.eagle import MODES, eagle_verify
 from graphborrow.eagle.draft_tree import DraftTree
 from graphborrow.eagle.plan import VerifyPlan, describe_plan, plan_verify
 from graphborrow.planning.capacity import fit_policy_pool
+from graphborrow.workloads.ladder import GraphLadder, ModelShape
 
 from .plots import capacity_map, memory_map
 
@@ -113,9 +115,6 @@ class _Layout:
     """A captured pool on a layout-only simulated device, kept for repeated queries."""
 
     def __init__(self, key: tuple):
-        from graphborrow.device import get_backend
-        from graphborrow.workloads.ladder import GraphLadder, ModelShape
-
         self.backend = get_backend("sim", backed=False, activate=False)
         pool, model, layers, vocab, ladder, prefill, draft = key
         with self.backend.activated():

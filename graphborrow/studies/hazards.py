@@ -61,6 +61,12 @@ class HazardReport:
     overwritten_fraction: Optional[float] = None
 
 
+def _left_behind(state, runs) -> dict:
+    """The borrowed bytes still referenced once the scope ended, and how many lie in ``runs``."""
+    live = _live_borrowed_blocks(state)
+    return {"left_in_pool_bytes": sum(n for _, n in live), "inside_runs_bytes": _bytes_inside(live, runs)}
+
+
 def _bytes_inside(ranges, runs) -> int:
     """Bytes of ``ranges`` [(address, nbytes)] that fall inside any of ``runs``."""
     total = 0
@@ -125,15 +131,8 @@ def library_workspace_hazard(ladder, *, rehearse: bool = False, size: int = 256)
     except backend.OutOfMemoryError as exc:
         step_error = f"OutOfMemoryError: {str(exc).splitlines()[0][:160]}"
     backend.synchronize()
-    live = _live_borrowed_blocks(state)
-    report = HazardReport(
-        hazard="library workspace created inside the borrow",
-        rehearsed=rehearse,
-        step_error=step_error,
-        left_in_pool_bytes=sum(n for _, n in live),
-        inside_runs_bytes=_bytes_inside(live, runs),
-        guard_message=_guarded_replay(ladder),
-    )
+    report = HazardReport(hazard="library workspace created inside the borrow", rehearsed=rehearse,
+                          step_error=step_error, **_left_behind(state, runs), guard_message=_guarded_replay(ladder))
     backend.clear_library_workspaces()
     state.retire()
     return report
@@ -162,7 +161,7 @@ def escaped_tensor_hazard(ladder, make: Callable[[torch.Tensor], torch.Tensor], 
     with state.borrow("EAGLE verify (keeps a mask)"):
         kept = make(logits)
     backend.synchronize()
-    live = _live_borrowed_blocks(state)
+    left = _left_behind(state, runs)
     guard = _guarded_replay(ladder)
     fraction = None
     if backend.backed:
@@ -172,15 +171,8 @@ def escaped_tensor_hazard(ladder, make: Callable[[torch.Tensor], torch.Tensor], 
         backend.synchronize()
         fraction = (before != kept.cpu()).float().mean().item()
     del kept
-    report = HazardReport(
-        hazard="a step's tensor kept for the next step",
-        rehearsed=False,
-        step_error=None,
-        left_in_pool_bytes=sum(n for _, n in live),
-        inside_runs_bytes=_bytes_inside(live, runs),
-        guard_message=guard,
-        overwritten_fraction=fraction,
-    )
+    report = HazardReport(hazard="a step's tensor kept for the next step", rehearsed=False, step_error=None,
+                          **left, guard_message=guard, overwritten_fraction=fraction)
     state.retire()
     return report
 

@@ -25,9 +25,17 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from graphborrow.allocator.config import AllocatorConfig
+from graphborrow.core.borrow import precarve_bytes
 from graphborrow.core.errors import ParameterError, SnapshotFormatError
 from graphborrow.core.runs import find_free_runs, load_snapshot
 from graphborrow.core.sizes import MB
+from graphborrow.eagle.modes import MODES
+from graphborrow.eagle.plan import MAX_STEP_BYTES
+from graphborrow.planning.planner import PoolImage
+
+from .capacity import plan_table
+from .plots import memory_map
 
 __all__ = ["PoolSummary", "SnapshotReport", "format_report", "inspect_snapshot", "plot_report", "read_snapshot"]
 
@@ -154,7 +162,6 @@ def _config(settings: dict):
     """The recorded allocator's settings as the simulator's config (None: torch's defaults)."""
     if not settings:
         return None
-    from graphborrow.allocator.config import AllocatorConfig
 
     try:
         return AllocatorConfig.from_settings(settings)
@@ -165,9 +172,6 @@ def _config(settings: dict):
 def _steps(batches: Iterable[int], draft_tokens: Iterable[int], vocab: int,
            modes: Optional[Iterable[str]]) -> tuple[list, list, list]:
     """The steps to plan as lists, each value checked (before any snapshot is read)."""
-    from graphborrow.eagle.modes import MODES
-    from graphborrow.eagle.plan import MAX_STEP_BYTES
-
     batches, draft_tokens, modes = list(batches), list(draft_tokens), list(MODES if modes is None else modes)
     for name, values in (("batches", batches), ("draft_tokens", draft_tokens), ("modes", modes)):
         if not values:
@@ -212,11 +216,6 @@ def inspect_snapshot(snapshot: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
             could hold; checked before the snapshot is read.
         SnapshotFormatError: the input is not an allocator snapshot, or names a pool it lacks.
     """
-    from graphborrow.core.borrow import precarve_bytes
-    from graphborrow.planning.planner import PoolImage
-
-    from .capacity import plan_table
-
     batches, draft_tokens, modes = _steps(batches, draft_tokens, vocab, modes)
     segments, settings, source = read_snapshot(snapshot)
     pools = _summaries(segments)
@@ -300,8 +299,6 @@ def plot_report(report: SnapshotReport, ax=None):
     Returns:
         A matplotlib Figure.
     """
-    from .plots import memory_map
-
     pool = report.pool(report.planned_pool)
     segments = [s for s in report.segments if _pool_id(s) == report.planned_pool]
     title = (f"{Path(report.source).name}: pool {report.planned_pool}, {_mib(pool.reserved_bytes)} reserved, "

@@ -11,7 +11,12 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from graphborrow.core.borrow import precarve_bytes
+from graphborrow.core.runs import find_free_runs
 from graphborrow.core.sizes import MB
+from graphborrow.eagle.modes import MODES
+from graphborrow.eagle.plan import plan_verify
+from graphborrow.planning.planner import PoolImage
 
 from .shipped import data_dir as shipped_data_dir
 
@@ -234,12 +239,6 @@ def planned_capacity(segments: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
     Returns:
         One row per point: batch_size, draft_tokens, mode, fits, requests_per_chunk, peak_bytes, reason.
     """
-    from graphborrow.core.borrow import precarve_bytes
-    from graphborrow.core.runs import find_free_runs
-    from graphborrow.eagle.modes import MODES
-    from graphborrow.eagle.plan import plan_verify
-    from graphborrow.planning.planner import PoolImage
-
     modes = MODES if modes is None else modes
     runs = find_free_runs(segments)[:64]
     seeds = [s for s in (precarve_bytes(n) for _, n in runs) if s] if precarve else []

@@ -30,6 +30,15 @@ import torch
 from graphborrow.core.errors import ParameterError
 from graphborrow.core.runs import find_free_runs, summarize
 from graphborrow.eagle.modes import MODES
+from graphborrow.eagle.plan import plan_verify
+from graphborrow.fidelity.compare import compare_recordings, load_recording, recording
+from graphborrow.sim import SimBackend
+from graphborrow.sim.attention import BACKENDS, AttentionModel
+from graphborrow.workloads.ladder import build_ladder
+
+from .capacity import boundary_cells, run_verify_step
+from .inspection import inspect_snapshot
+from .shipped import data_dir
 
 __all__ = [
     "MiB",
@@ -61,33 +70,14 @@ def build_workload(model: str, backend, **kwargs):
     :class:`graphborrow.workloads.models.ModelLadder` (``layers``, ``decode_batches``, ``draft_tokens``,
     ``context``, ``prefill``, ``prefill_tokens``, ``tiny``).
     """
-    from graphborrow.workloads.ladder import build_ladder
-
     return build_ladder(model, backend, **kwargs)
-
-
-def _planner():
-    try:
-        from graphborrow.eagle.plan import plan_verify
-    except ImportError:
-        return None
-    return plan_verify
 
 
 def verify_fit(state, batches: Iterable[int], draft_tokens: int, vocab: int,
                modes: Sequence[str] = MODES) -> list[dict]:
     """Which verification steps fit the borrowable runs: one row per batch size and mode."""
-    plan_verify = _planner()
     rows = []
     for bs in batches:
-        if plan_verify is None:
-            nbytes = bs * draft_tokens * vocab * 4
-            rows.append({"batch": bs, "draft_tokens": draft_tokens, "vocab": vocab, "mode": "standard",
-                         "fits": bool(state.can_fit(nbytes)),
-                         "answered_by": "planner unavailable: can_fit of the fp32 target probabilities only",
-                         "reason": f"{nbytes / MiB:.1f} MiB tensor against a largest run of "
-                                   f"{state.largest_run() / MiB:.1f} MiB"})
-            continue
         for mode in modes:
             row = {"batch": bs, "draft_tokens": draft_tokens, "vocab": vocab, "mode": mode,
                    "answered_by": "capacity.plan_verify"}
@@ -118,8 +108,6 @@ def check_boundaries(state, fit: Sequence[dict]) -> list[dict]:
     Returns:
         One row per step run: batch, draft_tokens, vocab, mode, planned, ran, agrees.
     """
-    from .capacity import boundary_cells, run_verify_step
-
     cells = [{"batch_size": r["batch"], "draft_tokens": r["draft_tokens"], "vocab": r["vocab"],
               "mode": r["mode"], "fits": r["fits"]}
              for r in fit if r["answered_by"] == "capacity.plan_verify"]
@@ -140,6 +128,7 @@ def borrow_saving(state, logits: torch.Tensor, backend) -> dict:
 
     The set is what the standard verifier materialises: fp32 target probabilities over the
     vocabulary for every draft token, and a draft-probability buffer of the same shape.
+    ``inside_runs`` says whether the borrowed set landed inside the pool's free runs.
     """
     rows, vocab = logits.reshape(-1, logits.shape[-1]).shape
 
@@ -162,13 +151,16 @@ def borrow_saving(state, logits: torch.Tensor, backend) -> dict:
     try:
         with state.borrow("probability set"):
             held = probability_set()
+            runs = state.free_runs()
+            inside = all(any(a <= backend.data_ptr(t) < a + n for a, n in runs) for t in held)
             backend.synchronize()
             free1, _ = backend.mem_get_info()
             del held
     except backend.OutOfMemoryError as e:  # the runs cannot hold the set: nothing is saved
-        return dict(result, borrowed_device_bytes=None, saved_bytes=0, error=str(e).splitlines()[0])
+        return dict(result, borrowed_device_bytes=None, saved_bytes=0, inside_runs=False,
+                    error=str(e).splitlines()[0])
     borrowed = free0 - free1
-    return dict(result, borrowed_device_bytes=borrowed, saved_bytes=plain - borrowed)
+    return dict(result, borrowed_device_bytes=borrowed, saved_bytes=plain - borrowed, inside_runs=inside)
 
 
 def vocab_of(ladder) -> int:
@@ -317,10 +309,6 @@ def simulate_recording(rec: dict, addresses: bool = True):
     request takes; see :meth:`graphborrow.allocator.memory.PhysicalMemory.follow_addresses`).
     Returns the candidate recording for :func:`graphborrow.fidelity.compare.compare_recordings`.
     """
-    from graphborrow.fidelity.compare import recording
-    from graphborrow.sim import SimBackend
-    from graphborrow.sim.attention import BACKENDS, AttentionModel
-
     params = dict(rec.get("params") or {})
     if not params:
         raise ParameterError("this recording has no 'params' to reproduce its workload with")
@@ -364,10 +352,6 @@ README_BEGIN, README_END = readme_markers()
 def planned_largest_batch(recording_path, verify_fit: list) -> int:
     """The largest batch whose standard verification step the capacity planner fits into the
     recorded pool, over the batches and draft tokens of a study's ``verify_fit`` rows (0: none)."""
-    from graphborrow.fidelity.compare import load_recording
-
-    from .inspection import inspect_snapshot
-
     rec = load_recording(recording_path)
     batches = sorted({r["batch"] for r in verify_fit})
     draft_tokens = verify_fit[0]["draft_tokens"]
@@ -384,8 +368,6 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
     for block (:func:`graphborrow.fidelity.compare.compare_recordings`).
     """
     from pathlib import Path
-
-    from graphborrow.fidelity.compare import compare_recordings, load_recording
 
     header = ["workload", "reserved MiB", "idle MiB (runs)", "largest run MiB", "whole-segment rule MiB",
               "largest fitting verify batch", "borrow saves MiB (batch)"]
@@ -468,8 +450,6 @@ def recorded_rows(directory=None) -> Optional[list[dict]]:
     """
     import json
     from pathlib import Path
-
-    from .shipped import data_dir
 
     directory = Path(directory) if directory is not None else data_dir() / "models_h200"
     summary = directory / "summary.json"

@@ -19,8 +19,8 @@ import torch
 from graphborrow.core.sizes import MB, round_size
 from graphborrow.eagle import MODES, eagle_verify
 from graphborrow.eagle.acceptance import (
-    children_of,
     chi_square,
+    children_of,
     emitted_tokens,
     expected_emitted_tokens,
     sample_copies,

@@ -19,6 +19,10 @@ import torch.nn.functional as F
 
 from graphborrow.core.borrow import BorrowState
 from graphborrow.core.errors import ParameterError
+from graphborrow.planning.capacity import largest_borrowable
+
+from .base import Ladder
+from .models import MODELS, ModelLadder
 
 __all__ = [
     "LLAMA3_8B",
@@ -131,7 +135,7 @@ class LlamaMLP:
         return F.linear(self._rms_norm(x, self.norm), self.head).float()
 
 
-class GraphLadder:
+class GraphLadder(Ladder):
     """A prefill graph plus decode graphs for each batch size, in one shared pool.
 
     Decode graphs take ``batch * draft_tokens`` tokens (EAGLE verifies every draft token)
@@ -245,26 +249,6 @@ class GraphLadder:
             self.decode_batches.append(batch)
         return self.outputs[("decode", batch)]
 
-    def graph_batch(self, batch: int) -> int:
-        """Smallest captured decode batch that holds ``batch`` requests (padding up).
-
-        Args:
-            batch: requests in the step.
-
-        Returns:
-            The captured batch size to replay.
-
-        Raises:
-            ParameterError: ``batch`` exceeds the largest captured batch.
-        """
-        fits = [bs for bs in self.decode_batches if bs >= batch]
-        if not fits:
-            raise ParameterError(
-                f"batch {batch} exceeds the largest captured decode batch {max(self.decode_batches)}; "
-                "capture a larger ladder or split the batch"
-            )
-        return min(fits)
-
     def replay(self, key) -> torch.Tensor:
         """Replay one captured graph inside the borrow state's replay scope.
 
@@ -303,14 +287,6 @@ class GraphLadder:
         """
         return self.replay("prefill")
 
-    def snapshot(self) -> list:
-        """The shared pool's segments, where the idle runs are read from.
-
-        Returns:
-            Segment dicts in torch's snapshot format, this pool's only.
-        """
-        return self.backend.memory_snapshot(self.pool_id)
-
 
 def notebook_dtype(backend) -> torch.dtype:
     """The synthetic model's dtype on ``backend``: bfloat16 as served on a GPU and on the
@@ -346,8 +322,6 @@ def borrowable_ladder(ladder: "GraphLadder", fallback: ModelShape | None = None)
     Raises:
         RuntimeError: the fallback ladder has no borrowable run either.
     """
-    from graphborrow.planning.capacity import largest_borrowable
-
     state = ladder.state
     if any(largest_borrowable(n, state.precarve_sizes([(0, n)])) for _, n in state.free_runs()):
         return ladder, ""
@@ -375,8 +349,6 @@ def model_names() -> tuple[str, ...]:
     Returns:
         ``"synthetic"`` followed by the names in :data:`graphborrow.workloads.models.MODELS`.
     """
-    from .models import MODELS
-
     return (SYNTHETIC,) + tuple(MODELS)
 
 
@@ -435,7 +407,6 @@ def build_ladder(
                            draft_tokens=draft_tokens, state=state, order=order, seed=seed)
     if shape is not None:
         raise ParameterError(f"shape applies to the synthetic workload only; {model!r} has its own widths")
-    from .models import MODELS, ModelLadder
 
     if isinstance(model, str):
         if model not in MODELS:

@@ -36,6 +36,9 @@ import torch
 
 from graphborrow.core.borrow import BorrowState
 from graphborrow.core.errors import ParameterError
+from graphborrow.sim.cuda_ops import device_queries
+
+from .base import Ladder
 
 __all__ = [
     "MODELS",
@@ -186,8 +189,6 @@ def _spec(name: str) -> ModelSpec:
 def _device_queries(backend):
     """On the simulated device, answer model code's CUDA capability query as an H200."""
     if backend.name == "sim":
-        from graphborrow.sim.cuda_ops import device_queries
-
         return device_queries()
     return contextlib.nullcontext()
 
@@ -196,7 +197,7 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-class ModelLadder:
+class ModelLadder(Ladder):
     """EAGLE-verify graphs per batch size (and optional prefill graphs) of a transformers model.
 
     Args:
@@ -425,16 +426,6 @@ class ModelLadder:
         return self
 
     # -------------------------------------------------------------------- using it
-    def graph_batch(self, batch: int) -> int:
-        """Smallest captured verify batch that holds ``batch`` requests (padding up)."""
-        fits = [bs for bs in self.decode_batches if bs >= batch]
-        if not fits:
-            raise ParameterError(
-                f"batch {batch} exceeds the largest captured verify batch {max(self.decode_batches)}; "
-                "capture a larger ladder or split the batch"
-            )
-        return min(fits)
-
     def decode(self, batch: int) -> torch.Tensor:
         """Replay the verify graph for ``batch`` requests; returns its [batch, draft_tokens, vocab] logits."""
         bs = self.graph_batch(batch)
@@ -445,10 +436,6 @@ class ModelLadder:
         with self.state.replay_scope():
             self.graphs[key].replay()
         return self.outputs[key][:batch]
-
-    def snapshot(self) -> list:
-        """The shared pool's segments (torch's snapshot format)."""
-        return self.backend.memory_snapshot(self.pool_id)
 
     def describe(self) -> str:
         prefill = "no prefill" if self.prefill_mode == "none" else f"{self.prefill_mode} prefill of {self.prefill_tokens} tokens"

@@ -34,9 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """A JupyterLab server on 127.0.0.1 with a token, rooted in a temp dir holding the explorer."""
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """One JupyterLab server on 127.0.0.1 with a token for the module, rooted in a temp dir whose
+    ``explorer/`` holds the explorer to run and ``executed/`` the executed notebooks to view. The
+    app is exposed to the page (``window.jupyterapp``) so one loaded page opens every notebook."""
+    tmp_path = tmp_path_factory.mktemp("browser")
     if not Path(CHROMIUM).exists():
         message = f"{CHROMIUM} not found; install Debian's chromium (apt-get install -y chromium)"
         if os.environ.get("CI"):  # CI installs it (make browser): never pass there by skipping
@@ -46,8 +49,9 @@ def lab(tmp_path):
     if not EXPLORER.exists():
         pytest.fail(f"{EXPLORER.name} is missing from notebooks/")
     root = tmp_path / "lab"
-    root.mkdir()
-    shutil.copy(EXPLORER, root / EXPLORER.name)
+    (root / "explorer").mkdir(parents=True)
+    (root / "executed").mkdir()
+    shutil.copy(EXPLORER, root / "explorer" / EXPLORER.name)
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "MPLBACKEND": "Agg"}
@@ -56,7 +60,7 @@ def lab(tmp_path):
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
          f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--ServerApp.port_retries=0",
-         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"]
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--LabApp.expose_app_in_browser=True"]
         + (["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),
         stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -96,7 +100,7 @@ def test_explorer_redraws_when_a_slider_moves(lab):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
         try:
-            page.goto(f"{url}/lab/tree/{EXPLORER.name}?token={token}")
+            page.goto(f"{url}/lab/tree/explorer/{EXPLORER.name}?reset&token={token}")
             page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
             select = page.locator(".jp-Dialog").get_by_role("button", name="Select", exact=True)
             try:  # JupyterLab may ask which kernel to start; python3 is preselected
@@ -112,7 +116,7 @@ def test_explorer_redraws_when_a_slider_moves(lab):
             image.wait_for(state="visible", timeout=120_000)
             # the notebook moves the slider itself and saves its results last: wait for that,
             # so "before" is the figure the finished notebook leaves, not one mid-run
-            done, deadline = root / "results" / "07_explorer.json", time.time() + 180
+            done, deadline = root / "explorer" / "results" / "07_explorer.json", time.time() + 180
             while not done.exists() and time.time() < deadline:
                 page.wait_for_timeout(500)
             assert done.exists(), "the explorer notebook did not run to the end in the browser"
@@ -157,42 +161,61 @@ def _executed_copy(path: Path, folder: Path) -> Path:
     return done
 
 
+@pytest.fixture(scope="module")
+def lab_page(lab):
+    """One headless Chromium page with JupyterLab loaded (a fresh workspace): the notebooks open in it."""
+    from playwright.sync_api import sync_playwright
+
+    url, token, _ = lab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{url}/lab?reset&token={token}")
+            page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started", timeout=60_000)
+            page.evaluate("() => window.jupyterapp.started")
+            yield page
+        finally:
+            browser.close()
+
+
 @pytest.mark.parametrize("path", NUMBERED, ids=lambda p: p.stem)
-def test_executed_notebook_shows_its_figures_in_jupyterlab(lab, path):
+def test_executed_notebook_shows_its_figures_in_jupyterlab(lab, lab_page, path):
     """Opens the executed notebook (outputs stored, no kernel run) and counts rendered images:
     at least one per cell tagged 'figure'. Screenshot: test-artifacts/<notebook>.png."""
     import json
 
-    from playwright.sync_api import sync_playwright
-
-    url, token, root = lab
+    _, _, root = lab
+    page = lab_page
     executed = _executed_copy(path, root.parent)
-    shutil.copy(executed, root / path.name)
+    shutil.copy(executed, root / "executed" / path.name)
     nb = json.loads(executed.read_text())
     tagged = sum("figure" in c.get("metadata", {}).get("tags", []) for c in nb["cells"])
     stored = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
     assert stored >= tagged, f"{path.name}: {tagged} figure cells but only {stored} stored images"
     ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(f"{url}/lab/tree/{path.name}?token={token}")
-            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
-            images = page.locator(".jp-OutputArea-output img")
-            deadline = time.time() + 60
-            while images.count() < stored and time.time() < deadline:
-                page.wait_for_timeout(500)
-            shown = images.count()
-            for i in range(shown):  # an image that failed to decode has no natural width
-                assert images.nth(i).evaluate("img => img.complete && img.naturalWidth > 0"), (
-                    f"{path.name}: image {i} did not render")
-            page.screenshot(path=str(ARTIFACTS / f"{path.stem}.png"))
-            if shown:
-                images.first.scroll_into_view_if_needed()
-                page.wait_for_timeout(300)
-                page.screenshot(path=str(ARTIFACTS / f"{path.stem}_figure.png"))
-            assert shown >= max(stored, 1 if tagged else 0), (
-                f"{path.name}: JupyterLab shows {shown} images; the executed notebook stores {stored}")
-        finally:
-            browser.close()
+    # open it without a kernel (the stored outputs are what is checked), in the page already loaded
+    page.evaluate("path => window.jupyterapp.commands.execute('docmanager:open', "
+                  "{path, factory: 'Notebook', kernel: {name: null}})", f"executed/{path.name}")
+    try:
+        panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").first
+        panel.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+        images = panel.locator(".jp-OutputArea-output img")
+        deadline = time.time() + 60
+        while images.count() < stored and time.time() < deadline:
+            page.wait_for_timeout(300)
+        shown = images.count()
+        for i in range(shown):  # an image that failed to decode has no natural width
+            assert images.nth(i).evaluate("img => img.complete && img.naturalWidth > 0"), (
+                f"{path.name}: image {i} did not render")
+        page.screenshot(path=str(ARTIFACTS / f"{path.stem}.png"))
+        if shown:
+            images.first.scroll_into_view_if_needed()
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(ARTIFACTS / f"{path.stem}_figure.png"))
+        assert shown >= max(stored, 1 if tagged else 0), (
+            f"{path.name}: JupyterLab shows {shown} images; the executed notebook stores {stored}")
+    finally:  # the next notebook opens in a clean main area: close this one unsaved, stop its kernel
+        page.evaluate("async () => { const app = window.jupyterapp;"
+                      " for (const w of Array.from(app.shell.widgets('main'))) w.dispose();"
+                      " await app.serviceManager.sessions.shutdownAll(); }")

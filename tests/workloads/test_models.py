@@ -183,7 +183,7 @@ def test_decode_pads_up_and_refuses_too_large_batches(layout):
     ladder = ModelLadder(layout, "llama-3-8b", layers=1, decode_batches=(4, 2), context=16, tiny=True).capture()
     assert ladder.graph_batch(3) == 4
     assert ladder.decode(3).shape[0] == 3
-    with pytest.raises(ParameterError, match="exceeds the largest captured verify batch 4"):
+    with pytest.raises(ParameterError, match="exceeds the largest captured batch 4"):
         ladder.decode(5)
 
 

@@ -33,7 +33,6 @@ from graphborrow.studies.shipped import find_notebook
 
 from ..environment import check_environment
 from ..folders import output_folder
-
 from .execute import Execution, NotebookJob
 from .grid import Grid, check_sweep_name, parse_cli_values, parse_value
 from .parameters import (

@@ -30,6 +30,7 @@ from .parameters import (
     Range,
     Text,
     declared_parameters,
+    read_notebook,
     validate,
 )
 
@@ -217,8 +218,6 @@ def _defaults(notebook, stem: str = "") -> dict[str, Any]:
     parameters left at None replaced by the teaching preset's (what the notebook then runs)."""
     import ast
 
-    from .parameters import read_notebook
-
     nb = read_notebook(notebook) if isinstance(notebook, (str, Path)) else notebook
     cell = next(c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", []))
     out = {}
@@ -245,8 +244,6 @@ def notebook_points(notebook, samples: int = 2, seed: int = 0, h200: bool = True
     Returns:
         :class:`Point` s with derived, validated parameters (``DEVICE``/``OUTPUT_DIR`` not set).
     """
-    from .parameters import read_notebook
-
     nb = read_notebook(notebook) if isinstance(notebook, (str, Path)) else notebook
     declared = declared_parameters(nb)
     unknown = sorted(n for n in declared if n not in PARAMETERS)

@@ -32,7 +32,7 @@ import math
 import torch
 
 from . import host
-from .tensor import SimTensor, dispatch, register_cuda_model
+from .tensor import SimTensor, dispatch, register_cuda_model, register_factory_model
 
 __all__ = ["H200_CAPABILITY", "KernelModel", "SMALL_SORT_LIMIT", "device_queries", "grouped_mm_argument_bytes",
            "histc_any_dtype"]
@@ -128,7 +128,9 @@ def _pow_scalar_base(func, args, kwargs):
 
 @register_cuda_model(_aten.sort.default, _aten.sort.stable)
 def _sort(func, args, kwargs):
-    """Values and indices; a small sort fills the indices from an ``arange`` temporary."""
+    """Values and indices, then what CUDA's sort allocates: up to 4096 elements along the dim an
+    in-place bitonic sort that first fills the indices from an ``arange`` temporary of that length
+    (int64); past it the stable sort (Sort.cu, :func:`_long_sort`)."""
     names = ("self", "dim", "descending") if func is _aten.sort.default else ("self", "stable", "dim", "descending")
     params = _named(args, kwargs, names)
     x = params["self"]
@@ -137,7 +139,141 @@ def _sort(func, args, kwargs):
     if x.dim() and x.numel() and x.shape[dim] <= SMALL_SORT_LIMIT:
         arange = _temporary(x.sim_backend, x.shape[dim] * 8)  # fillSliceWithIndex: at::arange(n, indices' int64)
         del arange
+    elif x.dim() and x.numel():
+        _long_sort(x, dim % x.dim(), out[0], out[1])
     return out
+
+
+def _dense_dim_last_strides(shape, dim: int) -> tuple:
+    order = [d for d in range(len(shape)) if d != dim] + [dim]
+    strides, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def _long_sort(x, dim: int, values, indices) -> None:
+    """``sort_stable_kernel`` past 4096 elements per row: the input made dense with the sorted dim
+    innermost (a copy unless it already is), value and index outputs in that layout (temporaries
+    when the outputs' strides differ), then by rows: one row (or a million elements per row) is
+    CUB-sorted row by row against an ``arange``; under 128 rows all rows are sorted at once
+    with their row number packed beside each index and sorted again by row; otherwise CUB's
+    segmented sort against reversed indices. Everything goes when it returns, last made first."""
+    backend = x.sim_backend
+    n = x.numel()
+    nsort = x.shape[dim]
+    nsegments = n // nsort
+    elt = x.element_size()
+    held = []
+    dense = _dense_dim_last_strides(tuple(x.shape), dim)
+    if not (x.stride(dim) == 1 and _non_overlapping_and_dense(x)):
+        held.append(_temporary(backend, n * elt))  # self_ = empty_strided(dim last).copy_(self)
+        layout = dense
+    else:
+        layout = tuple(x.stride())
+    if tuple(values.stride()) != layout or len(held):
+        held.append(_temporary(backend, n * elt))  # values_tmp
+    if tuple(indices.stride()) != layout:
+        held.append(_temporary(backend, n * 8))  # indices_tmp
+    bits = elt * 8
+    if nsegments == 1 or nsort >= 1_000_000:
+        held.append(_temporary(backend, nsort * 8))  # the arange each row's indices come from
+        for _ in range(nsegments):
+            storage = _temporary(backend, cub_radix_sort_pairs_bytes(nsort, elt, 8, bits))
+            del storage
+    elif nsegments < 128:
+        held.append(_temporary(backend, n * 8))  # indices and row numbers (int2)
+        held.append(_temporary(backend, n * 8))  # their sorted copy
+        keys_out = _temporary(backend, n * elt)
+        storage = _temporary(backend, cub_radix_sort_pairs_bytes(n, elt, 8, bits))
+        del storage, keys_out
+        segment_bits = max(1, math.ceil(math.log2(nsegments)))
+        storage = _temporary(backend, cub_radix_sort_pairs_bytes(n, 8, 0, segment_bits))
+        del storage
+    else:
+        held.append(_temporary(backend, n * 8))  # reverse indices
+        storage = _temporary(backend, _align256(n * elt) + _align256(n * 8) + 255)  # alternate keys, values
+        del storage
+    while held:
+        held.pop()
+
+
+def _non_overlapping_and_dense(t) -> bool:
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# ------------------------------------------------------------------- CUB radix sort, randperm
+
+
+# items per tile of CUB's one-sweep radix sort on the H200 (256 threads times 22, 21 or 18 items
+# with 8-byte values), by (key bytes, value bytes; 0: keys only), fitted to the look-back storage
+# of data/fuzz's sorts: bfloat16 rows sorted all at once (16384 to 4.1 million keys), randperm
+# (int32 and int64 keys), probe_sort's full sort of 1.6 million float keys and of their int64
+# segment keys
+ONESWEEP_TILE_ITEMS = {(2, 8): 5632, (4, 8): 5376, (8, 8): 4608, (8, 0): 5760}
+
+
+def cub_radix_sort_pairs_bytes(items: int, key_bytes: int, value_bytes: int, bits: int,
+                               single_tile_items: int = 2304) -> int:
+    """Temporary storage of CUB's ``DeviceRadixSort::SortPairs`` / ``SortKeys`` (keys and values in
+    separate buffers, as ATen's ``radix_sort_pairs`` and ``radix_sort_keys`` call them) on the H200.
+
+    Up to one tile (``single_tile_items``) CUB sorts in one block and asks for 1 byte. Past it,
+    the one-sweep sort keeps, each array aligned to 256 bytes in a blob with 255 bytes of
+    slack: a 256-digit histogram per pass of 8 bits (8-byte offsets), a look-back of 256 4-byte
+    counters per tile (:data:`ONESWEEP_TILE_ITEMS`), the alternate keys and values when there
+    is more than one pass, and a 4-byte counter per pass. Checked on every randperm of data/fuzz
+    (1 byte up to 2048 items; 45823, 58879, 96767, 109055 bytes at 3000, 4096, 7168, 8192 items
+    with int32 keys; 1074687 at 65536 with int64 keys) and probe_sort's full sorts.
+
+    Args:
+        items: keys to sort.
+        key_bytes, value_bytes: sizes of a key and of a value (0: keys only).
+        bits: the key bits sorted on.
+        single_tile_items: the most items CUB sorts in one block.
+    """
+    if items <= single_tile_items:
+        return 1
+    passes = -(-bits // 8)
+    tile = ONESWEEP_TILE_ITEMS.get((key_bytes, value_bytes), ONESWEEP_TILE_ITEMS[(4, 8)])
+    tiles = -(-items // tile)
+    parts = [passes * 256 * 8, tiles * 256 * 4]
+    if passes > 1:
+        parts += [items * key_bytes, items * value_bytes]
+    parts.append(passes * 4)
+    return sum(_align256(p) for p in parts) + 255
+
+
+def randperm_key_bits(n: int) -> int:
+    """Bits of the random keys ``randperm`` sorts (Randperm.cu: duplicates under 10 % likely)."""
+    return min(64, math.ceil(math.log2(n - (6 * n * n + 1) / (12 * math.log(0.9)))))
+
+
+@register_factory_model(torch.randperm)
+def _randperm(backend, args, kwargs, result):
+    """``randperm_out_cuda`` after the output: ``check_supported_max_int_with_precision`` makes a
+    device scalar of the output's dtype and drops it; then the ``arange`` it permutes, the random
+    keys (int32 when 32 bits suffice, else int64) and their sorted copy, and CUB's radix sort
+    storage; the storage, the keys and the arange go when it returns."""
+    n = int(args[0]) if args else int(kwargs.get("n", 0))
+    itemsize = result.element_size()
+    scalar = _temporary(backend, itemsize)
+    del scalar
+    if n <= 0:
+        return
+    bits = randperm_key_bits(n)
+    key_bytes = 4 if bits <= 32 else 8
+    arange = _temporary(backend, n * itemsize)
+    keys = _temporary(backend, n * key_bytes)
+    sorted_keys = _temporary(backend, n * key_bytes)
+    storage = _temporary(backend, cub_radix_sort_pairs_bytes(n, key_bytes, itemsize, bits))
+    del storage, sorted_keys, keys, arange
 
 
 # ------------------------------------------------------------------------------- cumsum
@@ -418,7 +554,10 @@ _LOG_SOFTMAX = {_aten.log_softmax.int, torch.log_softmax, torch.Tensor.log_softm
                      torch.Tensor.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax)
 def _softmax(func, args, kwargs):
     """``softmax(x, dim, dtype=float32)`` of a half tensor: CUDA's kernel converts as it goes
-    (``_softmax(x, dim, half_to_float=True)``); other conversions copy the input first."""
+    (``_softmax(x, dim, half_to_float=True)``); other conversions copy the input first. After the
+    (contiguous) output, ``host_softmax`` makes its input contiguous: a non-contiguous input (a
+    chunk, a transposed view, a conversion that kept such strides) is copied, and the copy is
+    freed when the kernel returns."""
     functional = func in (torch.nn.functional.softmax, torch.nn.functional.log_softmax)
     names = ("self", "dim", "_stacklevel", "dtype") if functional else ("self", "dim", "dtype")
     params = _named(args, {("self" if k == "input" else k): v for k, v in kwargs.items()}, names)
@@ -429,30 +568,226 @@ def _softmax(func, args, kwargs):
     if not (x.dtype == torch.float16 and dtype == torch.float32):
         converted = x if dtype is None else x.to(dtype)
         inner = _aten._log_softmax.default if log else _aten._softmax.default
-        return dispatch(inner, (converted, dim, False), {})
+        out = dispatch(inner, (converted, dim, False), {})
+        _contiguous_input(converted)
+        return out
     out = _empty(x.sim_backend, x.shape, torch.float32)
     op = torch.log_softmax if log else torch.softmax
     _compute_into(out, lambda a: op(a.float(), dim), x)
+    _contiguous_input(x)
     return out
 
+
+def _contiguous_input(x) -> None:
+    """``input_.contiguous()`` inside a kernel: a copy of a non-contiguous input, dropped on return."""
+    if x.dim() and x.numel() and not x.is_contiguous():
+        copy = _temporary(x.sim_backend, x.numel() * x.element_size())
+        del copy
+
+
+# ------------------------------------------------------------------------- reductions
+#
+# Reduce.cuh's setReduceConfig lays a reduction out over blocks. When each output has many
+# inputs and there are few outputs, it splits every output's inputs across several blocks
+# (``ctas_per_output``), which then combine through global memory: the kernel launcher
+# allocates a staging buffer (``global_memory_size``) and one int semaphore per grid column
+# (``semaphore_size``) after the output (and after a converted copy of the input), and frees
+# them, last first, when the launch returns.
 
 # reductions whose input CUDA first converts to the result's dtype (make_reduction_from_out_ty)
 _CONVERTING_REDUCTIONS = {_aten.sum.default, _aten.sum.dim_IntList, _aten.mean.default, _aten.mean.dim,
                           _aten.prod.default, _aten.prod.dim_int, _aten.nansum.default}
+_VALUE_REDUCTIONS = {_aten.amax.default, _aten.amin.default, _aten.max.default, _aten.min.default}
+_PAIR_REDUCTIONS = {_aten.max.dim, _aten.min.dim, _aten.argmax.default, _aten.argmin.default}
+_BOOL_REDUCTIONS = {_aten.any.default, _aten.any.dim, _aten.any.dims, _aten.all.default, _aten.all.dim,
+                    _aten.all.dims}
+_WELFORD_REDUCTIONS = {_aten.var.correction, _aten.std.correction, _aten.var_mean.correction,
+                       _aten.std_mean.correction}
+_NORM_REDUCTIONS = {_aten.linalg_vector_norm.default}
+_WARP = 32
+_MAX_THREADS = 512
+_THREADS_PER_SM = 2048  # H100/H200 maxThreadsPerMultiProcessor
 
 
-@register_cuda_model(*_CONVERTING_REDUCTIONS)
-def _converting_reduction(func, args, kwargs):
-    """A reduction into another dtype (``bool.sum()`` gives int64): after the output, CUDA makes a
-    converted copy of the input, except half types into float32, which the kernel reads as they are."""
+def _accumulate_bytes(dtype: torch.dtype) -> int:
+    """``at::acc_type`` on CUDA: float for half types and float, double, int64 for integers."""
+    if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return 4
+    if dtype.is_complex:
+        return 16 if dtype == torch.complex128 else 8
+    return 8
+
+
+def _reduction_arg_bytes(func, x, out) -> int:
+    """``sizeof(arg_t)`` of the reduction's ops (the staging buffer's element)."""
+    if func in _CONVERTING_REDUCTIONS or func in _NORM_REDUCTIONS:
+        return _accumulate_bytes(out.dtype)
+    if func in _VALUE_REDUCTIONS:
+        return x.element_size()
+    if func in _PAIR_REDUCTIONS:  # (value or accumulator, int64 index)
+        return 16
+    if func in _BOOL_REDUCTIONS:
+        return 1
+    if func in _WELFORD_REDUCTIONS:  # WelfordData: mean, m2, nf of the accumulator and an int32 count
+        acc = _accumulate_bytes(x.dtype)
+        return 4 * acc if acc == 8 else 16
+    return x.element_size()
+
+
+def _last_pow2(n: int) -> int:
+    return max(1, 1 << (int(n).bit_length() - 1)) if n > 0 else 1
+
+
+def _reduction_geometry(shape, strides, reduced) -> tuple[list, list, int]:
+    """TensorIterator's view of a reduction: dims fastest first (reduced ones first, by input stride;
+    the kept ones by the output's strides), adjacent dims coalesced; returns (sizes, input strides in
+    elements, number of reduced dims)."""
+    kept = [d for d in range(len(shape)) if d not in reduced and shape[d] != 1]
+    out_stride, acc = {}, 1
+    for d in reversed(kept):
+        out_stride[d] = acc
+        acc *= shape[d]
+    red = sorted((d for d in reduced if shape[d] != 1), key=lambda d: strides[d])
+    order = red + sorted(kept, key=lambda d: (out_stride[d], strides[d]))
+    sizes, in_strides, outs = [], [], []
+    for d in order:
+        o = 0 if d in reduced else out_stride[d]
+        if sizes and (outs[-1] * sizes[-1] == o and in_strides[-1] * sizes[-1] == strides[d]) and (
+                (o == 0) == (outs[-1] == 0)):
+            sizes[-1] *= shape[d]
+            continue
+        sizes.append(shape[d])
+        in_strides.append(strides[d])
+        outs.append(o)
+    return sizes, in_strides, sum(1 for o in outs if o == 0)
+
+
+def _output_vec_size(sizes, in_strides, n_reduce: int, address_elems: int) -> int:
+    """``get_output_vec_size``: 4, halved until it divides the input's address, the first kept
+    size and every other input stride (in elements)."""
+    vec = 4
+    for n in [address_elems, sizes[n_reduce]] + [s for j, s in enumerate(in_strides) if j != n_reduce]:
+        while n % vec:
+            vec //= 2
+    return vec
+
+
+def reduce_staging_bytes(shape, strides, reduced, arg_bytes: int, multiprocessors: int = 132,
+                         address_elems: int = 0) -> tuple[int, int]:
+    """The staging buffer and semaphores of CUDA's reduction kernel (Reduce.cuh, setReduceConfig).
+
+    Args:
+        shape, strides: the input's sizes and strides (elements).
+        reduced: the reduced dims (non-negative).
+        arg_bytes: ``sizeof(arg_t)`` of the reduction.
+        multiprocessors: SM count.
+        address_elems: the input's address in elements (decides the output vector size).
+
+    Returns:
+        ``(buffer bytes, semaphore bytes)``; ``(0, 0)`` when the blocks need not combine through
+        global memory.
+    """
+    sizes, in_strides, n_reduce = _reduction_geometry(list(shape), list(strides), set(reduced))
+    numel = math.prod(shape)
+    if not sizes or numel == 0 or n_reduce == 0:
+        return 0, 0
+    num_outputs = math.prod(sizes[n_reduce:])
+    inputs = numel // num_outputs
+    fastest = n_reduce == len(sizes) or in_strides[0] < in_strides[n_reduce]
+    vec_out = 1
+    if fastest:
+        dim0, dim1, moving = inputs, num_outputs, in_strides[0]
+    else:
+        dim0, dim1, moving = num_outputs, inputs, in_strides[n_reduce]
+    if moving == 1:
+        if fastest and dim0 > 128 and n_reduce == 1:
+            dim0 //= 4  # vectorised along the input
+        elif not fastest:
+            vec_out = _output_vec_size(sizes, in_strides, n_reduce, address_elems)
+            dim0 //= vec_out
+    max_threads = _MAX_THREADS // vec_out
+    pow0 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    pow1 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    width = min(pow0, _WARP)
+    height = min(pow1, max_threads // width)
+    width = min(pow0, max_threads // height)
+    step_input, step_output = 1, 1
+    if fastest:
+        step_input *= width
+    else:
+        step_output *= width
+    block_x_reduce = fastest
+    warp_split = -(-inputs // step_input) >= min(height * 16, 256)
+    if warp_split:
+        step_input *= height
+    else:
+        step_output *= height
+    grid = -(-(num_outputs // vec_out) // step_output)
+    target = multiprocessors * (_THREADS_PER_SM // (width * height))
+    values = -(-inputs // step_input)
+    if not (warp_split and values >= 256 and grid <= target):
+        return 0, 0
+    ctas = max(min(-(-target // grid), -(-values // 16)), -(-values // 256))
+    if ctas <= 1:
+        return 0, 0
+    size = arg_bytes * num_outputs * ctas
+    if not block_x_reduce:
+        size *= width * vec_out
+    return size, 4 * grid
+
+
+def _reduced_dims(func, args, kwargs, x) -> list:
+    schema = func._schema
+    names = [a.name for a in schema.arguments]
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    dim = values.get("dim")
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0 and func not in (_aten.sum.dim_IntList,
+                                                                                           _aten.mean.dim)):
+        return list(range(x.dim()))
+    if isinstance(dim, int):
+        dim = [dim]
+    if len(dim) == 0:
+        return list(range(x.dim()))
+    return sorted({d % max(x.dim(), 1) for d in dim})
+
+
+@register_cuda_model(*(_CONVERTING_REDUCTIONS | _VALUE_REDUCTIONS | _PAIR_REDUCTIONS | _BOOL_REDUCTIONS
+                       | _WELFORD_REDUCTIONS | _NORM_REDUCTIONS))
+def _reduction(func, args, kwargs):
+    """A reduction: its outputs; a converted copy of the input where CUDA makes one (a reduction into
+    another dtype, ``bool.sum()`` giving int64, except half types into float32, which the kernel
+    reads as they are); then Reduce.cuh's staging buffer and semaphores when the blocks of an output
+    combine through global memory (:func:`reduce_staging_bytes`)."""
     out = dispatch(func, args, kwargs)
     x = args[0]
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    backend = x.sim_backend
     converted = None
-    if out.dtype != x.dtype and x.numel() and not (
-            x.dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32):
-        converted = _temporary(x.sim_backend, x.numel() * out.element_size())
+    if func in _CONVERTING_REDUCTIONS and first.dtype != x.dtype and x.numel() and not (
+            x.dtype in (torch.float16, torch.bfloat16) and first.dtype == torch.float32):
+        converted = _temporary(backend, x.numel() * first.element_size())
+    if x.dim() and x.numel() > 1:
+        reduced = _reduced_dims(func, args, kwargs, x)
+        strides = x.stride() if converted is None else _contiguous(x.shape)
+        address = 0 if converted is not None else backend.data_ptr(x) // x.element_size()
+        buffer_bytes, semaphore_bytes = reduce_staging_bytes(
+            tuple(x.shape), tuple(strides), reduced, _reduction_arg_bytes(func, x, first),
+            _kernels(x).multiprocessors, address)
+        if buffer_bytes:
+            buffer = _temporary(backend, buffer_bytes)
+            semaphores = _temporary(backend, semaphore_bytes)
+            del semaphores, buffer
     del converted
     return out
+
+
+def _contiguous(shape) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 # ------------------------------------------------------------------- copies with the host

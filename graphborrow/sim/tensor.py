@@ -38,6 +38,7 @@ __all__ = [
     "SimTensor",
     "is_sim_tensor",
     "register_cuda_model",
+    "register_factory_model",
     "to_host",
 ]
 
@@ -179,6 +180,23 @@ def register_cuda_model(*funcs):
                 CUDA_MODELS[f] = model
             else:
                 _OVERRIDES[f] = lambda *args, _f=f, **kwargs: model(_f, args, kwargs)
+        return model
+
+    return register
+
+
+# factories (torch.randperm...) whose CUDA implementation allocates temporaries after the output;
+# filled by graphborrow.sim.cuda_ops through register_factory_model
+FACTORY_MODELS: dict = {}
+
+
+def register_factory_model(*funcs):
+    """Have ``model(backend, args, kwargs, result)`` allocate what the CUDA implementation of the
+    factories ``funcs`` allocates after its output, ``result`` (already placed on the device)."""
+
+    def register(model):
+        for f in funcs:
+            FACTORY_MODELS[f] = model
         return model
 
     return register
@@ -732,6 +750,9 @@ class SimFunctionMode(TorchFunctionMode):
             capture = backend.capture_for_current_stream()
             if capture is not None and (backend.backed or not result.sim_inner.is_meta):
                 capture.record_op(func, args, kw, [(-1, result.sim_inner)])
+            model = FACTORY_MODELS.get(func)
+            if model is not None:
+                model(backend, args, kw, result)
         if requires_grad:
             result.requires_grad_(True)
         return result

@@ -65,7 +65,7 @@ cdef class FreeList:
 cdef class BlockPool:
     cdef public bint is_small, expandable, no_split
     cdef public object owner
-    cdef public dict free, unmapped
+    cdef public dict free, unmapped, order
     cdef public long long gc_calls
 
     cpdef FreeList free_list(self, stream)
@@ -76,7 +76,7 @@ cdef class CachingAllocator:
     cdef public object small_blocks, large_blocks, graph_pools, graph_pools_freeable, captures_underway
     cdef public object use_on_oom_pools, total_allocated_memory, _segments
     cdef public object _cuda_events, _deferred, _capture_stream_uses, _history
-    cdef public object _next_capture_id, _next_mempool_id
+    cdef public object _next_capture_id, _next_mempool_id, stream_keys, _stream_plan
     cdef public object max_split, divisions, large_segment_size, allowed_memory_maximum
     cdef public bint expandable, gc_enabled, _fast
 

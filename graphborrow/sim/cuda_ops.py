@@ -208,6 +208,16 @@ def _non_overlapping_and_dense(t) -> bool:
     return True
 
 
+@register_cuda_model(_aten.topk.default)
+def _topk(func, args, kwargs):
+    """``topk``: values and indices, then ``launch_gather_topk_kernel`` works on ``self.contiguous()``
+    (a copy of a strided input, freed when it returns). Past ``should_use_multiblock``'s row lengths
+    the multi-block radix select allocates its own buffers, which are not modelled."""
+    out = dispatch(func, args, kwargs)
+    _contiguous_input(args[0])
+    return out
+
+
 # ------------------------------------------------------------------- CUB radix sort, randperm
 
 
@@ -436,25 +446,80 @@ def _index_put(func, args, kwargs):
     """``x[i] = 0.0`` and ``index_put_``: a host scalar value (what ``__setitem__`` makes of a Python
     number for a CUDA tensor) is copied to the device first (``value.to(self.device())``, an
     element-sized block: refused inside a capture as any pageable copy, after the block was
-    allocated), then the kernel runs; the copy dies with the call."""
+    allocated), then the kernel runs; the copy dies with the call. With ``accumulate=True`` the
+    kernel sorts the indices first (:func:`_index_put_with_sort`)."""
     names = ("self", "indices", "values", "accumulate", "unsafe")
     params = _named(args, kwargs, names)
     value = params["values"]
-    if isinstance(value, SimTensor) or value.dim() != 0:
+    on_device = None
+    if not isinstance(value, SimTensor) and value.dim() == 0:
+        backend = params["self"].sim_backend
+        on_device = backend.from_host(value)
+        try:
+            host.check_host_to_device(backend, value, non_blocking=False)
+        except BaseException:
+            del on_device  # the destination block goes back as the error unwinds
+            raise
+        position = names.index("values")
+        if position < len(args):
+            args = args[:position] + (on_device,) + args[position + 1:]
+        else:
+            kwargs = dict(kwargs, values=on_device)
+        params["values"] = on_device
+    if not params.get("accumulate", False):
         return dispatch(func, args, kwargs)
-    backend = params["self"].sim_backend
-    on_device = backend.from_host(value)
-    try:
-        host.check_host_to_device(backend, value, non_blocking=False)
-    except BaseException:
-        del on_device  # the destination block goes back as the error unwinds
-        raise
-    position = names.index("values")
-    if position < len(args):
-        args = args[:position] + (on_device,) + args[position + 1:]
-    else:
-        kwargs = dict(kwargs, values=on_device)
-    return dispatch(func, args, kwargs)
+    if func is _aten.index_put.default:  # the functional form: a clone, then the in-place op
+        out = params["self"].clone()
+        _index_put_with_sort(out, list(params["indices"]), params["values"], bool(params.get("unsafe", False)))
+        return out
+    _index_put_with_sort(params["self"], list(params["indices"]), params["values"], bool(params.get("unsafe", False)))
+    return params["self"]
+
+
+def _index_put_with_sort(x, indices, value, unsafe: bool) -> None:
+    """``index_put_with_sort_kernel`` (Indexing.cu): a contiguous copy of a strided ``x``; the linear
+    index (for each index, two asynchronous bounds checks, each a reduced int64 scalar and a bool,
+    then its remainder and the product by the stride, the remainder going at once); the value
+    expanded and made contiguous (a copy when it must); sorted and original positions, an
+    ``arange`` and CUB's radix sort storage over the bits the largest row number needs; then the
+    values are accumulated (computed here on the CPU). All go when it returns, last made first."""
+    backend = x.sim_backend
+    held = []
+    if not x.is_contiguous():
+        held.append(_temporary(backend, x.numel() * x.element_size()))
+    indices = _without_masks(indices)
+    present = [i for i in indices if i is not None]
+    shape = torch.broadcast_shapes(*(i.shape for i in present)) if present else ()
+    n = math.prod(shape)
+    for i in present:
+        if i.numel() and not unsafe:
+            for _ in range(2):  # _assert_async(index.max() < size), _assert_async(index.min() >= -size)
+                reduced = _temporary(backend, 8)
+                check = _temporary(backend, 1)
+                del check, reduced
+    linear = None
+    for i in present:
+        remainder = _temporary(backend, n * 8)
+        scaled = _temporary(backend, n * 8)
+        del remainder
+        if linear is None:
+            linear = scaled
+    held.append(linear)
+    slice_size = math.prod(x.shape[len(indices):]) if len(indices) <= x.dim() else 1
+    before = math.prod(x.shape[:next((k for k, i in enumerate(indices) if i is not None), 0)])
+    if value.numel() < n * before * slice_size or not value.is_contiguous():
+        held.append(_temporary(backend, n * before * slice_size * value.element_size()))
+    if n and slice_size:
+        held.append(_temporary(backend, n * 8))  # sorted indices
+        held.append(_temporary(backend, n * 8))  # original positions
+        held.append(_temporary(backend, n * 8))  # arange
+        largest = max(x.numel() - 1, 0) // max(slice_size, 1)
+        bits = max(1, int(largest).bit_length())
+        storage = _temporary(backend, cub_radix_sort_pairs_bytes(n, 8, 8, bits))
+        del storage
+    dispatch(_aten.index_put_.default, (x, indices, value, True), {})
+    while held:
+        held.pop()
 
 
 # ----------------------------------------------------------------------------- linear

@@ -17,10 +17,17 @@ transformers models, ``data/models_h200``):
 * ``_grouped_mm`` (bf16 on sm90/sm100, CUTLASS): the kernel-argument buffer (three
   pointers, a problem shape and three strides per group) and the CUTLASS workspace
   (a fixed size per multiprocessor);
-* ``histc`` on integers (CUDA takes them; the CPU kernel does not).
+* ``histc`` on integers (CUDA takes them; the CPU kernel does not);
+* reductions: ``Reduce.cuh``'s global staging buffer and semaphores when an output's inputs are
+  split across blocks (:func:`reduce_staging_bytes`), and a converted copy of the input where
+  the result has another dtype;
+* ``softmax`` and ``topk``: the contiguous copy of a strided input;
+* ``sort`` past 4096 elements per row, ``randperm`` and ``index_put_(accumulate=True)``: their
+  CUB radix sorts (:func:`cub_radix_sort_pairs_bytes`) and the buffers around them.
 
 What a library allocates but ATen's source does not say (CUB's scan storage, CUTLASS's
-workspace) is a field of :class:`KernelModel`, with the value measured on the H200.
+workspace) is a field of :class:`KernelModel` or a constant here (:data:`ONESWEEP_TILE_ITEMS`),
+with the value measured on the H200.
 """
 
 from __future__ import annotations

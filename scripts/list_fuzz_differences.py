@@ -61,9 +61,9 @@ CAUSES = {
                                      "histograms, CUB scan storage) are not modelled",
     "linear": "a matmul whose 3-D operand is broadcast from fewer dims (an expand with batch stride 0): CUDA "
               "copies that operand contiguous after the output; the copy is not modelled",
-    "other": "torch.unique's CUB sort and run-length temporaries (probe_index) are not modelled; repr of a tensor "
-             "inside a capture (rule_repr_of_tensor) makes a segment on the capture stream before the capture "
-             "fails: not yet explained",
+    "other": "torch.multinomial's temporaries (probe_index) are not modelled; repr of a tensor inside a capture "
+             "(rule_repr_of_tensor) makes a segment on the capture stream before the capture fails: not yet "
+             "explained",
 }
 
 

@@ -40,6 +40,7 @@ import torch
 
 from . import host
 from .tensor import SimTensor, dispatch, register_cuda_model, register_factory_model
+from .values import keeps_values, meta_like
 
 __all__ = ["H200_CAPABILITY", "KernelModel", "SMALL_SORT_LIMIT", "device_queries", "grouped_mm_argument_bytes",
            "histc_any_dtype"]
@@ -215,13 +216,59 @@ def _non_overlapping_and_dense(t) -> bool:
     return True
 
 
+def topk_uses_multiblock(num_slices: int, slice_size: int) -> bool:
+    """``should_use_multiblock`` (TensorTopK.cu): the row lengths, by row count, past which top-k
+    splits each row across blocks."""
+    return ((num_slices <= 20 and slice_size >= 20000) or (20 < num_slices <= 40 and slice_size >= 10000)
+            or (40 < num_slices <= 80 and slice_size >= 8000) or (80 < num_slices < 200 and slice_size >= 5000)
+            or (200 <= num_slices < 800 and slice_size >= 3000) or (800 <= num_slices <= 4000 and slice_size >= 800)
+            or (num_slices > 4000 and slice_size >= 400))
+
+
+# the multi-block radix select's CUB temporary storage, measured on the H200 for 1 to 8000 rows
+# (data/fuzz: probe_sort, fuzz0015, fuzz0186, fuzz0203, fuzz0204)
+TOPK_MULTIBLOCK_SCAN_BYTES = 1279
+
+
+def topk_multiblock_buffers(num_slices: int, slice_size: int, itemsize: int, multiprocessors: int = 132) -> list:
+    """The buffers ``mbtopk::launch`` allocates, in order: the k-th values, a 64-bit counter per row,
+    the digits searched (two radix words per row), 256 short digit counts per block, 256 int
+    cumulative counts per row and two int counters per block. Blocks per row follow
+    ``get_items_per_thread``: 256 threads, 4 to 64 items each, six blocks of 40 registers a thread
+    resident per SM (65536 registers)."""
+    threads, blocks_per_sm = 256, 65536 // (40 * 256)
+    items = max(4, min(64, -(-(num_slices * slice_size) // (multiprocessors * blocks_per_sm * threads))))
+    blocks = num_slices * -(-slice_size // (items * threads))
+    radix = 8 if itemsize == 8 else 4
+    return [num_slices * itemsize, num_slices * 8, num_slices * 2 * radix, blocks * 256 * 2, num_slices * 256 * 4,
+            blocks * 4, blocks * 4]
+
+
 @register_cuda_model(_aten.topk.default)
 def _topk(func, args, kwargs):
     """``topk``: values and indices, then ``launch_gather_topk_kernel`` works on ``self.contiguous()``
-    (a copy of a strided input, freed when it returns). Past ``should_use_multiblock``'s row lengths
-    the multi-block radix select allocates its own buffers, which are not modelled."""
+    (a copy of a strided input); past ``should_use_multiblock``'s row lengths the multi-block radix
+    select's buffers (:func:`topk_multiblock_buffers`) and CUB's storage, twice; everything goes
+    when it returns, last made first."""
+    params = _named(args, kwargs, ("self", "k", "dim", "largest", "sorted"))
+    x = params["self"]
     out = dispatch(func, args, kwargs)
-    _contiguous_input(args[0])
+    if not x.dim() or not x.numel() or not params["k"]:
+        return out
+    backend = x.sim_backend
+    held = []
+    if not x.is_contiguous():
+        held.append(_temporary(backend, x.numel() * x.element_size()))
+    slice_size = x.shape[params.get("dim", -1)]
+    num_slices = x.numel() // slice_size
+    if topk_uses_multiblock(num_slices, slice_size):
+        held.extend(_temporary(backend, n) for n in topk_multiblock_buffers(
+            num_slices, slice_size, x.element_size(), _kernels(x).multiprocessors))
+        for _ in range(2):
+            storage = _temporary(backend, TOPK_MULTIBLOCK_SCAN_BYTES)
+            del storage
+    while held:
+        held.pop()
     return out
 
 
@@ -414,6 +461,40 @@ def _nonzero(func, args, kwargs):
     storage = _temporary(backend, select_bytes)
     del storage, count
     return out
+
+
+@register_cuda_model(_aten._unique2.default)
+def _unique2(func, args, kwargs):
+    """``torch.unique`` (sorted, CUDA's ``unique_cuda_template``): a contiguous copy of a strided
+    input, the sorted keys and CUB's radix sort storage (keys only, every bit), then the output at
+    the input's full length (the result is its first ``count`` elements), the count on the device
+    and CUB's unique-selection storage (as ``nonzero``'s); the sorted keys go when it returns."""
+    params = _named(args, kwargs, ("self", "sorted", "return_inverse", "return_counts"))
+    x = params["self"]
+    if (params.get("return_inverse") or params.get("return_counts") or not x.numel()
+            or x.sim_inner.is_meta):  # (a shape-only input: dispatch says the count needs values)
+        return dispatch(func, args, kwargs)
+    backend = x.sim_backend
+    n, itemsize = x.numel(), x.element_size()
+    held = []
+    if not x.is_contiguous():
+        held.append(_temporary(backend, n * itemsize))
+    held.append(_temporary(backend, n * itemsize))  # sorted keys
+    storage = _temporary(backend, cub_radix_sort_pairs_bytes(n, itemsize, 0, itemsize * 8))
+    del storage
+    with torch._C.DisableTorchFunction():
+        values = torch.unique(x.sim_inner)
+        host = torch.zeros(n, dtype=x.dtype)
+        host[:values.numel()] = values
+    full = backend.place(host if (backend.backed or keeps_values(host)) else meta_like(host))
+    count = _temporary(backend, 8)
+    storage = _temporary(backend, nonzero_temporary_bytes(n)[1])
+    del storage, count
+    result = full[:values.numel()]
+    empty = [backend.place(torch.empty(0, dtype=torch.int64, device="meta"), copy=False) for _ in range(2)]
+    while held:
+        held.pop()
+    return result, empty[0], empty[1]
 
 
 @register_cuda_model(_aten.masked_select.default)

@@ -193,3 +193,12 @@ def test_index_put_with_accumulate_sorts_its_indices(backend):
     assert got == [("alloc", 8), ("alloc", 1), ("free_completed", 1), ("free_completed", 8)] * 2 + [
         ("alloc", 80000), ("alloc", 80000), ("free_completed", 80000), ("alloc", 80000), ("alloc", 80000),
         ("alloc", 80000), ("alloc", 167935), ("free_completed", 167935)] + [("free_completed", 80000)] * 4
+
+
+def test_topk_over_long_rows_splits_each_row_across_blocks(backend):
+    x = torch.randn(128, 6000, device=backend.device)
+    kept = []
+    got = events(backend, lambda: kept.append(torch.topk(x, 1024, dim=-1)))
+    made = [512, 1024, 1024, 393216, 131072, 3072, 3072]  # 6 blocks a row (probe_sort, H200)
+    assert got == ([("alloc", 524288), ("alloc", 1048576)] + [("alloc", n) for n in made]
+                   + [("alloc", 1279), ("free_completed", 1279)] * 2 + [("free_completed", n) for n in reversed(made)])

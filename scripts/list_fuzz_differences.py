@@ -59,8 +59,6 @@ CAUSES = {
     "sort and top-k over long rows": "top-k over rows long enough for should_use_multiblock (or a slice count it "
                                      "picks): the multi-block radix select's buffers (k-th values, counters, digit "
                                      "histograms, CUB scan storage) are not modelled",
-    "linear": "a matmul whose 3-D operand is broadcast from fewer dims (an expand with batch stride 0): CUDA "
-              "copies that operand contiguous after the output; the copy is not modelled",
     "other": "torch.multinomial's temporaries (probe_index) are not modelled; repr of a tensor inside a capture "
              "(rule_repr_of_tensor) makes a segment on the capture stream before the capture fails: not yet "
              "explained",

@@ -631,6 +631,14 @@ def _linear(func, args, kwargs):
     return out
 
 
+@register_cuda_model(_aten.matmul.default)
+def _matmul(func, args, kwargs):
+    """``matmul`` reached whole (inference mode): ATen's own composite, not torch's Python
+    decomposition, whose folding rule differs (ATen folds a batch-expanded operand whose strides
+    allow a view, then cuBLAS clones it: data/fuzz, fuzz0121)."""
+    return func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
+
+
 # ------------------------------------------------------------------------------ norms
 
 

@@ -37,7 +37,7 @@ cdef class FreeList:
 cdef class BlockPool:
     cdef public bint is_small, expandable, no_split
     cdef public object owner
-    cdef public dict free, unmapped
+    cdef public dict free, unmapped, order
     cdef public long long gc_calls
 
     cpdef FreeList free_list(self, stream)

@@ -223,7 +223,7 @@ class FreeList:
 class BlockPool:
     """Free blocks of one size class of one pool: a :class:`FreeList` per stream, unmapped blocks per stream."""
 
-    __slots__ = ("is_small", "owner", "free", "unmapped", "expandable", "no_split", "gc_calls")
+    __slots__ = ("is_small", "owner", "free", "unmapped", "expandable", "no_split", "gc_calls", "order")
 
     def __init__(self, is_small: bool, owner: PrivatePool | None, expandable: bool) -> None:
         self.is_small = is_small
@@ -233,6 +233,7 @@ class BlockPool:
         self.expandable = expandable  # expandable segments are active for allocations routed here
         self.no_split = False
         self.gc_calls = 0  # get_free_block calls while garbage collection is on (block ages count these)
+        self.order: dict[int, int] = {}  # stream -> the key it sorts by (its cudaStream_t), where not itself
 
     def free_list(self, stream: int) -> FreeList:
         free = self.free.get(stream)
@@ -251,8 +252,9 @@ class BlockPool:
         block.key = None
 
     def __iter__(self):
-        """Free blocks in (stream, size, ptr) order."""
-        for stream in sorted(self.free):
+        """Free blocks in (stream, size, ptr) order (streams by their handle, as torch compares them)."""
+        order = self.order
+        for stream in (sorted(self.free, key=lambda s: order.get(s, s)) if order else sorted(self.free)):
             yield from self.free[stream]
 
     @property

@@ -20,7 +20,7 @@ cdef class CachingAllocator:
     cdef public object small_blocks, large_blocks, graph_pools, graph_pools_freeable, captures_underway
     cdef public object use_on_oom_pools, total_allocated_memory, live_segments
     cdef public object cuda_events, _deferred, _capture_stream_uses, history
-    cdef public object _next_capture_id, _next_mempool_id
+    cdef public object _next_capture_id, _next_mempool_id, stream_keys, _stream_plan
     cdef public object max_split, divisions, large_segment_size, allowed_memory_maximum
     cdef public bint expandable, gc_enabled, _fast
 

@@ -82,6 +82,9 @@ class CachingAllocator:
         self.stats = DeviceStats(self.max_split)
         self.small_blocks = BlockPool(True, None, self.expandable)
         self.large_blocks = BlockPool(False, None, self.expandable)
+        self.stream_keys: dict[int, int] = {}  # stream -> handle it sorts by (follow_streams)
+        self._stream_plan: deque = deque()
+        self.small_blocks.order = self.large_blocks.order = self.stream_keys
         self.graph_pools: dict[tuple[int, int], PrivatePool] = {}
         self.graph_pools_freeable: dict[tuple[int, int], PrivatePool] = {}
         self.captures_underway: list[tuple[tuple[int, int], Callable[[int, int], bool]]] = []
@@ -98,6 +101,14 @@ class CachingAllocator:
         self.gc_enabled = False
         self._fast = False
         self.set_memory_fraction(self.config.per_process_memory_fraction)
+
+    def follow_streams(self, handles) -> None:
+        """Order streams as a recorded run's were: torch compares free blocks of different streams by
+        their ``cudaStream_t`` (which ``empty_cache`` and the out-of-memory retry release first), a
+        value the driver picks. ``handles``: the recorded run's streams in the order each first
+        allocated; the n-th stream to allocate here sorts as the n-th handle."""
+        self._stream_plan = deque(int(h) for h in handles)
+        self.stream_keys.clear()
 
     # ------------------------------------------------------------------ malloc / free
 
@@ -146,6 +157,8 @@ class CachingAllocator:
         Returns ``(block, None)`` for a block in no free list (a new segment's, or newly
         mapped pages), or ``(block, free_list)`` for one lent by a ``use_on_oom`` pool.
         """
+        if self._stream_plan and stream not in self.stream_keys:  # a stream's first malloc comes here
+            self.stream_keys[stream] = self._stream_plan.popleft()
         alloc_size = allocation_size(size, self.large_segment_size)
         if self.gc_enabled:
             self._garbage_collect_cached_blocks()
@@ -601,6 +614,7 @@ class CachingAllocator:
             if allocator is not None and not (hasattr(allocator, "raw_alloc") and hasattr(allocator, "raw_delete")):
                 raise TypeError("a pool allocator needs raw_alloc(nbytes, stream) and raw_delete(address, nbytes, stream)")
             private = self.graph_pools[pool_id] = PrivatePool(pool_id, allocator, self.expandable)
+            private.small_blocks.order = private.large_blocks.order = self.stream_keys
             self._bump_pool_ids(pool_id)
         else:
             if private.use_count <= 0:

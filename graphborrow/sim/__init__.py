@@ -4,7 +4,7 @@
 graphborrow runs unchanged on an H200 and on a machine without a GPU.
 """
 
-from . import cuda_ops  # noqa: F401  (registers CUDA op models)
+from . import cuda_ops, reductions  # noqa: F401  (register CUDA op models)
 from .device import MemPool, SimBackend, SimEvent
 from .tensor import SimLayoutOnlyError, SimTensor, is_sim_tensor
 

@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from . import host
 from .tensor import SimTensor, register_cuda_model
 from .torch_function import torch_functions_off
 
@@ -42,6 +43,8 @@ __all__ = [
     "FLASH",
     "MATH",
     "call_signature",
+    "cudnn_workspace_bytes",
+    "math_attention",
     "flash_num_splits",
     "select_backend",
 ]
@@ -69,6 +72,10 @@ class AttentionModel:
     ``efficient_gqa``: whether the memory-efficient kernel accepts fewer KV heads (it does not in
     torch 2.11: ``enable_gqa`` calls with fewer KV heads found no kernel on the H200, data/fuzz).
     ``cudnn_max_head_dim``: the largest head dimension cuDNN takes (256 on the H200, cuDNN 9.19).
+    ``cudnn_decode_splits``, ``cudnn_decode_split_keys``: a single query per head against this many
+    keys or more is split into that many blocks, whose partial results take workspace (see
+    :func:`cudnn_workspace_bytes`; measured in data/fuzz: 8 splits at 1025 keys for 1, 2 and 6
+    heads; none at 9 and 101 keys; lengths between were not recorded).
     """
 
     priority: tuple = (CUDNN, FLASH, EFFICIENT, MATH)
@@ -77,6 +84,8 @@ class AttentionModel:
     cudnn_workspace: int = 256
     efficient_gqa: bool = False
     cudnn_max_head_dim: int = 256
+    cudnn_decode_splits: int = 8
+    cudnn_decode_split_keys: int = 1024
     recorded: tuple = ()
 
     def __post_init__(self):
@@ -88,6 +97,8 @@ class AttentionModel:
             raise ValueError("the priority order must end in 'math' (the backend that always applies)")
         if self.multiprocessors < 1 or self.cudnn_workspace < 0:
             raise ValueError("multiprocessors must be >= 1 and cudnn_workspace >= 0")
+        if self.cudnn_decode_splits < 1 or self.cudnn_decode_split_keys < 1:
+            raise ValueError("cudnn_decode_splits and cudnn_decode_split_keys must be >= 1")
 
 
 def _head_counts_ok(q, k, v, enable_gqa: bool, gqa_supported: bool) -> bool:
@@ -183,6 +194,47 @@ def flash_num_splits(batch_heads_mblocks: int, num_sms: int, num_n_blocks: int, 
 # ----------------------------------------------------------------------- the op itself
 
 
+CUDNN_PLAN_IN_CAPTURE = "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"
+
+
+def _cudnn_graph_key(q, k, v, mask, is_causal: bool) -> tuple:
+    """What torch's cuDNN attention caches a built graph under: shapes, strides, dtype, causality, bias."""
+    bias = None if mask is None else (tuple(mask.shape), tuple(mask.stride()), mask.dtype)
+    return (tuple(q.shape), tuple(q.stride()), tuple(k.shape), tuple(k.stride()), tuple(v.shape),
+            tuple(v.stride()), q.dtype, bool(is_causal), bias)
+
+
+def cudnn_workspace_bytes(model: AttentionModel, heads: int, queries: int, keys: int, head_dim_v: int) -> int:
+    """The workspace cuDNN's attention plan asks for (H200, cuDNN 9.19, data/fuzz).
+
+    Prefill and verification (more than one query per head) take ``model.cudnn_workspace`` (256
+    bytes). A single query per head takes none, unless the keys are split across
+    ``model.cudnn_decode_splits`` blocks (``model.cudnn_decode_split_keys`` keys or more): then
+    the partial outputs (float32, ``head_dim_v`` each) and their two softmax statistics per
+    split and head, each array aligned to 128 bytes, and the 256 bytes.
+
+    Args:
+        model: the attention model (its cuDNN fields).
+        heads: batch times query heads.
+        queries: queries per head.
+        keys: keys per head.
+        head_dim_v: the value head dimension.
+
+    Returns:
+        Bytes (0: no workspace is allocated).
+    """
+    if queries > 1:
+        return model.cudnn_workspace
+    if keys < model.cudnn_decode_split_keys:
+        return 0
+    splits = model.cudnn_decode_splits
+    return _align(heads * splits * head_dim_v * 4, 128) + _align(heads * splits * 2 * 4, 128) + model.cudnn_workspace
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 def _parse(args, kwargs):
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     values = dict(zip(names, args))
@@ -269,6 +321,68 @@ def _fill(backend, out: SimTensor, q, k, v, mask, is_causal, scale, enable_gqa) 
         capture.record_op(_values, (*inner, is_causal, scale, enable_gqa), {}, [(-1, out.sim_inner)])
 
 
+@register_cuda_model(torch.ops.aten._safe_softmax.default)
+def _safe_softmax(func, args, kwargs):
+    """``_safe_softmax``: a softmax whose rows of only ``-inf`` give zeros. CUDA composes it (torch
+    2.11) as the softmax, ``isneginf`` of the input, ``all`` over the dim (keepdim), a device zero
+    of the output's dtype and a ``where`` written into the softmax's own output; the temporaries
+    go in reverse order."""
+    names = ("self", "dim", "dtype")
+    params = dict(zip(names, args))
+    params.update(kwargs)
+    x, dim = params["self"], params["dim"]
+    out = torch.softmax(x, dim, dtype=params.get("dtype"))
+    masked = torch.isneginf(x)
+    rows = masked.all(dim, keepdim=True)
+    zero = out.new_zeros(())
+    torch.where(rows, zero, out, out=out)
+    del zero, rows, masked
+    return out
+
+
+def _expand_heads(query, key, value, enable_gqa: bool):
+    """``pre_process_group_query_attention_input``: fewer KV heads are repeated (one copy each)."""
+    if not enable_gqa or query.shape[-3] == key.shape[-3] == value.shape[-3]:
+        return key, value
+    return (key.repeat_interleave(query.shape[-3] // key.shape[-3], -3),
+            value.repeat_interleave(query.shape[-3] // value.shape[-3], -3))
+
+
+def math_attention(q, k, v, mask, is_causal: bool, scale, enable_gqa: bool):
+    """``_scaled_dot_product_attention_math`` as torch 2.11 runs it on CUDA; returns ``(out, weights)``.
+
+    Half inputs are upcast to float32 (query, key, value: three copies); the query and the
+    transposed key are each scaled by the square root of the scale; a causal mask is made on the
+    device (``ones``, ``tril``, made additive like a boolean mask); fewer KV heads are repeated;
+    the scores get the mask added in place and a ``_safe_softmax``; the returned pair is made
+    right to left as GCC evaluates ``make_tuple``'s arguments (the weights cast back first, then
+    the output), and the locals die in reverse order of declaration. ``mask`` is already
+    additive (:func:`_additive_mask`).
+    """
+    origin = q.dtype
+    upcast = origin in _LOW_PRECISION
+    q_acc = q.to(torch.float32) if upcast else q
+    k_acc = k.to(torch.float32) if upcast else k
+    v_acc = v.to(torch.float32) if upcast else v
+    negative = scale is not None and scale < 0
+    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    query = q_acc * (-factor if negative else factor)
+    if is_causal:
+        causal = q.new_ones((q.shape[-2], k.shape[-2]), dtype=torch.bool).tril()
+        mask = _additive_mask(causal, query.dtype)
+        del causal
+    key_expanded, value_expanded = _expand_heads(query, k_acc, v_acc, enable_gqa)
+    scores = torch.matmul(query, key_expanded.transpose(-2, -1) * factor)
+    if mask is not None:
+        scores.add_(mask)
+    weights = torch.ops.aten._safe_softmax.default(scores, -1)
+    del scores
+    weights_out = weights.to(origin)
+    out = torch.matmul(weights, value_expanded).to(origin)
+    del weights, key_expanded, value_expanded, query, mask, v_acc, k_acc, q_acc
+    return out, weights_out
+
+
 @register_cuda_model(torch.ops.aten.scaled_dot_product_attention.default,
                      torch.nn.functional.scaled_dot_product_attention)
 def scaled_dot_product_attention(func, args, kwargs):
@@ -286,9 +400,9 @@ def scaled_dot_product_attention(func, args, kwargs):
     choice = select_backend(model, q, k, v, mask, dropout_p, is_causal, enable_gqa)
     mask = _additive_mask(mask, q.dtype)
     if choice == MATH:
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-        )[0]
+        out, weights = math_attention(q, k, v, mask, is_causal, scale, enable_gqa)
+        del weights  # the composite keeps only the output; the weights go last
+        return out
     b, h, s_q, _ = q.shape
     d_v = v.shape[-1]
     out_shape = (b, h, s_q, d_v)
@@ -300,13 +414,17 @@ def scaled_dot_product_attention(func, args, kwargs):
         block_n = 256 if d <= 64 else 128 if d <= 128 else 64
         splits = flash_num_splits(b * h * math.ceil(s_q / 64), model.multiprocessors * 2,
                                   math.ceil(k.shape[-2] / block_n))
+        accumulators = []
         if splits > 1:
             rounded = (d + 31) // 32 * 32
-            lse_accum = backend.new_storage(splits * b * h * s_q * 4)
-            out_accum = backend.new_storage(splits * b * h * s_q * rounded * 4)
-            del out_accum, lse_accum  # freed when mha_fwd returns (reverse declaration order)
+            accumulators.append(backend.new_storage(splits * b * h * s_q * 4))  # softmax_lse_accum
+            accumulators.append(backend.new_storage(splits * b * h * s_q * rounded * 4))  # out_accum
+        rng_state = backend.new_storage(16)  # uint64[2] philox seed and offset, on the device
+        unused = backend.new_storage(8)  # the empty uint64 scalar mha_fwd returns beside it
         _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
-        del lse  # the composite keeps only the output
+        while accumulators:  # freed when mha_fwd returns, in the order they were made (H200)
+            accumulators.pop(0)
+        del lse, rng_state, unused  # the composite keeps only the output; the rest go in order
         return out
     if choice == EFFICIENT:
         mask = _padded_bias(mask)
@@ -323,12 +441,22 @@ def scaled_dot_product_attention(func, args, kwargs):
         _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
         del seed, offset
         return out
-    # cuDNN: RNG seed and offset on the device, output in the query's layout, workspace
+    # cuDNN: RNG seed and offset on the device, output in the query's layout, the graph, workspace
     seed = _empty(backend, (1,), (1,), torch.int64)  # at::zeros on the device
     offset = _empty(backend, (1,), (1,), torch.int64)
     out = _empty(backend, out_shape, _like_query(q, out_shape), q.dtype)
-    if model.cudnn_workspace:
-        workspace = backend.new_storage(model.cudnn_workspace)
+    graph = _cudnn_graph_key(q, k, v, mask, is_causal)
+    if graph not in backend.cudnn_graphs:
+        # cuDNN allocates device memory the first time it builds a plan in a process, which a capture
+        # refuses; later plans, of any shape, build inside a capture (data/fuzz: the model scripts'
+        # captures build plans for the mask shapes their warm-up never used, and succeed on the H200)
+        if not backend.cudnn_graphs and backend.capture_for_current_stream() is not None:
+            del seed, offset, out  # as the error unwinds
+            raise host.fails_in_capture(backend, CUDNN_PLAN_IN_CAPTURE)
+        backend.cudnn_graphs.add(graph)
+    workspace_bytes = cudnn_workspace_bytes(model, b * h, s_q, k.shape[-2], d_v)
+    if workspace_bytes:
+        workspace = backend.new_storage(workspace_bytes)
         del workspace
     _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
     del seed, offset

@@ -17,10 +17,17 @@ transformers models, ``data/models_h200``):
 * ``_grouped_mm`` (bf16 on sm90/sm100, CUTLASS): the kernel-argument buffer (three
   pointers, a problem shape and three strides per group) and the CUTLASS workspace
   (a fixed size per multiprocessor);
-* ``histc`` on integers (CUDA takes them; the CPU kernel does not).
+* ``histc`` on integers (CUDA takes them; the CPU kernel does not);
+* reductions: ``Reduce.cuh``'s global staging buffer and semaphores when an output's inputs are
+  split across blocks (:func:`graphborrow.sim.reductions.reduce_staging_bytes`), and a converted copy of the input where
+  the result has another dtype;
+* ``softmax`` and ``topk``: the contiguous copy of a strided input;
+* ``sort`` past 4096 elements per row, ``randperm`` and ``index_put_(accumulate=True)``: their
+  CUB radix sorts (:func:`cub_radix_sort_pairs_bytes`) and the buffers around them.
 
 What a library allocates but ATen's source does not say (CUB's scan storage, CUTLASS's
-workspace) is a field of :class:`KernelModel`, with the value measured on the H200.
+workspace) is a field of :class:`KernelModel` or a constant here (:data:`ONESWEEP_TILE_ITEMS`),
+with the value measured on the H200.
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ import math
 import torch
 
 from . import host
-from .tensor import SimTensor, dispatch, register_cuda_model
+from .tensor import SimTensor, dispatch, register_cuda_model, register_factory_model
 from .torch_function import torch_functions_off
+from .values import keeps_values, meta_like
 
-__all__ = ["H200_CAPABILITY", "KernelModel", "SMALL_SORT_LIMIT", "device_queries", "grouped_mm_argument_bytes",
-           "histc_any_dtype"]
+__all__ = ["H200_CAPABILITY", "KernelModel", "SMALL_SORT_LIMIT", "device_queries", "grouped_mm_argument_bytes", "kernels_of",
+           "histc_any_dtype", "temporary"]
 
 _aten = torch.ops.aten
 SMALL_SORT_LIMIT = 4096  # should_use_small_sort: in-place sort up to this many elements along dim
@@ -93,7 +101,7 @@ def _align256(nbytes: int) -> int:
     return -(-nbytes // 256) * 256
 
 
-def _kernels(t):
+def kernels_of(t):
     return t.sim_backend.kernels
 
 
@@ -104,7 +112,7 @@ def _named(args, kwargs, names) -> dict:
     return values
 
 
-def _temporary(backend, nbytes: int):
+def temporary(backend, nbytes: int):
     """A block the kernel holds while it runs (freed when the caller drops it)."""
     return backend.new_storage(nbytes) if nbytes > 0 else None
 
@@ -119,7 +127,7 @@ def _pow_scalar_base(func, args, kwargs):
     base, exponent = params["self"], params["exponent"]
     out = dispatch(func, args, kwargs)
     if not (isinstance(base, (int, float)) and not isinstance(base, bool) and base == 1):
-        scalar = _temporary(exponent.sim_backend, _SCALAR_BYTES.get(type(base), 8))
+        scalar = temporary(exponent.sim_backend, _SCALAR_BYTES.get(type(base), 8))
         del scalar
     return out
 
@@ -129,16 +137,208 @@ def _pow_scalar_base(func, args, kwargs):
 
 @register_cuda_model(_aten.sort.default, _aten.sort.stable)
 def _sort(func, args, kwargs):
-    """Values and indices; a small sort fills the indices from an ``arange`` temporary."""
+    """Values and indices, then what CUDA's sort allocates: up to 4096 elements along the dim an
+    in-place bitonic sort that first fills the indices from an ``arange`` temporary of that length
+    (int64); past it the stable sort (Sort.cu, :func:`_long_sort`)."""
     names = ("self", "dim", "descending") if func is _aten.sort.default else ("self", "stable", "dim", "descending")
     params = _named(args, kwargs, names)
     x = params["self"]
     dim = params.get("dim", -1)
     out = dispatch(func, args, kwargs)
     if x.dim() and x.numel() and x.shape[dim] <= SMALL_SORT_LIMIT:
-        arange = _temporary(x.sim_backend, x.shape[dim] * 8)  # fillSliceWithIndex: at::arange(n, indices' int64)
+        arange = temporary(x.sim_backend, x.shape[dim] * 8)  # fillSliceWithIndex: at::arange(n, indices' int64)
         del arange
+    elif x.dim() and x.numel():
+        _long_sort(x, dim % x.dim(), out[0], out[1])
     return out
+
+
+def _dense_dim_last_strides(shape, dim: int) -> tuple:
+    order = [d for d in range(len(shape)) if d != dim] + [dim]
+    strides, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def _long_sort(x, dim: int, values, indices) -> None:
+    """``sort_stable_kernel`` past 4096 elements per row: the input made dense with the sorted dim
+    innermost (a copy unless it already is), value and index outputs in that layout (temporaries
+    when the outputs' strides differ), then by rows: one row (or a million elements per row) is
+    CUB-sorted row by row against an ``arange``; under 128 rows all rows are sorted at once
+    with their row number packed beside each index and sorted again by row; otherwise CUB's
+    segmented sort against reversed indices. Everything goes when it returns, last made first."""
+    backend = x.sim_backend
+    n = x.numel()
+    nsort = x.shape[dim]
+    nsegments = n // nsort
+    elt = x.element_size()
+    held = []
+    dense = _dense_dim_last_strides(tuple(x.shape), dim)
+    if not (x.stride(dim) == 1 and _non_overlapping_and_dense(x)):
+        held.append(temporary(backend, n * elt))  # self_ = empty_strided(dim last).copy_(self)
+        layout = dense
+    else:
+        layout = tuple(x.stride())
+    if tuple(values.stride()) != layout or len(held):
+        held.append(temporary(backend, n * elt))  # values_tmp
+    if tuple(indices.stride()) != layout:
+        held.append(temporary(backend, n * 8))  # indices_tmp
+    bits = elt * 8
+    if nsegments == 1 or nsort >= 1_000_000:
+        held.append(temporary(backend, nsort * 8))  # the arange each row's indices come from
+        for _ in range(nsegments):
+            storage = temporary(backend, cub_radix_sort_pairs_bytes(nsort, elt, 8, bits))
+            del storage
+    elif nsegments < 128:
+        held.append(temporary(backend, n * 8))  # indices and row numbers (int2)
+        held.append(temporary(backend, n * 8))  # their sorted copy
+        keys_out = temporary(backend, n * elt)
+        storage = temporary(backend, cub_radix_sort_pairs_bytes(n, elt, 8, bits))
+        del storage, keys_out
+        segment_bits = max(1, math.ceil(math.log2(nsegments)))
+        storage = temporary(backend, cub_radix_sort_pairs_bytes(n, 8, 0, segment_bits))
+        del storage
+    else:
+        held.append(temporary(backend, n * 8))  # reverse indices
+        storage = temporary(backend, _align256(n * elt) + _align256(n * 8) + 255)  # alternate keys, values
+        del storage
+    while held:
+        held.pop()
+
+
+def _non_overlapping_and_dense(t) -> bool:
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def topk_uses_multiblock(num_slices: int, slice_size: int) -> bool:
+    """``should_use_multiblock`` (TensorTopK.cu): the row lengths, by row count, past which top-k
+    splits each row across blocks."""
+    return ((num_slices <= 20 and slice_size >= 20000) or (20 < num_slices <= 40 and slice_size >= 10000)
+            or (40 < num_slices <= 80 and slice_size >= 8000) or (80 < num_slices < 200 and slice_size >= 5000)
+            or (200 <= num_slices < 800 and slice_size >= 3000) or (800 <= num_slices <= 4000 and slice_size >= 800)
+            or (num_slices > 4000 and slice_size >= 400))
+
+
+# the multi-block radix select's CUB temporary storage, measured on the H200 for 1 to 8000 rows
+# (data/fuzz: probe_sort, fuzz0015, fuzz0186, fuzz0203, fuzz0204)
+TOPK_MULTIBLOCK_SCAN_BYTES = 1279
+
+
+def topk_multiblock_buffers(num_slices: int, slice_size: int, itemsize: int, multiprocessors: int = 132) -> list:
+    """The buffers ``mbtopk::launch`` allocates, in order: the k-th values, a 64-bit counter per row,
+    the digits searched (two radix words per row), 256 short digit counts per block, 256 int
+    cumulative counts per row and two int counters per block. Blocks per row follow
+    ``get_items_per_thread``: 256 threads, 4 to 64 items each, six blocks of 40 registers a thread
+    resident per SM (65536 registers)."""
+    threads, blocks_per_sm = 256, 65536 // (40 * 256)
+    items = max(4, min(64, -(-(num_slices * slice_size) // (multiprocessors * blocks_per_sm * threads))))
+    blocks = num_slices * -(-slice_size // (items * threads))
+    radix = 8 if itemsize == 8 else 4
+    return [num_slices * itemsize, num_slices * 8, num_slices * 2 * radix, blocks * 256 * 2, num_slices * 256 * 4,
+            blocks * 4, blocks * 4]
+
+
+@register_cuda_model(_aten.topk.default)
+def _topk(func, args, kwargs):
+    """``topk``: values and indices, then ``launch_gather_topk_kernel`` works on ``self.contiguous()``
+    (a copy of a strided input); past ``should_use_multiblock``'s row lengths the multi-block radix
+    select's buffers (:func:`topk_multiblock_buffers`) and CUB's storage, twice; everything goes
+    when it returns, last made first."""
+    params = _named(args, kwargs, ("self", "k", "dim", "largest", "sorted"))
+    x = params["self"]
+    out = dispatch(func, args, kwargs)
+    if not x.dim() or not x.numel() or not params["k"]:
+        return out
+    backend = x.sim_backend
+    held = []
+    if not x.is_contiguous():
+        held.append(temporary(backend, x.numel() * x.element_size()))
+    slice_size = x.shape[params.get("dim", -1)]
+    num_slices = x.numel() // slice_size
+    if topk_uses_multiblock(num_slices, slice_size):
+        held.extend(temporary(backend, n) for n in topk_multiblock_buffers(
+            num_slices, slice_size, x.element_size(), kernels_of(x).multiprocessors))
+        for _ in range(2):
+            storage = temporary(backend, TOPK_MULTIBLOCK_SCAN_BYTES)
+            del storage
+    while held:
+        held.pop()
+    return out
+
+
+# ------------------------------------------------------------------- CUB radix sort, randperm
+
+
+# items per tile of CUB's one-sweep radix sort on the H200 (256 threads times 22, 21 or 18 items
+# with 8-byte values), by (key bytes, value bytes; 0: keys only), fitted to the look-back storage
+# of data/fuzz's sorts: bfloat16 rows sorted all at once (16384 to 4.1 million keys), randperm
+# (int32 and int64 keys), probe_sort's full sort of 1.6 million float keys and of their int64
+# segment keys
+ONESWEEP_TILE_ITEMS = {(2, 8): 5632, (4, 8): 5376, (8, 8): 4608, (8, 0): 5760}
+
+
+def cub_radix_sort_pairs_bytes(items: int, key_bytes: int, value_bytes: int, bits: int,
+                               single_tile_items: int = 2304) -> int:
+    """Temporary storage of CUB's ``DeviceRadixSort::SortPairs`` / ``SortKeys`` (keys and values in
+    separate buffers, as ATen's ``radix_sort_pairs`` and ``radix_sort_keys`` call them) on the H200.
+
+    Up to one tile (``single_tile_items``) CUB sorts in one block and asks for 1 byte. Past it,
+    the one-sweep sort keeps, each array aligned to 256 bytes in a blob with 255 bytes of
+    slack: a 256-digit histogram per pass of 8 bits (8-byte offsets), a look-back of 256 4-byte
+    counters per tile (:data:`ONESWEEP_TILE_ITEMS`), the alternate keys and values when there
+    is more than one pass, and a 4-byte counter per pass. Checked on every randperm of data/fuzz
+    (1 byte up to 2048 items; 45823, 58879, 96767, 109055 bytes at 3000, 4096, 7168, 8192 items
+    with int32 keys; 1074687 at 65536 with int64 keys) and probe_sort's full sorts.
+
+    Args:
+        items: keys to sort.
+        key_bytes, value_bytes: sizes of a key and of a value (0: keys only).
+        bits: the key bits sorted on.
+        single_tile_items: the most items CUB sorts in one block.
+    """
+    if items <= single_tile_items:
+        return 1
+    passes = -(-bits // 8)
+    tile = ONESWEEP_TILE_ITEMS.get((key_bytes, value_bytes), ONESWEEP_TILE_ITEMS[(4, 8)])
+    tiles = -(-items // tile)
+    parts = [passes * 256 * 8, tiles * 256 * 4]
+    if passes > 1:
+        parts += [items * key_bytes, items * value_bytes]
+    parts.append(passes * 4)
+    return sum(_align256(p) for p in parts) + 255
+
+
+def randperm_key_bits(n: int) -> int:
+    """Bits of the random keys ``randperm`` sorts (Randperm.cu: duplicates under 10 % likely)."""
+    return min(64, math.ceil(math.log2(n - (6 * n * n + 1) / (12 * math.log(0.9)))))
+
+
+@register_factory_model(torch.randperm)
+def _randperm(backend, args, kwargs, result):
+    """``randperm_out_cuda`` after the output: ``check_supported_max_int_with_precision`` makes a
+    device scalar of the output's dtype and drops it; then the ``arange`` it permutes, the random
+    keys (int32 when 32 bits suffice, else int64) and their sorted copy, and CUB's radix sort
+    storage; the storage, the keys and the arange go when it returns."""
+    n = int(args[0]) if args else int(kwargs.get("n", 0))
+    itemsize = result.element_size()
+    scalar = temporary(backend, itemsize)
+    del scalar
+    if n <= 0:
+        return
+    bits = randperm_key_bits(n)
+    key_bytes = 4 if bits <= 32 else 8
+    arange = temporary(backend, n * itemsize)
+    keys = temporary(backend, n * key_bytes)
+    sorted_keys = temporary(backend, n * key_bytes)
+    storage = temporary(backend, cub_radix_sort_pairs_bytes(n, key_bytes, itemsize, bits))
+    del storage, sorted_keys, keys, arange
 
 
 # ------------------------------------------------------------------------------- cumsum
@@ -152,9 +352,9 @@ def _scan_temporaries(x, out, dim: int) -> list:
         return held
     converted = x.dtype != out.dtype or not x.is_contiguous()
     if converted:  # self.to(result dtype), then expect_contiguous
-        held.append(_temporary(backend, x.numel() * out.element_size()))
+        held.append(temporary(backend, x.numel() * out.element_size()))
     if x.numel() == x.shape[dim]:  # the scan holds every element: cub::DeviceScan::InclusiveScan
-        scan = _temporary(backend, _kernels(x).cub_scan_bytes(x.numel(), out.element_size()))
+        scan = temporary(backend, kernels_of(x).cub_scan_bytes(x.numel(), out.element_size()))
         del scan
     return held
 
@@ -186,7 +386,7 @@ def _grouped_mm(func, args, kwargs):
     a, b = params["self"], params["mat2"]
     offs, bias, out_dtype = params.get("offs"), params.get("bias"), params.get("out_dtype")
     out = dispatch(func, args, kwargs)
-    kernels = _kernels(a)
+    kernels = kernels_of(a)
     bf16 = a.dtype == b.dtype == torch.bfloat16 and (out_dtype in (None, torch.bfloat16))
     if kernels.grouped_gemm_cutlass and bf16:
         if a.dim() == 2 and b.dim() == 2:
@@ -196,8 +396,8 @@ def _grouped_mm(func, args, kwargs):
         else:
             groups = a.shape[0]
         backend = a.sim_backend
-        arguments = _temporary(backend, grouped_mm_argument_bytes(groups, bias is not None))
-        workspace = _temporary(backend, kernels.multiprocessors * kernels.grouped_gemm_workspace_per_sm)
+        arguments = temporary(backend, grouped_mm_argument_bytes(groups, bias is not None))
+        workspace = temporary(backend, kernels.multiprocessors * kernels.grouped_gemm_workspace_per_sm)
         del workspace, arguments  # freed in reverse order when the kernel launcher returns
     return out
 
@@ -255,13 +455,47 @@ def _nonzero(func, args, kwargs):
     x = args[0]
     backend = x.sim_backend
     reduce_bytes, select_bytes = nonzero_temporary_bytes(x.numel())
-    count = _temporary(backend, 4)
-    storage = _temporary(backend, reduce_bytes)
+    count = temporary(backend, 4)
+    storage = temporary(backend, reduce_bytes)
     del storage
     out = dispatch(func, args, kwargs)  # the capture check (a host wait) happens here
-    storage = _temporary(backend, select_bytes)
+    storage = temporary(backend, select_bytes)
     del storage, count
     return out
+
+
+@register_cuda_model(_aten._unique2.default)
+def _unique2(func, args, kwargs):
+    """``torch.unique`` (sorted, CUDA's ``unique_cuda_template``): a contiguous copy of a strided
+    input, the sorted keys and CUB's radix sort storage (keys only, every bit), then the output at
+    the input's full length (the result is its first ``count`` elements), the count on the device
+    and CUB's unique-selection storage (as ``nonzero``'s); the sorted keys go when it returns."""
+    params = _named(args, kwargs, ("self", "sorted", "return_inverse", "return_counts"))
+    x = params["self"]
+    if (params.get("return_inverse") or params.get("return_counts") or not x.numel()
+            or x.sim_inner.is_meta):  # (a shape-only input: dispatch says the count needs values)
+        return dispatch(func, args, kwargs)
+    backend = x.sim_backend
+    n, itemsize = x.numel(), x.element_size()
+    held = []
+    if not x.is_contiguous():
+        held.append(temporary(backend, n * itemsize))
+    held.append(temporary(backend, n * itemsize))  # sorted keys
+    storage = temporary(backend, cub_radix_sort_pairs_bytes(n, itemsize, 0, itemsize * 8))
+    del storage
+    with torch_functions_off():
+        values = torch.unique(x.sim_inner)
+        host = torch.zeros(n, dtype=x.dtype)
+        host[:values.numel()] = values
+    full = backend.place(host if (backend.backed or keeps_values(host)) else meta_like(host))
+    count = temporary(backend, 8)
+    storage = temporary(backend, nonzero_temporary_bytes(n)[1])
+    del storage, count
+    result = full[:values.numel()]
+    empty = [backend.place(torch.empty(0, dtype=torch.int64, device="meta"), copy=False) for _ in range(2)]
+    while held:
+        held.pop()
+    return result, empty[0], empty[1]
 
 
 @register_cuda_model(_aten.masked_select.default)
@@ -296,6 +530,87 @@ def _index(func, args, kwargs):
     return out
 
 
+@register_cuda_model(_aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default)
+def _index_put(func, args, kwargs):
+    """``x[i] = 0.0`` and ``index_put_``: a host scalar value (what ``__setitem__`` makes of a Python
+    number for a CUDA tensor) is copied to the device first (``value.to(self.device())``, an
+    element-sized block: refused inside a capture as any pageable copy, after the block was
+    allocated), then the kernel runs; the copy dies with the call. With ``accumulate=True`` the
+    kernel sorts the indices first (:func:`_index_put_with_sort`)."""
+    names = ("self", "indices", "values", "accumulate", "unsafe")
+    params = _named(args, kwargs, names)
+    value = params["values"]
+    on_device = None
+    if not isinstance(value, SimTensor) and value.dim() == 0:
+        backend = params["self"].sim_backend
+        on_device = backend.from_host(value)
+        try:
+            host.check_host_to_device(backend, value, non_blocking=False)
+        except BaseException:
+            del on_device  # the destination block goes back as the error unwinds
+            raise
+        position = names.index("values")
+        if position < len(args):
+            args = args[:position] + (on_device,) + args[position + 1:]
+        else:
+            kwargs = dict(kwargs, values=on_device)
+        params["values"] = on_device
+    if not params.get("accumulate", False):
+        return dispatch(func, args, kwargs)
+    if func is _aten.index_put.default:  # the functional form: a clone, then the in-place op
+        out = params["self"].clone()
+        _index_put_with_sort(out, list(params["indices"]), params["values"], bool(params.get("unsafe", False)))
+        return out
+    _index_put_with_sort(params["self"], list(params["indices"]), params["values"], bool(params.get("unsafe", False)))
+    return params["self"]
+
+
+def _index_put_with_sort(x, indices, value, unsafe: bool) -> None:
+    """``index_put_with_sort_kernel`` (Indexing.cu): a contiguous copy of a strided ``x``; the linear
+    index (for each index, two asynchronous bounds checks, each a reduced int64 scalar and a bool,
+    then its remainder and the product by the stride, the remainder going at once); the value
+    expanded and made contiguous (a copy when it must); sorted and original positions, an
+    ``arange`` and CUB's radix sort storage over the bits the largest row number needs; then the
+    values are accumulated (computed here on the CPU). All go when it returns, last made first."""
+    backend = x.sim_backend
+    held = []
+    if not x.is_contiguous():
+        held.append(temporary(backend, x.numel() * x.element_size()))
+    indices = _without_masks(indices)
+    present = [i for i in indices if i is not None]
+    shape = torch.broadcast_shapes(*(i.shape for i in present)) if present else ()
+    n = math.prod(shape)
+    for i in present:
+        if i.numel() and not unsafe:
+            for _ in range(2):  # _assert_async(index.max() < size), _assert_async(index.min() >= -size)
+                reduced = temporary(backend, 8)
+                check = temporary(backend, 1)
+                del check, reduced
+    linear = None
+    for i in present:
+        remainder = temporary(backend, n * 8)
+        scaled = temporary(backend, n * 8)
+        del remainder
+        if linear is None:
+            linear = scaled
+    held.append(linear)
+    slice_size = math.prod(x.shape[len(indices):]) if len(indices) <= x.dim() else 1
+    before = math.prod(x.shape[:next((k for k, i in enumerate(indices) if i is not None), 0)])
+    if value.numel() < n * before * slice_size or not value.is_contiguous():
+        held.append(temporary(backend, n * before * slice_size * value.element_size()))
+    if n and slice_size:
+        held.append(temporary(backend, n * 8))  # sorted indices
+        held.append(temporary(backend, n * 8))  # original positions
+        held.append(temporary(backend, n * 8))  # arange
+        largest = max(x.numel() - 1, 0) // max(slice_size, 1)
+        bits = max(1, int(largest).bit_length())
+        storage = temporary(backend, cub_radix_sort_pairs_bytes(n, 8, 8, bits))
+        del storage
+    dispatch(_aten.index_put_.default, (x, indices, value, True), {})
+    while held:
+        held.pop()
+
+
 # ----------------------------------------------------------------------------- linear
 
 
@@ -315,6 +630,14 @@ def _linear(func, args, kwargs):
     if bias is not None:
         out.add_(bias)
     return out
+
+
+@register_cuda_model(_aten.matmul.default)
+def _matmul(func, args, kwargs):
+    """``matmul`` reached whole (inference mode): ATen's own composite, not torch's Python
+    decomposition, whose folding rule differs (ATen folds a batch-expanded operand whose strides
+    allow a view, then cuBLAS clones it: data/fuzz, fuzz0121)."""
+    return func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------------ norms
@@ -393,7 +716,10 @@ _LOG_SOFTMAX = {_aten.log_softmax.int, torch.log_softmax, torch.Tensor.log_softm
                      torch.Tensor.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax)
 def _softmax(func, args, kwargs):
     """``softmax(x, dim, dtype=float32)`` of a half tensor: CUDA's kernel converts as it goes
-    (``_softmax(x, dim, half_to_float=True)``); other conversions copy the input first."""
+    (``_softmax(x, dim, half_to_float=True)``); other conversions copy the input first. After the
+    (contiguous) output, ``host_softmax`` makes its input contiguous: a non-contiguous input (a
+    chunk, a transposed view, a conversion that kept such strides) is copied, and the copy is
+    freed when the kernel returns."""
     functional = func in (torch.nn.functional.softmax, torch.nn.functional.log_softmax)
     names = ("self", "dim", "_stacklevel", "dtype") if functional else ("self", "dim", "dtype")
     params = _named(args, {("self" if k == "input" else k): v for k, v in kwargs.items()}, names)
@@ -404,30 +730,21 @@ def _softmax(func, args, kwargs):
     if not (x.dtype == torch.float16 and dtype == torch.float32):
         converted = x if dtype is None else x.to(dtype)
         inner = _aten._log_softmax.default if log else _aten._softmax.default
-        return dispatch(inner, (converted, dim, False), {})
+        out = dispatch(inner, (converted, dim, False), {})
+        _contiguous_input(converted)
+        return out
     out = _empty(x.sim_backend, x.shape, torch.float32)
     op = torch.log_softmax if log else torch.softmax
     _compute_into(out, lambda a: op(a.float(), dim), x)
+    _contiguous_input(x)
     return out
 
 
-# reductions whose input CUDA first converts to the result's dtype (make_reduction_from_out_ty)
-_CONVERTING_REDUCTIONS = {_aten.sum.default, _aten.sum.dim_IntList, _aten.mean.default, _aten.mean.dim,
-                          _aten.prod.default, _aten.prod.dim_int, _aten.nansum.default}
-
-
-@register_cuda_model(*_CONVERTING_REDUCTIONS)
-def _converting_reduction(func, args, kwargs):
-    """A reduction into another dtype (``bool.sum()`` gives int64): after the output, CUDA makes a
-    converted copy of the input, except half types into float32, which the kernel reads as they are."""
-    out = dispatch(func, args, kwargs)
-    x = args[0]
-    converted = None
-    if out.dtype != x.dtype and x.numel() and not (
-            x.dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32):
-        converted = _temporary(x.sim_backend, x.numel() * out.element_size())
-    del converted
-    return out
+def _contiguous_input(x) -> None:
+    """``input_.contiguous()`` inside a kernel: a copy of a non-contiguous input, dropped on return."""
+    if x.dim() and x.numel() and not x.is_contiguous():
+        copy = temporary(x.sim_backend, x.numel() * x.element_size())
+        del copy
 
 
 # ------------------------------------------------------------------- copies with the host
@@ -439,9 +756,7 @@ def _copy(func, args, kwargs):
     params = _named(args, kwargs, ("self", "src", "non_blocking"))
     dst, src, non_blocking = params["self"], params["src"], bool(params.get("non_blocking", False))
     if isinstance(dst, SimTensor) and not isinstance(src, SimTensor) and src.dim() > 0:
-        error = host.check_host_to_device(dst.sim_backend, src, non_blocking)
-        if error is not None:
-            raise error
+        host.check_host_to_device(dst.sim_backend, src, non_blocking)
     elif not isinstance(dst, SimTensor):
         return host.to_host(src, non_blocking, into=dst)
     return dispatch(func, args, kwargs)

@@ -155,8 +155,10 @@ class SimBackend(DeviceAPI):
         self.blaslt_workspace = int(blaslt_workspace)
         self.kernels = kernels if kernels is not None else KernelModel()
         self._blas_workspaces: dict[int, SimStorage] = {}  # stream id -> workspace
+        self.blas_handle = False  # whether a cuBLAS handle exists (the first matmul outside a capture makes it)
         self._blaslt_workspaces: dict[int, SimStorage] = {}  # stream id -> cuBLASLt workspace
         self._generator_state: list[SimStorage] | None = None
+        self.cudnn_graphs: set = set()  # attention calls whose cuDNN graph is built (torch caches them)
         self._generator_users = 0  # graphs that registered the RNG state
         self._closed = False
         if activate:

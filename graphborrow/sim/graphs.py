@@ -124,7 +124,9 @@ class CUDAGraph:
         with torch_functions_off(), torch.inference_mode():
             for func, args, kwargs, fresh in self._ops:
                 out = func(*args, **kwargs)
-                for index, view in fresh:
+                for index, view, geometry in fresh:
+                    if (tuple(view.shape), view.stride(), view.storage_offset()) != geometry:
+                        view = view.as_strided(*geometry)  # an in-place view op (squeeze_) reshaped it since
                     view.copy_(out if index < 0 else out[index])
 
     def reset(self) -> None:
@@ -172,7 +174,12 @@ class CUDAGraph:
         self._written.extend(ranges)
 
     def record_op(self, func, args, kwargs, fresh: list) -> None:
-        """Keep a captured op for replay (ops that neither create nor mutate are skipped)."""
+        """Keep a captured op for replay (ops that neither create nor mutate are skipped, and so are
+        in-place view ops such as ``squeeze_``: they change no bytes). Each new output keeps its
+        geometry as made, for a later in-place view op changes the tensor's own."""
+        if torch.Tag.inplace_view in getattr(func, "tags", ()):
+            return
+        fresh = [(index, view, (tuple(view.shape), view.stride(), view.storage_offset())) for index, view in fresh]
         if not fresh:
             skip = _REPLAY_SKIPS.get(func)
             if skip is None:

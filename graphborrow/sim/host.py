@@ -30,7 +30,7 @@ from .torch_function import torch_functions_off
 from .values import layout_error
 
 __all__ = ["CAPTURE_INVALIDATED", "DEVICES_DIFFER", "EVENT_IN_CAPTURE", "NOT_PERMITTED", "PAGEABLE_IN_CAPTURE",
-           "check_operands", "is_pinned", "not_permitted", "pin", "refuse_pageable"]
+           "check_operands", "fails_in_capture", "is_pinned", "not_permitted", "pin", "refuse_pageable"]
 
 PAGEABLE_IN_CAPTURE = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is "
                        "pinned. Please use tensor.pin_memory() or allocate the tensor with pin_memory=True.")
@@ -84,6 +84,15 @@ def not_permitted(backend, message: str = NOT_PERMITTED) -> torch.AcceleratorErr
     if graph is not None:
         graph.invalidate()
     return torch.AcceleratorError(message)
+
+
+def fails_in_capture(backend, message: str) -> RuntimeError:
+    """An error a library raises when it needs fresh device memory inside a capture (cuDNN building
+    an execution plan); the capture it happened in is invalidated, as CUDA does."""
+    graph = backend.capture_for_current_stream()
+    if graph is not None:
+        graph.invalidate()
+    return RuntimeError(message)
 
 
 def _has_bool_index(args) -> bool:
@@ -158,17 +167,20 @@ def to_host(t, non_blocking: bool = False, into: torch.Tensor | None = None) -> 
         return into
 
 
-def check_host_to_device(backend, host: torch.Tensor, non_blocking: bool):
+def check_host_to_device(backend, host: torch.Tensor, non_blocking: bool) -> None:
     """Refuse a copy from ``host`` inside a capture unless it is pinned and non-blocking.
 
-    Returns:
-        The capture's error to raise *after* the destination block was allocated (CUDA
-        allocates it first), or None when the copy is allowed.
+    CUDA allocates the destination block first: callers allocate it, call this, and drop it in
+    an ``except`` clause that names no exception (a frame of the traceback that held the error
+    would keep the failing program's tensors alive until the garbage collector runs).
+
+    Raises:
+        RuntimeError: a pageable source inside a capture (torch's message).
+        torch.AcceleratorError: a blocking copy from pinned memory inside a capture.
     """
     if backend.capture_for_current_stream() is None or host.numel() == 0:  # an empty copy copies nothing
-        return None
+        return
     if not is_pinned(host):
-        return refuse_pageable()
+        raise refuse_pageable()
     if not non_blocking:
-        return not_permitted(backend)
-    return None
+        raise not_permitted(backend)

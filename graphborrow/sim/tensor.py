@@ -39,6 +39,7 @@ __all__ = [
     "SimTensor",
     "is_sim_tensor",
     "register_cuda_model",
+    "register_factory_model",
     "to_host",
 ]
 
@@ -189,6 +190,23 @@ def register_cuda_model(*funcs):
     return register
 
 
+# factories (torch.randperm...) whose CUDA implementation allocates temporaries after the output;
+# filled by graphborrow.sim.cuda_ops through register_factory_model
+FACTORY_MODELS: dict = {}
+
+
+def register_factory_model(*funcs):
+    """Have ``model(backend, args, kwargs, result)`` allocate what the CUDA implementation of the
+    factories ``funcs`` allocates after its output, ``result`` (already placed on the device)."""
+
+    def register(model):
+        for f in funcs:
+            FACTORY_MODELS[f] = model
+        return model
+
+    return register
+
+
 def _is_composite(func) -> bool:
     """True for ops with a CompositeImplicitAutograd kernel (reached whole in inference mode)."""
     known = _COMPOSITE.get(func)
@@ -312,6 +330,7 @@ def dispatch(func, args, kwargs):
             )
     capture = backend.capture_for_current_stream()
     host.check_operands(func, args, kwargs, backend, capture is not None, SimTensor)
+    _check_internal_overlap(func, args, kwargs)
     valued, twins = True, None
     if not backend.backed:
         valued, twins, inner_args, inner_kwargs = _layout_only_inputs(func, args, kwargs, sims, inner_args,
@@ -340,13 +359,41 @@ def dispatch(func, args, kwargs):
         result = out
     del scalars
     if getattr(func, "overloadpacket", None) in _BLAS_OPS:
+        if not backend.blas_handle:  # the first cuBLAS call makes the handle (cublasCreate)
+            if capture is not None:  # which allocates device memory: refused inside a capture
+                del result, out, fresh  # the output goes back as the error unwinds
+                raise host.fails_in_capture(backend, CUBLAS_CREATE_IN_CAPTURE)
+            backend.blas_handle = True
+        copies = _cublas_operand_copies(func, args, backend)
         if backend.blas_workspace:
             backend.ensure_blas_workspace()
         if backend.blaslt_workspace and _uses_cublaslt(func, args, kwargs):
             backend.ensure_blaslt_workspace()
+        del copies
     if capture is not None:
         _record_in_capture(capture, func, inner_args, inner_kwargs, fresh, result, backend, valued)
     return result
+
+
+CUBLAS_CREATE_IN_CAPTURE = "CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"
+INTERNAL_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a single "
+                    "memory location. Please clone() the tensor before performing the operation.")
+# written without TensorIterator's overlap check: fill is idempotent (set_check_mem_overlap(false)),
+# the others only change a tensor's metadata
+_OVERLAP_ALLOWED = {_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default, _aten.set_.source_Storage,
+                    _aten.set_.source_Storage_storage_offset, _aten.set_.source_Tensor, _aten.set_.default,
+                    _aten.resize_.default, _aten.as_strided_.default}
+
+
+def _check_internal_overlap(func, args, kwargs) -> None:
+    """CUDA refuses to write into a tensor whose elements share memory (an ``expand``): ATen's
+    ``assert_no_internal_overlap`` in TensorIterator and the scatter / index kernels. The META
+    kernels a layout-only device runs do not check it."""
+    if func in _OVERLAP_ALLOWED or _inplace_view(func):
+        return
+    for s in _written(func, args, kwargs):
+        if s.dim() and torch._debug_has_internal_overlap(s) == 1:
+            raise RuntimeError(INTERNAL_OVERLAP)
 
 
 def _record_in_capture(capture, func, inner_args, inner_kwargs, fresh, result, backend, valued) -> None:
@@ -389,9 +436,42 @@ def _uses_cublaslt(func, args, kwargs) -> bool:
     activation = func is _aten._addmm_activation.default
     fusable_bias = (bias.is_contiguous() and (bias.dim() == 1 or bias.squeeze().dim() == 1)
                     and bias.shape[-1] == mat2.shape[1])
-    # torch 2.11 takes the Lt path for a single row too (data/fuzz: a 1-D input's linear with bias)
+    # torch 2.11 takes the Lt path for a single row too (data/fuzz: a 1-D input's linear with bias),
+    # but not for one column of mat1 or one row or column of mat2 (cuBLASLt's heuristic refuses
+    # those: data/fuzz, linear layers of one input feature)
     return (beta == 1 and (fusable_bias or (activation and bias.dim() == 2))
-            and mat1.dtype in _BLASLT_DTYPES)
+            and mat1.dtype in _BLASLT_DTYPES and mat1.shape[1] > 1 and mat2.shape[0] > 1 and mat2.shape[1] > 1)
+
+
+_MATRIX_OPERANDS = {_aten.mm.default: (0, 1), _aten.addmm.default: (1, 2), _aten._addmm_activation.default: (1, 2)}
+
+
+def _cublas_operand_copies(func, args, backend) -> list:
+    """``prepare_matrix_for_cublas``: a matrix operand that is neither dense nor a strided row- or
+    column-major matrix with a usable leading dimension (an ``expand``, a stride of 0) is cloned
+    contiguous before the GEMM; the clones are freed when it returns."""
+    positions = _MATRIX_OPERANDS.get(func)
+    if positions is None:
+        return []
+    held = []
+    for i in positions:
+        m = args[i] if i < len(args) else None
+        if not isinstance(m, SimTensor) or m.dim() != 2 or m.numel() == 0:
+            continue
+        (rows, cols), (s0, s1) = m.shape, m.stride()
+        if _dense(m) or (s0 == 1 and s1 >= max(1, rows)) or (s1 == 1 and s0 >= max(1, cols)):
+            continue
+        held.append(backend.new_storage(m.numel() * m.element_size()))
+    return held
+
+
+def _dense(t) -> bool:
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _names_cpu(device) -> bool:
@@ -737,6 +817,9 @@ class SimFunctionMode(TorchFunctionMode):
             capture = backend.capture_for_current_stream()
             if capture is not None and (backend.backed or not result.sim_inner.is_meta):
                 capture.record_op(func, args, kw, [(-1, result.sim_inner)])
+            model = FACTORY_MODELS.get(func)
+            if model is not None:
+                model(backend, args, kw, result)
         if requires_grad:
             result.requires_grad_(True)
         return result
@@ -765,10 +848,11 @@ class SimFunctionMode(TorchFunctionMode):
         from pageable memory, or blocking; a captured copy from pinned memory runs again on replay)."""
         backend = self.backend
         placed = backend.from_host(plain)
-        error = host.check_host_to_device(backend, plain, bool(non_blocking))
-        if error is not None:
-            del placed
-            raise error
+        try:
+            host.check_host_to_device(backend, plain, bool(non_blocking))
+        except BaseException:
+            del placed  # the destination block goes back as the error unwinds
+            raise
         capture = backend.capture_for_current_stream()
         if capture is not None and not placed.sim_inner.is_meta:
             capture.record_op(torch.Tensor.copy_, (placed.sim_inner, plain), {}, [])

@@ -28,7 +28,7 @@ import pytest
 
 from graphborrow.fidelity.compare import compare_snapshots
 from graphborrow.fidelity.fuzz.corpus import check, known_differences, program_of, read_corpus
-from graphborrow.fidelity.fuzz.run import gpu_addresses, simulate_program
+from graphborrow.fidelity.fuzz.run import gpu_addresses, gpu_streams, simulate_program
 
 FULL = os.environ.get("GRAPHBORROW_FUZZ") == "all"
 SAMPLE = 10  # random programs per CI run
@@ -76,7 +76,8 @@ def _agrees_or_differs_as_listed(rec, result):
 
 @pytest.mark.parametrize("rec", MODELS, ids=_ids(MODELS))
 def test_ordinary_model_code_leaves_the_h200_graph_pools(rec):
-    sim = simulate_program(program_of(rec), addresses=gpu_addresses(rec), capacity=rec.get("total_memory"))
+    sim = simulate_program(program_of(rec), addresses=gpu_addresses(rec), capacity=rec.get("total_memory"),
+                           streams=gpu_streams(rec))
     graph_pools = [[s for s in r["segments"] if tuple(s["segment_pool_id"]) != (0, 0)] for r in (rec, sim)]
     pools = compare_snapshots(*graph_pools)
     assert pools.identical, pools.summary()

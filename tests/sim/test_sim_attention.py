@@ -136,9 +136,13 @@ def test_flash_attention_splits_keys_with_fp32_accumulators_it_frees():
             ("alloc", 2 * 4 * 8 * 4),  # log-sum-exp
             ("alloc", splits * 2 * 4 * 8 * 4),  # split log-sum-exp accumulator
             ("alloc", splits * 2 * 4 * 8 * 64 * 4),  # split output accumulator
+            ("alloc", 16),  # the philox seed and offset mha_fwd returns
+            ("alloc", 8),  # the empty scalar beside them
+            ("free_completed", splits * 2 * 4 * 8 * 4),  # accumulators in the order made (H200, data/fuzz)
             ("free_completed", splits * 2 * 4 * 8 * 64 * 4),
-            ("free_completed", splits * 2 * 4 * 8 * 4),
             ("free_completed", 2 * 4 * 8 * 4),
+            ("free_completed", 16),
+            ("free_completed", 8),
         ]
     finally:
         b.close()

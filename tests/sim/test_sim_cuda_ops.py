@@ -142,3 +142,63 @@ def test_the_fallback_grouped_gemm_has_no_temporaries():
         assert events(b, lambda: kept.append(torch._grouped_mm(a, w, offs=offs))) == [("alloc", 64 * 256 * 2)]
     finally:
         b.close()
+
+
+# ---------------------------------------------- kernels measured in data/fuzz (H200, torch 2.11)
+
+
+def test_a_full_reduction_over_many_elements_stages_partials_in_global_memory(backend):
+    x = torch.randn(64, 6000, device=backend.device)
+    got = events(backend, lambda: x.argmax())
+    # output, then (pair<float, int64>) x 47 blocks and one semaphore, freed last first
+    assert got == [("alloc", 8), ("alloc", 752), ("alloc", 4), ("free_completed", 4),
+                   ("free_completed", 752), ("free_completed", 8)]
+
+
+def test_reduce_staging_follows_set_reduce_config():
+    from graphborrow.sim.reductions import reduce_staging_bytes
+
+    assert reduce_staging_bytes((64, 2048), (2048, 1), [0, 1], 4) == (64, 4)  # 16 blocks of floats
+    assert reduce_staging_bytes((64, 4096), (4096, 1), [0, 1], 1) == (32, 4)  # any(): bools
+    assert reduce_staging_bytes((8, 8192), (8192, 1), [0, 1], 8) == (0, 0)  # 128 values a thread: one block
+    assert reduce_staging_bytes((64, 8192), (8192, 1), [1], 4) == (0, 0)  # 64 outputs, a warp each
+
+
+def test_softmax_copies_a_strided_input_after_its_output(backend):
+    x = torch.randn(64, 256, device=backend.device)
+    view = x.t()
+    got = events(backend, lambda: view.softmax(-1))
+    assert got == [("alloc", 65536), ("alloc", 65536), ("free_completed", 65536), ("free_completed", 65536)]
+
+
+def test_randperm_sorts_random_keys_with_cub(backend):
+    got = events(backend, lambda: torch.randperm(3000, device=backend.device))
+    assert got == [("alloc", 24000), ("alloc", 8), ("free_completed", 8), ("alloc", 24000), ("alloc", 12000),
+                   ("alloc", 12000), ("alloc", 45823), ("free_completed", 45823), ("free_completed", 12000),
+                   ("free_completed", 12000), ("free_completed", 24000), ("free_completed", 24000)]
+
+
+def test_sort_past_4096_per_row_uses_cub_segmented_sort(backend):
+    x = torch.randn(128, 4097, device=backend.device)
+    got = events(backend, lambda: torch.sort(x, dim=-1, descending=True))
+    assert got[:6] == [("alloc", 2097664), ("alloc", 4195328), ("alloc", 4195328), ("alloc", 6293247),
+                       ("free_completed", 6293247), ("free_completed", 4195328)]
+
+
+def test_index_put_with_accumulate_sorts_its_indices(backend):
+    x = torch.zeros(1000, 1, device=backend.device)
+    i = torch.randint(0, 1000, (10000,), device=backend.device)
+    v = torch.ones(10000, 1, device=backend.device)
+    got = events(backend, lambda: x.index_put_((i,), v, accumulate=True))
+    assert got == [("alloc", 8), ("alloc", 1), ("free_completed", 1), ("free_completed", 8)] * 2 + [
+        ("alloc", 80000), ("alloc", 80000), ("free_completed", 80000), ("alloc", 80000), ("alloc", 80000),
+        ("alloc", 80000), ("alloc", 167935), ("free_completed", 167935)] + [("free_completed", 80000)] * 4
+
+
+def test_topk_over_long_rows_splits_each_row_across_blocks(backend):
+    x = torch.randn(128, 6000, device=backend.device)
+    kept = []
+    got = events(backend, lambda: kept.append(torch.topk(x, 1024, dim=-1)))
+    made = [512, 1024, 1024, 393216, 131072, 3072, 3072]  # 6 blocks a row (probe_sort, H200)
+    assert got == ([("alloc", 524288), ("alloc", 1048576)] + [("alloc", n) for n in made]
+                   + [("alloc", 1279), ("free_completed", 1279)] * 2 + [("free_completed", n) for n in reversed(made)])

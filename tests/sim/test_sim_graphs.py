@@ -13,6 +13,8 @@ def pools(backend):
 
 
 def capture_mlp(sim, x, w, pool=None):
+    warm = x[:1] @ w  # warm-up: the first matmul makes the cuBLAS handle, which a capture cannot (H200)
+    del warm
     g = sim.CUDAGraph()
     with sim.graph(g, pool=pool):
         hidden = x @ w
@@ -115,6 +117,21 @@ def test_a_captured_blas_workspace_outlives_reset(sim):
     sim.empty_cache()
     # measured on an H200 (torch 2.11): the 32 MiB segment stays, in the graph's pool
     assert [(s["segment_pool_id"], s["total_size"]) for s in sim.memory_snapshot(g.pool())] == [(g.pool(), 32 * MiB)]
+
+
+def test_the_first_matmul_inside_a_capture_fails_as_cublas_create_does(sim):
+    x = torch.randn(8, 8, device="cuda")
+    g = sim.CUDAGraph()
+    with pytest.raises(torch.AcceleratorError, match="previous error during capture"):
+        with sim.graph(g):
+            try:
+                x @ x
+            except RuntimeError as e:  # cublasCreate needs device memory the capture refuses (data/fuzz)
+                assert "CUBLAS_STATUS_NOT_INITIALIZED" in str(e)
+                raise
+    x @ x  # outside a capture the handle is made, and later captures may matmul
+    with sim.graph(sim.CUDAGraph()):
+        x @ x
 
 
 def test_capture_errors_are_clear(sim):

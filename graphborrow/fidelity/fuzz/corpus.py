@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .generate import Program
-from .run import ProgramComparison, compare_program, gpu_addresses, simulate_program
+from .run import ProgramComparison, compare_program, gpu_addresses, gpu_streams, simulate_program
 
 __all__ = ["CORPUS", "KINDS", "check", "known_differences", "pack", "program_of", "read_corpus"]
 
@@ -64,7 +64,7 @@ def check(rec: dict, backed: bool = False) -> ProgramComparison:
     """Run a recorded program on the simulated device (the GPU's cudaMalloc addresses followed)
     and compare it with the recording."""
     sim = simulate_program(program_of(rec), addresses=gpu_addresses(rec), backed=backed,
-                           capacity=rec.get("total_memory"))
+                           capacity=rec.get("total_memory"), streams=gpu_streams(rec))
     return compare_program(rec, sim)
 
 

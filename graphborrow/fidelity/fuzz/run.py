@@ -21,13 +21,13 @@ from graphborrow.sim.cuda_api import simulated_cuda
 from .generate import Program
 from .record import execute, make_recording, start_history
 
-__all__ = ["ProgramComparison", "compare_program", "gpu_addresses", "simulate_program"]
+__all__ = ["ProgramComparison", "compare_program", "gpu_addresses", "gpu_streams", "simulate_program"]
 
 _ALLOC_ACTIONS = ("segment_alloc", "alloc", "free_completed", "segment_free", "free_requested")
 
 
 def simulate_program(program: Program, addresses: Optional[list] = None, backed: bool = False,
-                     capacity: Optional[int] = None) -> dict:
+                     capacity: Optional[int] = None, streams: Optional[list] = None) -> dict:
     """Run ``program`` on a fresh simulated device and record it as :func:`record_here` does.
 
     Args:
@@ -37,6 +37,9 @@ def simulate_program(program: Program, addresses: Optional[list] = None, backed:
             free blocks are told apart as on the GPU; None for the simulator's own.
         backed: run with real bytes behind every segment (default: layout only).
         capacity: device memory in bytes (default: SimBackend's).
+        streams: the GPU's stream handles in the order each first allocated
+            (:func:`gpu_streams` of its recording), so free blocks of different streams are
+            released in the GPU's order; None for the simulator's own.
 
     Returns:
         The recording.
@@ -46,6 +49,8 @@ def simulate_program(program: Program, addresses: Optional[list] = None, backed:
     try:
         if addresses:
             backend.memory.follow_addresses(addresses)
+        if streams:
+            backend.allocator.follow_streams(streams)
         namespace: dict = {}
         with simulated_cuda(backend):
             start_history(torch.cuda)
@@ -62,6 +67,15 @@ def simulate_program(program: Program, addresses: Optional[list] = None, backed:
 def gpu_addresses(rec: dict) -> list[tuple[int, int]]:
     """``(bytes, address)`` of every cudaMalloc in a recording's trace, in order."""
     return [(int(row[2]), int(row[1])) for row in rec.get("trace", ()) if row[0] == "segment_alloc"]
+
+
+def gpu_streams(rec: dict) -> list[int]:
+    """The stream handles of a recording's trace, in the order each first appears."""
+    seen: dict[int, None] = {}
+    for row in rec.get("trace", ()):
+        if row[0] in _ALLOC_ACTIONS[:4]:
+            seen.setdefault(int(row[3]), None)
+    return list(seen)
 
 
 @dataclasses.dataclass

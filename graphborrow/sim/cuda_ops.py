@@ -43,8 +43,8 @@ from .tensor import SimTensor, dispatch, register_cuda_model, register_factory_m
 from .torch_function import torch_functions_off
 from .values import keeps_values, meta_like
 
-__all__ = ["H200_CAPABILITY", "KernelModel", "SMALL_SORT_LIMIT", "device_queries", "grouped_mm_argument_bytes", "kernels_of",
-           "histc_any_dtype", "temporary"]
+__all__ = ["H200_CAPABILITY", "KernelModel", "SMALL_SORT_LIMIT", "device_queries", "grouped_mm_argument_bytes",
+           "histc_any_dtype", "kernels_of", "temporary"]
 
 _aten = torch.ops.aten
 SMALL_SORT_LIMIT = 4096  # should_use_small_sort: in-place sort up to this many elements along dim

@@ -465,7 +465,7 @@ def _nonzero(func, args, kwargs):
 
 
 @register_cuda_model(_aten._unique2.default)
-def _unique2(func, args, kwargs):
+def _unique(func, args, kwargs):
     """``torch.unique`` (sorted, CUDA's ``unique_cuda_template``): a contiguous copy of a strided
     input, the sorted keys and CUB's radix sort storage (keys only, every bit), then the output at
     the input's full length (the result is its first ``count`` elements), the count on the device

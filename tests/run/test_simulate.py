@@ -15,6 +15,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     x = torch.randn(64, 128, device="cuda")
     assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    (x @ x.T).softmax(-1)  # warm-up: cuBLAS makes its handle here; inside a capture that fails, as on CUDA
     pool = torch.cuda.graph_pool_handle()
     graphs = []  # kept alive: a pool whose graphs are all gone cannot be captured into again
     for n in (256, 64):

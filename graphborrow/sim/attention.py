@@ -32,7 +32,7 @@ import math
 import torch
 
 from . import host
-from .tensor import SimTensor, register_cuda_model
+from .tensor import SimTensor, non_overlapping_and_dense, register_cuda_model
 from .torch_function import torch_functions_off
 
 __all__ = [
@@ -284,19 +284,9 @@ def _bshd_strides(b, h, s, d):
     return (s * h * d, d, h * d, 1)
 
 
-def _dense(t) -> bool:
-    """No gaps and no overlaps: some permutation of the dims is contiguous (as empty_like checks)."""
-    expected = 1
-    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _like_query(q, shape):
     """``empty_like`` of the query keeps its strides when it is dense, else contiguous."""
-    if tuple(q.shape) == tuple(shape) and _dense(q):
+    if tuple(q.shape) == tuple(shape) and non_overlapping_and_dense(q):
         return tuple(q.stride())
     return _contiguous_strides(shape)
 

@@ -39,7 +39,7 @@ import math
 import torch
 
 from . import host
-from .tensor import SimTensor, dispatch, register_cuda_model, register_factory_model
+from .tensor import SimTensor, dispatch, non_overlapping_and_dense, register_cuda_model, register_factory_model
 from .torch_function import torch_functions_off
 from .values import keeps_values, meta_like
 
@@ -176,7 +176,7 @@ def _long_sort(x, dim: int, values, indices) -> None:
     elt = x.element_size()
     held = []
     dense = _dense_dim_last_strides(tuple(x.shape), dim)
-    if not (x.stride(dim) == 1 and _non_overlapping_and_dense(x)):
+    if not (x.stride(dim) == 1 and non_overlapping_and_dense(x)):
         held.append(temporary(backend, n * elt))  # self_ = empty_strided(dim last).copy_(self)
         layout = dense
     else:
@@ -206,15 +206,6 @@ def _long_sort(x, dim: int, values, indices) -> None:
         del storage
     while held:
         held.pop()
-
-
-def _non_overlapping_and_dense(t) -> bool:
-    expected = 1
-    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def topk_uses_multiblock(num_slices: int, slice_size: int) -> bool:

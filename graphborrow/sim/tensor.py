@@ -38,6 +38,7 @@ __all__ = [
     "SimStorage",
     "SimTensor",
     "is_sim_tensor",
+    "non_overlapping_and_dense",
     "register_cuda_model",
     "register_factory_model",
     "to_host",
@@ -459,13 +460,14 @@ def _cublas_operand_copies(func, args, backend) -> list:
         if not isinstance(m, SimTensor) or m.dim() != 2 or m.numel() == 0:
             continue
         (rows, cols), (s0, s1) = m.shape, m.stride()
-        if _dense(m) or (s0 == 1 and s1 >= max(1, rows)) or (s1 == 1 and s0 >= max(1, cols)):
+        if non_overlapping_and_dense(m) or (s0 == 1 and s1 >= max(1, rows)) or (s1 == 1 and s0 >= max(1, cols)):
             continue
         held.append(backend.new_storage(m.numel() * m.element_size()))
     return held
 
 
-def _dense(t) -> bool:
+def non_overlapping_and_dense(t) -> bool:
+    """No gaps and no overlaps: some permutation of the dims is contiguous (as empty_like checks)."""
     expected = 1
     for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
         if stride != expected:

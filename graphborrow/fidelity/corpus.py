@@ -10,9 +10,7 @@ that keeps one entry per labelled run: the agreement before and after each chang
 
 from __future__ import annotations
 
-import gzip
 import json
-import pickle
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Callable, Iterable
 
 from graphborrow.core.atomicfile import write_atomic
 
-from .replay import replay_trace
+from .replay import load_trace, replay_trace
 
 __all__ = ["BANDS", "current_commit", "record_run", "replay_corpus", "replay_file", "strip_frames", "summarize",
            "trace_files"]
@@ -72,12 +70,6 @@ def trace_files(folder: Path, only: Iterable[str] | None = None) -> list[Path]:
     return paths
 
 
-def _load(path: Path) -> dict:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        return pickle.load(f)
-
-
 def replay_file(path: Path) -> dict:
     """Replay one trace file; its row (a trace the replay refuses gets ``refused`` and the reason).
 
@@ -89,7 +81,7 @@ def replay_file(path: Path) -> dict:
         ``checks``, ``mismatches`` (a count), ``first_mismatch``, ``unverifiable``,
         ``unverifiable_reasons``, ``stats_checked``, ``inferred`` (a count) and ``cpu_s``.
     """
-    snapshot = _load(Path(path))
+    snapshot = load_trace(Path(path))  # the restricted reader: a corpus from elsewhere runs no code
     meta = snapshot.get("corpus", {})
     row = {"name": meta.get("name", Path(path).name.split(".")[0]), "variant": meta.get("variant"),
            "settings": meta.get("settings"), "fraction": meta.get("fraction")}

@@ -11,14 +11,12 @@ cannot be made (each counted with its reason) must stay under 1 % of a trace's c
 
 from __future__ import annotations
 
-import gzip
 import json
-import pickle
 from pathlib import Path
 
 import pytest
 
-from graphborrow.fidelity.replay import replay_trace
+from graphborrow.fidelity.replay import load_trace, replay_trace
 
 WRAPPED = Path(__file__).resolve().parents[2] / "data" / "traces" / "wrapped"
 TRACES = sorted(WRAPPED.glob("*.pickle.gz"))
@@ -26,11 +24,6 @@ TRACES = sorted(WRAPPED.glob("*.pickle.gz"))
 
 def name_of(path: Path) -> str:
     return path.name.split(".")[0]
-
-
-def load(path: Path) -> dict:
-    with gzip.open(path, "rb") as f:
-        return pickle.load(f)
 
 
 def test_the_wrapped_corpus_is_committed_with_its_commands():
@@ -42,13 +35,13 @@ def test_the_wrapped_corpus_is_committed_with_its_commands():
     assert {row["settings"] for row in rows} == {"", "expandable_segments:True"}
     rings = {row["max_entries"] for row in rows}
     assert min(rings) == 100 and max(rings) == 10_000 and len(rings) >= 4
-    meta = load(TRACES[0])["corpus"]
+    meta = load_trace(TRACES[0])["corpus"]
     assert meta["torch"].startswith("2.") and meta["device_memory"] > 0 and meta["events"] == meta["max_entries"]
 
 
 @pytest.mark.parametrize("path", TRACES, ids=[name_of(p) for p in TRACES])
 def test_a_wrapped_trace_agrees_wherever_a_check_can_be_made(path):
-    snapshot = load(path)
+    snapshot = load_trace(path)
     report = replay_trace(snapshot)
     assert report.mid_run and report.events == snapshot["corpus"]["max_entries"]
     assert report.mismatches == [] and report.agreement == 1.0, str(report)

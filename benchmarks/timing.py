@@ -4,7 +4,8 @@ Every benchmark reports medians and compares against a baseline measured in the 
 (DESIGN.md, "Measurement rules"); these helpers are the only clocks they use.
 
     event_us(step, iters=30)      # device time of one call, the GPU idle before it
-    host_us(step, iters=30)       # wall time of the Python call itself
+    host_us(step, iters=30)       # wall time of the Python call itself, the GPU idle before it
+    issued_us(step, iters=30)     # wall time per call of calls issued back to back (a serving loop)
     wall_us(fn, iters=2000)       # host-only work (no GPU), e.g. a scope's enter and exit
 """
 
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-__all__ = ["captured", "event_us", "host_us", "pipelined_us", "timed_us", "wall_us"]
+__all__ = ["captured", "event_us", "host_us", "issued_us", "pipelined_us", "timed_us", "wall_us"]
 
 
 def timed_us(body) -> float:
@@ -57,6 +58,22 @@ def host_us(fn, iters: int) -> float:
         times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def issued_us(fn, iters: int, rounds: int = 5) -> float:
+    """Host wall time per call of ``iters`` calls issued back to back, nothing waiting for the
+    GPU between them (median over rounds): what a loop that launches a step after the
+    previous one pays on the host. The GPU queue (about a thousand launches) never fills here."""
+    fn()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / iters)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def wall_us(fn, iters: int = 2000, warmup: int = 200) -> float:

@@ -82,7 +82,7 @@ from ..scope import run_borrowing
 from ..step import VerifyStep, check_outputs, draw_into
 from ..validate import LOGIT_DTYPES
 from . import select as _select
-from .launch import Launcher, PlanCache, aligned, bound_call, current_stream, launch_hooks
+from .launch import ALIGN, Launcher, PlanCache, aligned, bound_call, current_stream, launch_hooks
 from .probs import (
     INTERPRETED,
     TRITON_AVAILABLE,
@@ -306,6 +306,12 @@ class StepPlan:
         self.output_starts = (0, -(-words[0] // 4) * 4, -(-words[0] // 4) * 4 + -(-words[1] // 4) * 4)
         self.output_words = -(-(self.output_starts[2] + bs) // 4) * 4
         self.output_bytes = (4 * self.output_starts[1], 4 * self.output_starts[2])  # accept_index, accept_length
+        # the buffer cut in one call (one C call makes the pieces; three as_strided calls cost twice the host time):
+        # predicts, padding, accept_index, padding, accept_length, padding
+        starts = (*self.output_starts, self.output_words)
+        lengths = (bs * d, bs * steps, bs)
+        self.output_pieces = [piece for i in range(3) for piece in (lengths[i], starts[i + 1] - starts[i] - lengths[i])]
+        self.output_template = None  # an empty int32 tensor on the device, made for the eager short path
         self.items = step_items(bs, d, self.splits, self.rsplits, self.nsel, self.passes, step)
         self.split = self.renorm and rows >= SPLIT_ROWS
         self.groups = step_groups(bs, d, self.splits, self.rsplits, self.nsel, self.passes, step, self.split)
@@ -323,10 +329,11 @@ class StepPlan:
         self.cached: dict = {}
 
     def outputs(self, buffer: torch.Tensor) -> VerifyResult:
-        """The three outputs as views at the start of an int32 ``buffer``."""
-        bs, p, a, n = self.bs, *self.output_starts
-        return VerifyResult(buffer.as_strided((bs * self.d,), (1,), p),
-                            buffer.as_strided((bs, self.steps), (self.steps, 1), a), buffer.as_strided((bs,), (1,), n))
+        """The three outputs, cut from an int32 ``buffer`` of ``output_words`` (which nothing
+        else holds: the pieces share its memory without being tracked as its views)."""
+        predicts, _, index, _, length, _ = buffer.unsafe_split_with_sizes(self.output_pieces)
+        return VerifyResult(predicts, index.view(self.bs, self.steps), length)
+
 
     def workspace(self, like: torch.Tensor) -> CachedWorkspace:
         """The workspace eager calls on the current stream share: made (its counters zeroed)
@@ -625,7 +632,9 @@ def _clamped_int(k) -> int:
 # The eager call's short path
 
 _TENSOR = torch.Tensor
-_I64, _F32, _I32 = torch.int64, torch.float32, torch.int32
+_I64, _F32 = torch.int64, torch.float32
+# torch.cuda.is_current_stream_capturing without its Python frame (the short path asks on every call)
+_capturing_now = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coins=None, coins_final=None,
@@ -713,7 +722,7 @@ def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coin
         else:
             return None
     plan = _PLANS.plans.get((bs, d, lshape[1], logits.dtype, depth, device, forms, in_place, dtypes, tunables()))
-    if plan is None or not plan.launcher.ready or launch_hooks() or torch.cuda.is_current_stream_capturing():
+    if plan is None or not plan.launcher.ready or launch_hooks() or _capturing_now():
         return None
     entry = plan.cached.get(current_stream(device))
     if entry is None:
@@ -725,7 +734,8 @@ def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coin
                 w.temps if t_tensor is None else t_tensor.data_ptr(),
                 w.top_k if k_tensor is None else k_tensor.data_ptr(),
                 w.top_p if p_tensor is None else p_tensor.data_ptr())
-    if not aligned(*pointers):
+    p0, p1, p2, p3, p4, p5, p6, p7, p8, p9 = pointers
+    if (p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7 | p8 | p9) % ALIGN:  # (aligned(*pointers), written out)
         return None
     if entry.launches is None:
         _direct_launches(plan, entry, device)
@@ -733,12 +743,11 @@ def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coin
         draw_into(entry.views.coins, generator)
     if coins_final is None:
         draw_into(entry.views.coins_final, generator)
-    buffer = torch.empty(plan.output_words, dtype=_I32, device=plan.torch_device)
+    buffer = plan.output_template.new_empty(plan.output_words)
     base = buffer.data_ptr()
     at_index, at_length = plan.output_bytes
-    logits_, candidates_, index_, next_token_, next_sibling_, coins_, final_, t_src, k_src, p_src = pointers
-    call = (logits_, candidates_, index_, next_token_, next_sibling_, base, base + at_index, base + at_length, coins_,
-            final_, t_src, k_src, p_src, t_value, k_value, p_value, float(ts), max(float(ta), 1e-9))
+    call = (p0, p1, p2, p3, p4, base, base + at_index, base + at_length, p5, p6, p7, p8, p9, t_value, k_value, p_value,
+            float(ts), max(float(ta), 1e-9))
     for launch, head, tail in entry.launches:
         launch(*head, *call, *tail)
     return plan.outputs(buffer)
@@ -755,6 +764,8 @@ def _direct_launches(plan: StepPlan, entry: CachedWorkspace, device: int) -> Non
     """The direct launches' fixed arguments for ``entry``'s stream: grid, stream and the
     compiled kernel's handles before the kernel arguments, the workspace's and plan's after."""
     stream = current_stream(device)
+    if plan.output_template is None:
+        plan.output_template = torch.empty(0, dtype=torch.int32, device=plan.torch_device)
     launches = []
     for kernel, programs, tail in zip(plan.launcher.compiled, plan.programs, _tails(plan, entry.pointers)):
         launch, leading = bound_call(kernel)

@@ -21,7 +21,6 @@ from graphborrow.allocator.blocks import DEFAULT_POOL
 from graphborrow.allocator.errors import AllocatorOutOfMemoryError, PoolReleasedError
 from graphborrow.core.sizes import MIN_BLOCK_SIZE, SMALL_SIZE, allocation_size, round_size
 
-from . import prestate
 from .passes import DIVERGED, GUESSED, NOT_REBUILT, Malloc, Outcome, ReplayPass, TraceInput, fmt_calls
 from .plan import Reservation, SegmentId, SegmentLife
 from .pools import DEFAULT_LABEL, Choice, Decision, PoolLabel

@@ -22,7 +22,6 @@ from graphborrow.allocator import replay_support as queries
 from graphborrow.allocator.config import SIZE_MAX
 from graphborrow.core.sizes import SMALL_BUFFER, SMALL_SIZE, round_size
 
-from . import prestate
 from .passes import STOP, Malloc, ReplayPass, TraceInput, releasable
 from .plan import Reservation, SegmentId, SegmentLife
 from .pools import DEFAULT_LABEL, Choice, PoolEvidence, PoolLabel

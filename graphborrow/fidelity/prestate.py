@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from sortedcontainers import SortedDict
 
-from graphborrow.allocator.blocks import DEFAULT_POOL, pool_tuple
 from graphborrow.allocator.memory import GRANULE
 from graphborrow.core.sizes import SMALL_BUFFER, round_size
 

@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,13 +34,21 @@ from typing import Mapping
 
 from .environment import FORK_ENV
 
-__all__ = ["FORK_ENV", "PER_RUN_VARIABLES", "KernelServer", "ForkedProcess", "fork_enabled", "server_for",
-           "start_kernel", "kill_kernel", "stop_kernel", "close_servers", "wants_warm_kernel"]
+try:
+    from jupyter_client.provisioning import LocalProvisioner
+except ImportError:  # graphborrow without its sweep extra: no Jupyter, no kernels to start here
+    LocalProvisioner = object
+
+__all__ = ["FORK_ENV", "KERNELSPEC_NAME", "PER_RUN_VARIABLES", "PROVISIONER_NAME", "ForkProvisioner", "ForkedProcess",
+           "KernelServer", "close_servers", "fork_enabled", "install_kernelspec", "kill_kernel", "server_for",
+           "start_kernel", "stop_kernel", "wants_warm_kernel"]
 
 # Variables that differ between the runs of one environment: the kernel gets them, the server's
 # environment (what the warm imports saw) leaves them out. JPY_PARENT_PID, which jupyter_client
 # gives every kernel it starts (and ipykernel reads when it is imported), is this process.
-PER_RUN_VARIABLES = ("JUPYTER_RUNTIME_DIR", "JUPYTER_PATH", "JPY_SESSION_NAME")
+PER_RUN_VARIABLES = ("JUPYTER_RUNTIME_DIR", "JUPYTER_PATH", "JPY_SESSION_NAME", "PYTEST_CURRENT_TEST")
+KERNELSPEC_NAME = "graphborrow-forked"
+PROVISIONER_NAME = "graphborrow-fork-provisioner"  # the entry point (pyproject.toml) naming ForkProvisioner
 READY_SECONDS = 300.0  # the server's imports, on a busy machine
 SPAWN_SECONDS = 30.0
 
@@ -283,25 +292,72 @@ def close_servers() -> None:
 atexit.register(close_servers)
 
 
-def _fork_provisioner(km, server: KernelServer):
-    from jupyter_client.provisioning import LocalProvisioner
+def _stream_fd(stream, default: int) -> int | None:
+    """The descriptor a ``Popen`` stream argument names (None: this process's own), or None for a pipe."""
+    if stream is None:
+        return default
+    if stream == subprocess.DEVNULL:
+        return None
+    if isinstance(stream, int):
+        return stream if stream >= 0 else None
+    return stream.fileno()
 
-    class ForkProvisioner(LocalProvisioner):
-        """Launches the kernel by asking ``server`` to fork it (jupyter_client's provisioner interface)."""
 
-        async def launch_kernel(self, cmd: list[str], **kwargs):
-            out, err = kwargs.get("stdout"), kwargs.get("stderr")
-            env = {**kwargs["env"], "JPY_PARENT_PID": str(os.getpid())}  # as jupyter_client's launcher sets it
-            self.process = server.spawn(cmd, kwargs.get("cwd") or os.getcwd(), env, out.fileno(), err.fileno())
-            self.pid = self.pgid = self.process.pid
-            self.cwd = kwargs.get("cwd") or os.getcwd()
-            return self.connection_info
+class ForkProvisioner(LocalProvisioner):
+    """jupyter_client's local provisioner, launching the kernel by asking a kernel server to fork it.
 
-    return ForkProvisioner(kernel_id=km.kernel_id, kernel_spec=km.kernel_spec, parent=km)
+    Any Jupyter client uses it through a kernelspec naming it (:func:`install_kernelspec`), or it
+    is given to a kernel manager directly (:func:`start_kernel`). A kernel the server cannot
+    serve (another command, a GPU build of torch, ``GRAPHBORROW_FORK_KERNELS=0``, a stream that
+    is a pipe) starts from scratch, as the local provisioner starts any kernel. ``how`` says which.
+    """
+
+    how = ""
+
+    async def launch_kernel(self, cmd: list[str], **kwargs):
+        env = {**kwargs.get("env", os.environ), "JPY_PARENT_PID": str(os.getpid())}  # as the launcher sets it
+        cwd = kwargs.get("cwd") or os.getcwd()
+        out, err = _stream_fd(kwargs.get("stdout"), 1), _stream_fd(kwargs.get("stderr"), 2)
+        why = f"{FORK_ENV}=0"
+        if fork_enabled(env):
+            server, why = server_for(list(cmd), env) if None not in (out, err) else (None, "an output pipe")
+            if server is not None:
+                try:
+                    self.process = server.spawn(cmd, cwd, env, out, err)
+                except RuntimeError as exc:
+                    why = str(exc)
+                else:
+                    self.pid = self.pgid = self.process.pid
+                    self.cwd, self.how = cwd, "forked"
+                    return self.connection_info
+        self.how = f"started ({why})"
+        return await super().launch_kernel(cmd, **kwargs)
+
+
+def install_kernelspec(prefix: str | Path | None = None, name: str = KERNELSPEC_NAME) -> Path:
+    """Install a kernelspec whose kernels come from a kernel server: this interpreter's ipykernel,
+    launched by :class:`ForkProvisioner` (for nbval's ``--nbval-kernel-name``, JupyterLab, ...).
+
+    Args:
+        prefix: the environment's prefix (default ``sys.prefix``): the spec goes to
+            ``<prefix>/share/jupyter/kernels/<name>``.
+        name: the kernelspec's name.
+
+    Returns:
+        The folder written.
+    """
+    folder = Path(prefix or sys.prefix) / "share" / "jupyter" / "kernels" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    options = ["-Xfrozen_modules=off"] if sys.version_info >= (3, 11) else []  # as ipykernel's own spec
+    spec = {"argv": [sys.executable, *options, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "Python 3 (graphborrow, forked kernels)", "language": "python",
+            "metadata": {"kernel_provisioner": {"provisioner_name": PROVISIONER_NAME}}}
+    (folder / "kernel.json").write_text(json.dumps(spec, indent=1) + "\n")
+    return folder
 
 
 def start_kernel(kernel_dirs: list[str], kernel_name: str, *, cwd: Path, env: Mapping[str, str], log,
-                 runtime_dir: Path, fork: bool = True, timeout: float = 60.0):
+                 runtime_dir: Path, fork: bool = True):
     """A started kernel manager (``jupyter_client``'s asynchronous one, as nbclient expects: it
     watches the kernel while a cell runs) for one notebook run; the caller shuts it down.
 
@@ -313,10 +369,9 @@ def start_kernel(kernel_dirs: list[str], kernel_name: str, *, cwd: Path, env: Ma
         log: an open binary file: the kernel's stdout and stderr.
         runtime_dir: where the connection file goes.
         fork: try a kernel server first (:func:`fork_enabled` decides too).
-        timeout: seconds the kernel may take to start.
 
     Returns:
-        ``(km, how)``: the ``jupyter_client.KernelManager`` and ``"forked"`` or ``"started"``
+        ``(km, how)``: the ``jupyter_client`` kernel manager and ``"forked"`` or ``"started"``
         (with the reason a server did not serve it).
     """
     from jupyter_client import AsyncKernelManager
@@ -326,25 +381,10 @@ def start_kernel(kernel_dirs: list[str], kernel_name: str, *, cwd: Path, env: Ma
     km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
     km.kernel_id = str(uuid.uuid4())
     km.connection_file = str(runtime_dir / f"kernel-{km.kernel_id}.json")
-    how = "started"
-    if fork and fork_enabled(env):
-        server, why = server_for(list(km.kernel_spec.argv), env)
-        if server is not None:
-            km.provisioner = _fork_provisioner(km, server)
-            how = "forked"
-        else:
-            how = f"started ({why})"
-    start = run_sync(km.start_kernel)
-    try:
-        start(cwd=str(cwd), env=dict(env), stdout=log, stderr=log)
-    except RuntimeError as exc:
-        if how != "forked":
-            raise
-        km.provisioner = None  # the server could not fork it: start this one from scratch
-        km.cleanup_connection_file()
-        start(cwd=str(cwd), env=dict(env), stdout=log, stderr=log)
-        how = f"started ({exc})"
-    return km, how
+    if fork:
+        km.provisioner = ForkProvisioner(kernel_id=km.kernel_id, kernel_spec=km.kernel_spec, parent=km)
+    run_sync(km.start_kernel)(cwd=str(cwd), env=dict(env), stdout=log, stderr=log)
+    return km, getattr(km.provisioner, "how", "") or "started"
 
 
 def kill_kernel(km) -> None:

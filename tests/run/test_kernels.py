@@ -65,7 +65,7 @@ def test_each_run_gets_a_new_forked_kernel_with_an_empty_namespace(monkeypatch):
 
     monkeypatch.setenv(kernels.FORK_ENV, "0")
     fresh, plain = run_probe(source)
-    assert plain.log.splitlines()[0].endswith(": started"), plain.log[:500]
+    assert plain.log.splitlines()[0].endswith(": started (GRAPHBORROW_FORK_KERNELS=0)"), plain.log[:500]
     assert fresh["ppid"] == os.getpid(), "started from scratch by this process"
     same = ("names", "count", "backend", "parent_env")
     assert {k: fresh[k] for k in same} == {k: first[k] for k in same}, "a forked kernel is a fresh kernel"
@@ -112,3 +112,26 @@ def test_a_kernel_dies_with_its_server_and_the_run_is_retried_on_a_new_one(monke
     assert ran.returncode == 0 and "DeadKernelError" in ran.log, "the run was retried after its kernel died"
     again = json.loads(ran.results["results/probe.json"])
     assert again["ppid"] not in (server.pid, os.getpid()), "on a kernel forked by a new server"
+
+
+def test_the_kernelspec_names_the_fork_provisioner_and_nbval_runs_on_it(tmp_path):
+    """What `make test-nbval` does: a Jupyter client (nbval) given the kernelspec gets forked kernels."""
+    import subprocess
+    import sys
+
+    folder = kernels.install_kernelspec(tmp_path / "prefix")
+    spec = json.loads((folder / "kernel.json").read_text())
+    assert spec["metadata"]["kernel_provisioner"]["provisioner_name"] == kernels.PROVISIONER_NAME
+    assert spec["argv"][0] == sys.executable
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import os, psutil, graphborrow.core.sizes\n"
+        "parent = ' '.join(psutil.Process(os.getppid()).cmdline())\n"
+        "assert 'graphborrow.run.kernel_server' in parent, parent")]
+    path = tmp_path / "forked.ipynb"
+    nbformat.write(nb, path)
+    env = {**os.environ, "JUPYTER_PATH": str(tmp_path / "prefix" / "share" / "jupyter")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:python", "-p", "no:cacheprovider",
+                           "--nbval", "--nbval-kernel-name", kernels.KERNELSPEC_NAME, str(path)],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[run]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	$(PY) -c "from graphborrow.run.kernels import install_kernelspec; install_kernelspec()"
 	touch $@
 
 # The test tools, real model code (transformers), the fused kernels' interpreter (triton, after the
@@ -94,13 +95,14 @@ test-notebooks: setup-test
 	rm -rf output/points
 	$(PY) -m graphborrow points --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points
 
-# nbval: every notebook at its defaults, cell by cell, on the simulated device; the guard then
-# checks each one wrote results showing device work.
+# nbval: every notebook at its defaults, cell by cell, on the simulated device, two notebooks at a
+# time on kernels forked from a warm kernel server (the kernelspec graphborrow-forked, this
+# environment's Python); the guard then checks each one wrote results showing device work.
 test-nbval: setup-test
 	rm -rf notebooks/results
 	start=$$(date +%s); \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:python --nbval-lax --nbval-current-env \
-	  --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/ && \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:python -n 2 --dist loadfile --nbval-lax \
+	  --nbval-kernel-name graphborrow-forked --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks/ && \
 	$(PY) -m graphborrow check-results --since $$start
 
 # The documentation site (output/site): docs/ and the executed notebooks, figures included. It takes

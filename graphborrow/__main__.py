@@ -97,7 +97,7 @@ def _suite(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """The main job: the core demo, every notebook, and the example sweep."""
-    from graphborrow.run.demo import run_demo
+    from graphborrow.run.demo import freeze_imports, run_demo
     from graphborrow.run.suite import run_suite
     from graphborrow.run.sweep import Grid, run_sweep
     from graphborrow.studies.shipped import example_grid
@@ -105,6 +105,7 @@ def _run(args: argparse.Namespace) -> int:
     _check_device(args.device)
     out = output_folder(args.out)
     print("== core demo ==", flush=True)
+    freeze_imports()
     run_demo(args.device)
     print("\n== example sweep ==", flush=True)  # first: notebook 06 shows its results
     grid = Grid.from_yaml(example_grid())

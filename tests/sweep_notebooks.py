@@ -11,7 +11,7 @@ def tiny_notebook(path: Path, *, fail_at: int | None = 2, stall_at: int | None =
     """A notebook that appends one line per execution to ``<path>.runs`` and saves a result.
 
     ``fail_at``: BATCH_SIZE whose point raises. ``stall_at``: BATCH_SIZE whose point writes
-    ``<path>.stalled`` (kernel pid and papermill pid) and sleeps two minutes, only the first
+    ``<path>.stalled`` (the kernel's pid and its parent's) and sleeps two minutes, only the first
     time when ``stall_once``. ``declare``: more lines for the parameters cell. Every point
     shows a pyplot figure and records the backend.
     """

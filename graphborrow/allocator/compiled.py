@@ -116,8 +116,10 @@ def build(force: bool = False, quiet: bool = True) -> dict[str, Path]:
             shutil.copy(source, package / source.name)
         try:
             extensions = cythonize(
-                [Extension(f"{PACKAGE}.{module}", [str(package / f"{module}.py")]) for module in MODULES],
+                [Extension(f"{PACKAGE}.{module}", [str(package / f"{module}.py")], extra_compile_args=["-g0"])
+                 for module in MODULES],
                 compiler_directives=CYTHON_DIRECTIVES, include_path=[str(source_root)], quiet=quiet,
+                nthreads=_jobs(),
             )
         except Exception as exc:  # Cython itself failed (its own message is printed above)
             raise RuntimeError(
@@ -129,6 +131,7 @@ def build(force: bool = False, quiet: bool = True) -> dict[str, Path]:
             command = Distribution({"ext_modules": extensions}).get_command_obj("build_ext")
             command.build_lib = str(tmp / "lib")
             command.build_temp = str(tmp / "obj")
+            command.parallel = _jobs()  # the three modules compile side by side
             command.ensure_finalized()
             command.run()
         except Exception as exc:  # setuptools reports a missing compiler as a CompileError
@@ -141,6 +144,15 @@ def build(force: bool = False, quiet: bool = True) -> dict[str, Path]:
             shutil.copy(command.get_ext_fullpath(f"{PACKAGE}.{module}"), built)
             native.publish(built, target)
     return targets
+
+
+def _jobs() -> int:
+    """Processes for the build: the cores this process may use, at most one per module."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, len(MODULES)))
 
 
 def install() -> str:

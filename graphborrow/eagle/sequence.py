@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Optional
 
 import torch
 
 from graphborrow.core.sizes import SMALL_SIZE, round_size
 from graphborrow.planning import planner
+from graphborrow.planning.stored import stored_sequences
 
 from .draft_tree import DraftTree
 from .modes import MODES, VerifyResult, lean_rows, standard_rows
@@ -243,9 +245,21 @@ def _outputs(step: VerifyStep) -> VerifyResult:
                         c.new_zeros(bs, dtype=torch.int32))
 
 
+def _key(shape: StepShape) -> list:
+    """The shape as JSON values: what a stored sequence is named by (with the code's version)."""
+    return [int(shape.batch_size), int(shape.draft_tokens), int(shape.vocab), bool(shape.top_k), bool(shape.top_p),
+            str(shape.logits_dtype)]
+
+
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _prepare_phases(bs: int, d: int, top_k: bool, top_p: bool):
-    """``prepare``'s allocations, and the frees that release them at the step's end."""
+    """``prepare``'s allocations, and the frees that release them at the step's end (recorded once
+    per shape and kept on disk: :mod:`graphborrow.planning.stored`)."""
+    key = [int(bs), int(d), bool(top_k), bool(top_p)]
+    return stored_sequences("verify-prepare", key, lambda: _record_prepare(bs, d, top_k, top_p))
+
+
+def _record_prepare(bs: int, d: int, top_k: bool, top_p: bool):
     with planner.recording() as rec:
         step = _dummy_step(StepShape(bs, d, 1, top_k, top_p))
         with rec.phase() as made:
@@ -258,7 +272,12 @@ def _prepare_phases(bs: int, d: int, top_k: bool, top_p: bool):
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _rows_body(shape: StepShape, mode: str) -> planner.AllocationSequence:
     """One group's rows in ``mode``: :func:`~graphborrow.eagle.modes.standard_rows` or
-    :func:`~graphborrow.eagle.modes.lean_rows`, outputs and parameters made outside the phase."""
+    :func:`~graphborrow.eagle.modes.lean_rows`, outputs and parameters made outside the phase
+    (recorded once per shape and kept on disk)."""
+    return stored_sequences("verify-rows", [*_key(shape), mode], lambda: (_record_rows(shape, mode),))[0]
+
+
+def _record_rows(shape: StepShape, mode: str) -> planner.AllocationSequence:
     with planner.recording() as rec:
         step = _dummy_step(shape)
         out = _outputs(step)
@@ -290,10 +309,15 @@ def fused_sequence(shape: StepShape) -> planner.AllocationSequence:
 
     if shape.batch_size == 0:
         return planner.AllocationSequence()
-    with planner.recording() as rec:
-        step = _dummy_step(shape)
-        out = _outputs(step)
-        with rec.phase() as body:
-            fused.run_step(step, out, launch=False)
-        del out
-    return planner.AllocationSequence(tuple(body))
+
+    def record():
+        with planner.recording() as rec:
+            step = _dummy_step(shape)
+            out = _outputs(step)
+            with rec.phase() as body:
+                fused.run_step(step, out, launch=False)
+            del out
+        return (planner.AllocationSequence(tuple(body)),)
+
+    triton = getattr(sys.modules.get("triton"), "__version__", "")  # its interpreter runs the step's code
+    return stored_sequences("verify-fused", [*_key(shape), triton], record)[0]

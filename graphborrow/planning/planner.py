@@ -55,6 +55,7 @@ __all__ = [
     "plan",
     "record",
     "recording",
+    "renumbered",
     "replay",
 ]
 
@@ -107,6 +108,31 @@ class AllocationSequence:
 
 _IDS = itertools.count()
 _RECORD_LOCK = threading.RLock()
+
+
+def renumbered(sequences: Sequence[AllocationSequence]) -> tuple[AllocationSequence, ...]:
+    """``sequences`` with fresh allocation ids, as if recorded now (one recording's phases share
+    ids: a free in one names an allocation of another, and keeps naming it here).
+
+    What a sequence made in another process (and stored) needs before it composes with this
+    process's recordings, whose ids it could otherwise repeat.
+
+    Args:
+        sequences: the phases of one recording.
+
+    Returns:
+        The same events in the same order, each id replaced by a new one of this process.
+    """
+    fresh: dict[int, int] = {}
+    out = []
+    for sequence in sequences:
+        events = []
+        for kind, ident, nbytes, stream in sequence.events:
+            if ident not in fresh:
+                fresh[ident] = next(_IDS)
+            events.append((kind, fresh[ident], nbytes, stream))
+        out.append(AllocationSequence(tuple(events)))
+    return tuple(out)
 _DEVICE = None
 
 

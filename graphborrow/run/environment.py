@@ -15,14 +15,19 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from graphborrow.allocator.compiled import PURE_ENV
-from graphborrow.allocator.config import ENVIRONMENT as ALLOC_CONF
-from graphborrow.allocator.config import AllocatorConfig
 from graphborrow.core.errors import ParameterError
 
-__all__ = ["Variable", "VARIABLES", "check_environment", "max_point_bytes", "MAX_POINT_ENV"]
+__all__ = ["Variable", "VARIABLES", "check_environment", "max_point_bytes", "MAX_POINT_ENV", "FORK_ENV", "STORE_ENV",
+           "PURE_ENV", "ALLOC_CONF"]
 
 MAX_POINT_ENV = "GRAPHBORROW_MAX_POINT_MB"
+FORK_ENV = "GRAPHBORROW_FORK_KERNELS"  # graphborrow.run.kernels reads it
+STORE_ENV = "GRAPHBORROW_SEQUENCE_CACHE"  # graphborrow.planning.stored reads it
+# graphborrow.allocator.compiled.PURE_ENV and graphborrow.allocator.config.ENVIRONMENT, named here
+# without importing them: that loads the allocator model and torch, which checking a variable
+# (and a sweep worker, which imports this module) does not need.
+PURE_ENV = "GRAPHBORROW_SIM_PURE"
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def max_point_bytes(environ: Mapping[str, str] | None = None) -> int:
@@ -85,6 +90,8 @@ def _one_of(name: str, allowed: tuple[str, ...]) -> Callable[[str, Mapping[str, 
 
 
 def _allocator_settings(_value: str, env: Mapping[str, str]) -> None:
+    from graphborrow.allocator.config import AllocatorConfig
+
     AllocatorConfig.from_environment(env)
 
 
@@ -115,6 +122,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPLBACKEND", "graphborrow.run.sweep.execute", "removed for notebook kernels, which keep the inline "
              "backend so executed notebooks hold their figures"),
     Variable("JUPYTER_PATH", "graphborrow.run.sweep.execute", "extended with the kernelspec of each point's run"),
+    Variable(FORK_ENV, "graphborrow.run.kernels", "0 starts every notebook kernel from scratch instead of forking "
+             "it from a warm kernel server", _one_of(FORK_ENV, ("", "0", "1"))),
+    Variable(STORE_ENV, "graphborrow.planning.stored", "0 records every verification step's allocation sequence "
+             "instead of reading the ones stored in the cache folder", _one_of(STORE_ENV, ("", "0", "1"))),
 )
 
 

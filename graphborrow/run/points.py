@@ -58,7 +58,7 @@ def cell_seconds(notebook: bytes) -> tuple[float, float]:
     return round(sum(times), 1), round(max(times, default=0.0), 1)
 
 
-def run_point(path: Path, label: str, params: dict, out: Path, timeout: float) -> dict:
+def run_point(path: Path, label: str, params: dict, out: Path, timeout: float, fork: bool = True) -> dict:
     """Run one point of one notebook on the simulated device.
 
     Args:
@@ -67,6 +67,7 @@ def run_point(path: Path, label: str, params: dict, out: Path, timeout: float) -
         params: its parameters (``DEVICE`` defaults to ``sim``).
         out: folder for ``<notebook>/<label>.ipynb``.
         timeout: seconds one cell may run.
+        fork: its kernel may come from a warm kernel server (worth it when a run has several points).
 
     Returns:
         The point's record: notebook, label, params, ok, problems, seconds, cell_seconds,
@@ -75,7 +76,7 @@ def run_point(path: Path, label: str, params: dict, out: Path, timeout: float) -
     declared = declared_parameters(read_notebook(path))
     job = NotebookJob(path.name, path.read_bytes(), {"DEVICE": "sim", **params}, f"{path.stem}[{label}]",
                       timeout=timeout, set_data_dir="DATA_DIR" in declared and "DATA_DIR" not in params,
-                      threads=1)
+                      threads=1, fork=fork)
     ran = execute(job)
     folder = out / path.stem
     folder.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
         if getattr(args, name) < (0 if name == "samples" else 1):
             print(f"error: --{name} {getattr(args, name)} is too small", file=sys.stderr)
             return 2
-    # the limit is inherited by papermill and its kernel, and lifted again at the end
+    # the limit is inherited by the notebooks' kernels (and their kernel server), and lifted again at the end
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if args.memory_gb:
         limit = int(args.memory_gb * 2**30)
@@ -148,7 +149,8 @@ def _run(args) -> int:
     start = time.time()
     records = []
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_point, p, pt.label, pt.params, args.out, args.timeout) for p, pt in todo]
+        futures = [pool.submit(run_point, p, pt.label, pt.params, args.out, args.timeout, len(todo) > 1)
+                   for p, pt in todo]
         for (p, pt), fut in zip(todo, futures):
             rec = fut.result()
             records.append(rec)

@@ -2,8 +2,9 @@
 
     python -m graphborrow suite --device sim --out output/suite
 
-Each notebook runs in its own papermill process (the same runner as a sweep point, here
-on this machine) and is written executed to ``<out>/<notebook>.ipynb``, its results to
+Each notebook runs with papermill on a kernel of its own (the same runner as a sweep point,
+here on this machine; :mod:`graphborrow.run.sweep.execute`) and is written executed to
+``<out>/<notebook>.ipynb``, its results to
 ``<out>/results/<notebook>.json``. A notebook counts as passed only if papermill finished
 *and* its results file shows device work (:func:`graphborrow.run.results.check_results`), so
 none can pass by skipping its cells.
@@ -11,6 +12,7 @@ none can pass by skipping its cells.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -95,7 +97,7 @@ def select_notebooks(only: Sequence[str] | None = None) -> list[Path]:
 def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto",
               only: Sequence[str] | None = None, params: Mapping[str, Any] | None = None,
               timeout: float | None = None, echo: Callable[[str], None] = print, jobs: int = 1) -> SuiteReport:
-    """Run the numbered notebooks, ``jobs`` at a time, each in its own papermill process.
+    """Run the numbered notebooks, ``jobs`` at a time, each on a kernel of its own.
 
     Args:
         out: folder for the executed notebooks (``results/`` inside holds their JSON).
@@ -133,12 +135,14 @@ def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto
     jobs_for = {nb: NotebookJob(nb.name, nb.read_bytes(), {k: v for k, v in {**base, **extra}.items()
                                                             if k in declared[nb]},
                                 nb.stem, timeout, set_data_dir="DATA_DIR" in declared[nb] and "DATA_DIR" not in extra,
-                                threads=1 if jobs > 1 else None)  # one core each when they run side by side
+                                threads=1 if jobs > 1 else None,  # one core each when they run side by side
+                                fork=len(notebooks) > 1)  # a warm kernel server pays off from the second
                 for nb in notebooks}
     done: list[str] = []
+    stop = threading.Event()  # Ctrl-C: the running notebooks' kernels are killed, not waited for
     with ThreadPoolExecutor(jobs) as pool:
         started = time.time()
-        futures = [pool.submit(execute, jobs_for[nb]) for nb in notebooks]
+        futures = [pool.submit(execute, jobs_for[nb], should_stop=stop.is_set) for nb in notebooks]
         try:
             for nb, future in zip(notebooks, futures):
                 run = _store(nb, future.result(), report, started)
@@ -148,6 +152,7 @@ def run_suite(out: str | Path = Path("output") / "suite", *, device: str = "auto
                 if run.error:
                     echo(f"       {run.error}")
         except KeyboardInterrupt:
+            stop.set()
             for future in futures:
                 future.cancel()
             raise SuiteInterrupted(out, done, [nb.stem for nb in notebooks if nb.stem not in done]) from None

@@ -76,6 +76,8 @@ BAD = [
     ("TRITON_INTERPRET", "true", "must be one of"),
     ("GRAPHBORROW_CACHE_DIR", "relative/cache", "is a relative path"),
     ("XDG_CACHE_HOME", "cache", "is a relative path"),
+    ("GRAPHBORROW_FORK_KERNELS", "no", "must be one of"),
+    ("GRAPHBORROW_SEQUENCE_CACHE", "off", "must be one of"),
 ]
 GOOD = [
     ("GRAPHBORROW_MAX_POINT_MB", "0.5"), ("GRAPHBORROW_MAX_POINT_MB", "128"),
@@ -83,6 +85,7 @@ GOOD = [
     ("GRAPHBORROW_SIM_PURE", "1"), ("GRAPHBORROW_SIM_PURE", "0"), ("GRAPHBORROW_SIM_PURE", ""),
     ("TRITON_INTERPRET", "1"), ("GRAPHBORROW_CACHE_DIR", "/tmp/graphborrow-cache"), ("GRAPHBORROW_CACHE_DIR", ""),
     ("CC", "cc"), ("CUDA_VISIBLE_DEVICES", "anything"), ("OMP_NUM_THREADS", "1"),
+    ("GRAPHBORROW_FORK_KERNELS", "0"), ("GRAPHBORROW_SEQUENCE_CACHE", "0"),
 ]
 
 
@@ -108,6 +111,26 @@ def test_a_cache_folder_that_is_a_file_is_refused(tmp_path):
 def test_every_checked_variable_has_a_bad_case_here():
     checked = {v.name for v in VARIABLES if v.check is not None}
     assert checked == {name for name, _, _ in BAD}
+
+
+def test_names_written_out_here_are_the_allocator_modules_own():
+    """environment.py names two variables without importing the allocator (which loads torch)."""
+    from graphborrow.allocator.compiled import PURE_ENV
+    from graphborrow.allocator.config import ENVIRONMENT
+    from graphborrow.planning.stored import STORE_ENV
+    from graphborrow.run import environment
+
+    assert (environment.PURE_ENV, environment.ALLOC_CONF, environment.STORE_ENV) == (PURE_ENV, ENVIRONMENT, STORE_ENV)
+
+
+def test_a_sweep_worker_imports_no_torch():
+    """What a Dask worker imports to run a point (it runs notebooks, never torch itself)."""
+    import subprocess
+    import sys
+
+    code = "import sys, graphborrow.run.sweep.cluster; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_max_point_bytes_reads_mib():

@@ -1,4 +1,4 @@
-"""Parameter sweeps over a notebook: one papermill process per point, points on Dask.
+"""Parameter sweeps over a notebook: papermill runs each point on a kernel of its own, points on Dask.
 
     python -m graphborrow sweep 06_capacity_sweep --grid notebooks/sweep_example.yaml
     python -m graphborrow sweep 02_borrowing -p batch_size 1,8,32 -p draft_tokens 4,8 --workers 2
@@ -195,7 +195,9 @@ def _finish(results: list, index: int, result: PointResult, bar) -> None:
 def _run_points(nb_path: Path, source: bytes, digest: str, known: set[str], points: Sequence[dict], ids: Sequence[str],
                 identities: Sequence[str], store: PointStore, timeout: float | None, workers: int,
                 scheduler: str | None, done: Callable[[int, PointResult], None]) -> None:
-    from .cluster import dask_client, run_jobs
+    import dataclasses
+
+    from .cluster import dask_client, free_slots, run_jobs
 
     threads = None if scheduler else max(1, (os.cpu_count() or 1) // max(1, workers))
     jobs = [NotebookJob(nb_path.name, source, dict(p), pid, timeout,
@@ -210,7 +212,9 @@ def _run_points(nb_path: Path, source: bytes, digest: str, known: set[str], poin
                            notebook_digest=digest))
 
     with dask_client(scheduler, workers, gpu=any(j.gpu for j in jobs)) as client:
-        run_jobs(client, jobs, on_done)
+        # a warm kernel server pays for itself from a worker's second point on
+        several = len(jobs) > free_slots(client, False)
+        run_jobs(client, [dataclasses.replace(j, fork=several) for j in jobs], on_done)
 
 
 def _plot(path: Path, points: Sequence[PointResult], axes: Sequence[str], plot_y: str | None,

@@ -1,7 +1,8 @@
 """Sweep points on Dask: an embedded local cluster, or an existing one by address.
 
-Each point is one Dask task that runs one papermill process on a worker
-(:func:`~graphborrow.run.sweep.execute.execute`) and returns the executed notebook and its
+Each point is one Dask task that runs the notebook with papermill on a worker
+(:func:`~graphborrow.run.sweep.execute.execute`: a new kernel per point, forked from the
+worker's warm kernel server when the worker runs several points) and returns the executed notebook and its
 results as bytes: the client stores them, so workers need no shared file system.
 
 - Without an address, a local cluster of ``workers`` processes (one thread each) starts and
@@ -15,7 +16,7 @@ results as bytes: the client stores them, so workers need no shared file system.
   given only as many points as it has threads: the client submits a point only when a
   thread (a GPU, for GPU points) is free, so a death touches only the points that were
   running on it.
-- Ctrl-C cancels every pending point; a worker kills the papermill process (and its kernel)
+- Ctrl-C cancels every pending point; a worker kills the kernel
   of a cancelled point within a second, and an embedded cluster is shut down.
 """
 
@@ -33,7 +34,7 @@ from graphborrow.core.errors import ParameterError
 
 from .execute import Execution, NotebookJob, execute
 
-__all__ = ["dask_client", "run_jobs", "run_point_on_worker", "describe_failure", "gpu_for_worker"]
+__all__ = ["dask_client", "run_jobs", "run_point_on_worker", "describe_failure", "gpu_for_worker", "free_slots"]
 
 
 def gpu_for_worker(name, visible: str | None) -> str:
@@ -182,7 +183,7 @@ def dask_client(scheduler: str | None = None, workers: int = 1, *, gpu: bool = F
         cluster.close()
 
 
-def _free_slots(client, gpu: bool) -> int:
+def free_slots(client, gpu: bool) -> int:
     """How many points the cluster can run at once: its worker threads, or its GPUs."""
     workers = client.scheduler_info().get("workers", {}).values()
     if gpu:
@@ -214,7 +215,7 @@ def run_jobs(client, jobs: Sequence[NotebookJob], on_done: Callable[[int, Execut
         while waiting:
             gpu = waiting[0][1].gpu
             if gpu not in slots:
-                slots[gpu] = _free_slots(client, gpu)
+                slots[gpu] = free_slots(client, gpu)
             if running >= slots[gpu]:
                 break
             i, job = waiting.pop(0)

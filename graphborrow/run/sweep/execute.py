@@ -1,61 +1,53 @@
-"""Run one notebook with papermill in a child process and hand back everything it made.
+"""Run one notebook with papermill, in this process, and hand back everything it made.
 
 This is the part of a sweep that runs on a worker, which may be another machine with no
 shared file system: the notebook travels in as bytes, runs in a private temporary folder,
-and the executed notebook, its results files and papermill's log travel back as bytes
-for the client to store. Limits on what comes back: the executed notebook and the results
-files together at most ``GRAPHBORROW_MAX_POINT_MB`` MiB (64 by default; figures are what
-grows a notebook), papermill's log cut to its last 256 KiB.
+and the executed notebook, its results files and its log travel back as bytes for the
+client to store. Limits on what comes back: the executed notebook and the results files
+together at most ``GRAPHBORROW_MAX_POINT_MB`` MiB (64 by default; figures are what grows a
+notebook), the log cut to its last 256 KiB.
 
-The kernel is always the worker's own Python (a kernelspec written for the run), so an
-installed graphborrow, not whatever a ``python3`` kernelspec points at, runs the notebook.
-``MPLBACKEND`` is removed from the kernel's environment: the kernel then uses the inline
-backend and the executed notebook keeps its figures as images.
+Papermill runs in the calling thread (no papermill process per point) on a kernel of its
+own: a new process for every run, forked from a warm kernel server when one can serve it
+(:mod:`graphborrow.run.kernels`), else started from scratch. The kernel is always the
+worker's own Python (a kernelspec written for the run), so an installed graphborrow, not
+whatever a ``python3`` kernelspec points at, runs the notebook. ``MPLBACKEND`` is removed
+from the kernel's environment: the kernel then uses the inline backend and the executed
+notebook keeps its figures as images. The log holds the kernel's own output and the cells'
+printed output, then, for a run that did not finish, the reason.
 
-No orphans: papermill runs in its own session and is killed with its kernel when the
-point is cancelled or interrupted, and on Linux it dies with the process that started it.
+No orphans: a cancelled or interrupted point's kernel is killed at once, and kernels die
+with the process that started them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
-
-import yaml
+from typing import Any, Callable, Iterator, Mapping
 
 from graphborrow.studies.shipped import data_dir
 
+from .. import kernels
 from ..environment import max_point_bytes
 
 __all__ = ["NotebookJob", "Execution", "PointCancelled", "execute", "max_point_bytes", "count_images"]
 
 KERNEL_NAME = "graphborrow-point"
 MAX_LOG_BYTES = 256 << 10
-RETRY_EXIT_CODES = (138,)  # papermill's "dead kernel"
+DEAD_KERNEL = 138  # papermill's exit status for a kernel that died
+RETRY_EXIT_CODES = (DEAD_KERNEL,)
 RETRY_MARKERS = ("ZMQError", "Kernel didn't respond", "Address already in use")
-
-# Started instead of papermill itself: ask Linux to kill this process when the thread that
-# started it dies (a worker killed mid-point), then become papermill.
-_CHILD = """\
-import ctypes, os, signal, sys
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-except (AttributeError, OSError):
-    pass
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(137)  # the parent died before the request took effect
-os.execv(sys.executable, [sys.executable, "-m", "papermill"] + sys.argv[2:])
-"""
-
 
 class PointCancelled(Exception):
     """The point's future was cancelled while it ran; papermill and its kernel were killed."""
@@ -73,11 +65,13 @@ class NotebookJob:
     set_data_dir: bool = False            # the notebook declares DATA_DIR and none was given
     gpu: bool = False                     # DEVICE=cuda: asks the cluster for a GPU resource
     threads: int | None = None            # OMP_NUM_THREADS for the kernel, unless already set
+    fork: bool = True                     # may fork its kernel from a warm server: the process runs several
 
 
 @dataclass
 class Execution:
-    """What one papermill run produced, as bytes, plus where it ran."""
+    """What one papermill run produced, as bytes, plus where it ran (``returncode`` 0: every
+    cell ran; 1: the notebook failed; 138: its kernel died)."""
 
     returncode: int
     error: str | None
@@ -123,49 +117,102 @@ def _write_kernelspec(folder: Path) -> None:
         {"argv": argv, "display_name": "Python 3 (graphborrow point)", "language": "python"}))
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """Kill papermill and every process under it (its kernel runs in a session of its own)."""
+class _Canceller:
+    """Polls ``should_stop`` about twice a second while a notebook runs; kills its kernel when it says so."""
+
+    def __init__(self, should_stop: Callable[[], bool] | None):
+        self.should_stop, self.km, self.fired = should_stop, None, False
+        self._done = threading.Event()
+        if should_stop is not None:
+            threading.Thread(target=self._watch, name="graphborrow-point-cancel", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.5):
+            if self.should_stop():
+                self.fired = True
+                self.kill()
+                return
+
+    def kill(self) -> None:
+        if self.km is not None:
+            kernels.kill_kernel(self.km)
+
+    def done(self) -> None:
+        self._done.set()
+
+
+def _engine() -> str:
+    """Papermill's nbclient engine, on a kernel manager the caller started and nbclient stops."""
+    from papermill.clientwrap import PapermillNotebookClient
+    from papermill.engines import NBClientEngine, papermill_engines
+    from papermill.log import logger
+
+    class Engine(NBClientEngine):
+        @classmethod
+        def execute_managed_notebook(cls, nb_man, kernel_name, log_output=False, stdout_file=None,
+                                     stderr_file=None, start_timeout=60, execution_timeout=None, **kwargs):
+            client = PapermillNotebookClient(
+                nb_man, km=kwargs["km"], timeout=execution_timeout, startup_timeout=start_timeout,
+                kernel_name=kernel_name, log=logger, log_output=log_output, stdout_file=stdout_file,
+                stderr_file=stderr_file, shutdown_kernel="immediate")
+            return client.execute(cleanup_kc=True)  # kills the kernel and closes the channels
+
+    papermill_engines.register("graphborrow", Engine)
+    return "graphborrow"
+
+
+@contextmanager
+def _papermill_messages(text) -> Iterator[None]:
+    """Papermill's own messages from this thread (an unknown parameter, ...) go to the run's log."""
+    from papermill.log import logger
+
+    handler = logging.StreamHandler(text)
+    thread = threading.get_ident()
+    handler.addFilter(lambda record: record.thread == thread)
+    logger.addHandler(handler)
     try:
-        import psutil
+        yield
+    finally:
+        logger.removeHandler(handler)
 
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:  # psutil missing, or papermill already gone
-        children = []
-    for child in children:
+
+def _papermill(source: Path, executed: Path, params: dict, job: NotebookJob, tmp: Path, env: Mapping[str, str],
+               log_path: Path, should_stop: Callable[[], bool] | None) -> tuple[int, str]:
+    """Run papermill once on a new kernel; (its status, the log)."""
+    import papermill
+    from nbclient.exceptions import DeadKernelError
+    from papermill.exceptions import PapermillExecutionError
+
+    cancel, km = _Canceller(should_stop), None
+    with open(log_path, "ab") as log, open(log_path, "a", encoding="utf-8", errors="replace") as text, \
+            _papermill_messages(text):
         try:
-            child.kill()
-        except Exception:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
-def _wait(proc: subprocess.Popen, should_stop: Callable[[], bool] | None) -> int:
-    last_check = time.monotonic()
-    while True:
-        try:
-            return proc.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            if should_stop is not None and time.monotonic() - last_check >= 0.5:
-                last_check = time.monotonic()
-                if should_stop():
-                    _kill_tree(proc)
-                    raise PointCancelled("the point was cancelled while it ran") from None
-        except BaseException:  # KeyboardInterrupt, SystemExit: take papermill down with us
-            _kill_tree(proc)
-            raise
-
-
-def _papermill(cmd: list[str], env: Mapping[str, str], cwd: Path, log_path: Path,
-               should_stop: Callable[[], bool] | None) -> tuple[int, str]:
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(os.getpid()), *cmd], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(env),
-                                cwd=cwd, start_new_session=True)
-        code = _wait(proc, should_stop)
+            warm = job.fork and not job.gpu and kernels.wants_warm_kernel(job.notebook_source)
+            km, how = kernels.start_kernel([str(tmp / "jupyter" / "kernels")], KERNEL_NAME, cwd=tmp, env=env,
+                                           log=log, runtime_dir=tmp / "runtime", fork=warm)
+            cancel.km = km
+            text.write(f"kernel {km.provisioner.pid}: {how}\n")
+            text.flush()
+            if cancel.fired:
+                cancel.kill()
+            papermill.execute_notebook(
+                str(source), str(executed), parameters=params, engine_name=_engine(), kernel_name=KERNEL_NAME,
+                progress_bar=False, stdout_file=text, stderr_file=text, start_timeout=60,
+                execution_timeout=int(job.timeout) if job.timeout else None, km=km)
+            code = 0
+        except PapermillExecutionError:
+            code = 1  # a cell raised: the executed notebook holds the error
+        except BaseException as exc:  # noqa: BLE001 - the kernel died, a cell timed out, Ctrl-C
+            text.write(traceback.format_exc())
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            code = DEAD_KERNEL if isinstance(exc, DeadKernelError) else 1
+        finally:
+            cancel.done()
+            if km is not None and km.has_kernel:  # nbclient did not get to stop it
+                kernels.stop_kernel(km)
+    if cancel.fired:
+        raise PointCancelled("the point was cancelled while it ran")
     data = log_path.read_bytes()
     return code, data[-MAX_LOG_BYTES:].decode(errors="replace")
 
@@ -176,8 +223,8 @@ def execute(job: NotebookJob, *, should_stop: Callable[[], bool] | None = None, 
 
     Args:
         job: the notebook and its parameters.
-        should_stop: polled about twice a second; True kills papermill and its kernel and
-            raises :class:`PointCancelled`.
+        should_stop: polled about twice a second; True kills the notebook's kernel and raises
+            :class:`PointCancelled`.
         worker: the name recorded as the point's worker.
         gpu_index: becomes ``CUDA_VISIBLE_DEVICES`` for the kernel (one GPU per worker).
 
@@ -187,6 +234,11 @@ def execute(job: NotebookJob, *, should_stop: Callable[[], bool] | None = None, 
     """
     start = time.time()
     limit = max_point_bytes()  # a bad setting on this worker fails the point before its notebook runs
+    try:
+        import papermill  # noqa: F401
+    except ImportError:
+        return Execution(1, f"papermill is not installed for {sys.executable} on {socket.gethostname()}; "
+                         "install graphborrow[sweep] there", time.time() - start, worker=worker)
     with tempfile.TemporaryDirectory(prefix="graphborrow-point-") as tmp_name:
         tmp = Path(tmp_name)
         source = tmp / "input" / job.notebook_name
@@ -206,21 +258,14 @@ def execute(job: NotebookJob, *, should_stop: Callable[[], bool] | None = None, 
             env["OMP_NUM_THREADS"] = str(job.threads)
         if gpu_index is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu_index
-        cmd = [str(source), str(executed), "-k", KERNEL_NAME, "--cwd", str(tmp), "--no-progress-bar",
-               "--log-output", "-y", yaml.safe_dump(params, default_flow_style=True)]
-        if job.timeout:
-            cmd += ["--execution-timeout", str(int(job.timeout))]
         for _ in range(retries + 1):
-            code, log = _papermill(cmd, env, tmp, tmp / "papermill.log", should_stop)
+            code, log = _papermill(source, executed, params, job, tmp, env, tmp / "papermill.log", should_stop)
             retry = code in RETRY_EXIT_CODES or any(m in log for m in RETRY_MARKERS)
             if code == 0 or not retry:
                 break
         notebook = _restore_kernelspec(executed.read_bytes(), job.notebook_source) if executed.exists() else b""
         results = {f"results/{p.name}": p.read_bytes() for p in sorted(results_dir.glob("*.json"))}
     error = None if code == 0 else _error_from(notebook, log)
-    if code != 0 and "No module named papermill" in log:
-        error = (f"papermill is not installed for {sys.executable} on {socket.gethostname()}; "
-                 "install graphborrow[sweep] there")
     size = len(notebook) + sum(map(len, results.values()))
     if size > limit:
         code, notebook, results = (code or 1), b"", {}

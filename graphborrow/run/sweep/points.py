@@ -8,7 +8,8 @@ only a name: the identity is stored inside and checked.
 Layout of one sweep (``<out>/<sweep>/``)::
 
     <point-id>/<notebook>.ipynb     the executed notebook
-    <point-id>/papermill.log        papermill's output (the end of it, for long logs)
+    <point-id>/papermill.log        the run's log: the kernel's output, the cells' printed output, why it
+                                    stopped (the end of it, for long logs)
     <point-id>/results/*.json       what the notebook saved with graphborrow.run.results.save
     <point-id>/point.json           status, error, parameters, identity, worker, host, file hashes,
                                     and a checksum of the record itself

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 from graphborrow.core.interrupts import CRITICAL, CRITICAL_ENTRY
-
-if TYPE_CHECKING:
-    from .device import SimBackend
 
 __all__ = ["MemPool", "SimPoolRouting"]
 

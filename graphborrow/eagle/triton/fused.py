@@ -334,7 +334,6 @@ class StepPlan:
         predicts, _, index, _, length, _ = buffer.unsafe_split_with_sizes(self.output_pieces)
         return VerifyResult(predicts, index.view(self.bs, self.steps), length)
 
-
     def workspace(self, like: torch.Tensor) -> CachedWorkspace:
         """The workspace eager calls on the current stream share: made (its counters zeroed)
         on first use and kept with the plan.

@@ -28,7 +28,8 @@ def shape_of(sequences):
     return [[(k, order.setdefault(i, len(order)), n, s) for k, i, n, s in seq.events] for seq in sequences]
 
 
-def test_a_stored_recording_reads_back_the_same_with_fresh_ids(tmp_path, monkeypatch):
+def counted_recorder(tmp_path, monkeypatch):
+    """A store in ``tmp_path`` and a recorder of the softmax phases that counts its calls."""
     monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(STORE_ENV, raising=False)
     calls = []
@@ -37,6 +38,11 @@ def test_a_stored_recording_reads_back_the_same_with_fresh_ids(tmp_path, monkeyp
         calls.append(1)
         return softmax_phases()
 
+    return record, calls
+
+
+def test_a_stored_recording_reads_back_the_same_with_fresh_ids(tmp_path, monkeypatch):
+    record, calls = counted_recorder(tmp_path, monkeypatch)
     first = stored_sequences("test-softmax", [64, 1000], record)
     second = stored_sequences("test-softmax", [64, 1000], record)
     assert len(calls) == 1, "the second request read the store"
@@ -50,14 +56,7 @@ def test_a_stored_recording_reads_back_the_same_with_fresh_ids(tmp_path, monkeyp
 
 
 def test_a_damaged_or_foreign_file_is_recorded_again(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAPHBORROW_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(STORE_ENV, raising=False)
-    calls = []
-
-    def record():
-        calls.append(1)
-        return softmax_phases()
-
+    record, calls = counted_recorder(tmp_path, monkeypatch)
     stored_sequences("test-softmax", [1], record)
     path = next(store_folder().glob("*.json"))
     path.write_text('{"name": ')

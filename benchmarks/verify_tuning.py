@@ -46,6 +46,8 @@ TUNE_POINTS = [(32, 4), (64, 4), (4, 16), (16, 4), (128, 16)]
 # (programs the slices aim at, tile entries, warps); the first is the default
 SIZES = [(1056, 2048, 8), (528, 2048, 8), (2112, 2048, 8), (4224, 2048, 8), (1056, 4096, 8), (2112, 4096, 8),
          (1056, 1024, 8), (2112, 1024, 8), (1056, 2048, 4), (2112, 2048, 4), (4224, 1024, 4)]
+# SUM_LAG_BYTES, the default first; 1 << 40: every maximum before any sum (the order before the lag)
+LAGS = [fused.SUM_LAG_BYTES, 1 << 40, 12 << 20, 40 << 20]
 RENORM_POINTS = [(1, 4), (4, 8), (16, 8), (32, 4), (128, 16)]
 # (rows from which top-k / top-p split into one launch per kind, register caps plain / one launch)
 RENORM_SIZES = [(32, (64, 128)), (1, (64, 128)), (10**9, (64, 128)), (32, (64, 168)), (10**9, (64, 255)),
@@ -133,6 +135,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--package", type=Path, default=None, help="the tree whose graphborrow is measured")
     ap.add_argument("--defaults-only", action="store_true", help="no host rows; each point at the default sizes")
+    ap.add_argument("--lag-only", action="store_true", help="only the sums' lag behind the maxima, at every point")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("verify_tuning.py measures CUDA kernels: run it on a GPU machine")
@@ -145,7 +148,7 @@ def main(argv=None):
               "host_floor": {"empty": host_us(lambda: torch.empty(1024, device="cuda"), 300),
                              "add": host_us(lambda: x.add_(1), 300), "replay": host_us(graph.replay, 300)}}
     cases = {(bs, d): vk.make_case(bs, d, VOCAB, seed=bs * 100 + d, temperature=T) for bs, d in POINTS}
-    if not args.defaults_only:
+    if not (args.defaults_only or args.lag_only):
         record["host_rows"] = host_rows(cases)
         first = cases[(1, 4)]
         record["drift_1x4"] = statistics.median(
@@ -158,8 +161,17 @@ def main(argv=None):
     def split(config):
         fused.SPLIT_ROWS, fused.STEP_MAX_REGISTERS = config
 
-    sizes, renorm_sizes = (SIZES[:1], RENORM_SIZES[:1]) if args.defaults_only else (SIZES, RENORM_SIZES)
+    def lag(config):
+        fused.SUM_LAG_BYTES = config
+
     started = time.monotonic()
+    record["lag"] = sized(cases, POINTS, LAGS, lag, {})
+    if args.lag_only:
+        record["sized_s"] = time.monotonic() - started
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1))
+        return
+    sizes, renorm_sizes = (SIZES[:1], RENORM_SIZES[:1]) if args.defaults_only else (SIZES, RENORM_SIZES)
     record["tune"] = sized(cases, TUNE_POINTS, sizes, grid, {})
     record["renorm"] = sized(cases, RENORM_POINTS, renorm_sizes, split, {"top_ks": 50, "top_ps": 0.9})
     record["sized_s"] = time.monotonic() - started

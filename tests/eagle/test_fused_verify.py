@@ -264,6 +264,25 @@ def test_the_counters_end_at_zero_whatever_the_grid(monkeypatch):
         assert not bool(entry.views.sync.any())
 
 
+@pytest.mark.parametrize("lag_bytes, lag", cases([(1, 4), (10 * 4 * 256, 10), (1 << 30, 32)], [0]))
+def test_sums_trailing_the_maxima_give_the_same_tokens(lag_bytes, lag, monkeypatch):
+    """On large steps the sums trail the maxima by ``lag`` items (so a row's logits are still
+    in L2 when its sums read them again): by one row's slices (the least), by a count that
+    ends mid-row, and not at all (every maximum first). The same tokens as the reference,
+    with and without top-k / top-p, and the counters end at zero (the outputs are zeroed by
+    ticket 0, so no walk waits on a maximum not yet taken)."""
+    monkeypatch.setattr(fv, "SUM_LAG_BYTES", lag_bytes)
+    tree, logits, coins, coins_final = case(15, 2, 4, 900, 2, 3)
+    dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
+    for top_k, top_p in ((None, None), (30, 0.8)):
+        expected = reference(logits, tree, 0.9, top_k, top_p, coins, coins_final)
+        step = VerifyStep.of(dlogits, None, dtree, 0.9, top_k, top_p, dcoins, dfinal)
+        plan = fv.plan_for(step)
+        assert (plan.splits, plan.chunk, plan.lag) == (4, 256, lag)
+        assert_same(expected, fv.verify(step), f"lag {lag}, top-k {top_k}")
+        assert not any(bool(entry.views.sync.any()) for entry in plan.cached.values())
+
+
 def test_eagle_verify_reference_and_fused_agree_bitwise():
     """eagle_verify's two implementations: the reference modes compute the kernels' formula
     (target_probs_reference), so for the same coins they emit the same predicts,

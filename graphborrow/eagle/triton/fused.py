@@ -11,11 +11,12 @@ no larger than what the GPU holds at once, whose programs take work items from a
 (an atomic ticket counter in the workspace) until it is empty. The items, in ticket order:
 
 1. per (row, vocabulary slice): the slice's largest logit (``m = max(x) / t`` later, as
-   division by t > 0 is monotone). A row's slice 0 also zeroes its ``predicts`` entry and
-   writes its request's parameters (temperature, top-k, top-p: numbers or the caller's
-   tensors) into the workspace;
+   division by t > 0 is monotone). A row's slice 0 also writes its request's parameters
+   (temperature, top-k, top-p: numbers or the caller's tensors) into the workspace, and
+   ticket 0 zeroes every ``predicts`` entry;
 2. per (row, slice): the fixed-point sum of ``exp(x / t - m)``, once the row's maxima are
-   all in;
+   all in. The sums trail the maxima by ``lag`` items (:func:`sum_lag`), taken in turn
+   with them, so a large step's sums re-read logits still in L2;
 3. with top-k / top-p: the sort-free pivot search of :mod:`.select` (bracket, passes,
    gather, resolve, kept sum), each step once the row's previous one is done;
 4. per (request, slice): the float64 mass of the final row's residual (its rejected children
@@ -133,6 +134,9 @@ STEP_MAX_REGISTERS = (64, 128)
 SPLIT_ROWS = 32
 MAX_SUM, RESIDUAL, BRACKET, RESOLVE, KEPT, PASS, GATHER = 1, 2, 4, 8, 16, 32, 64  # kinds, as verify_kernel's KINDS
 SPLIT_MAX_REGISTERS = {MAX_SUM: 64, BRACKET: 80, PASS: 80, GATHER: 80, KEPT: 64, RESIDUAL: 64}  # (resolve: uncapped)
+# The logits (fp32 at most) the sums may trail the maxima by: a row's sums then re-read its
+# slices from L2 instead of memory (the H200's L2 holds 50 MiB; half of it leaves room for the rest).
+SUM_LAG_BYTES = 24 << 20
 INTERPRETED_PROGRAMS = 3  # the interpreter runs programs one after another: program 0 does every item
 INT32_MAX = 2**31 - 1
 
@@ -312,6 +316,7 @@ class StepPlan:
         lengths = (bs * d, bs * steps, bs)
         self.output_pieces = [piece for i in range(3) for piece in (lengths[i], starts[i + 1] - starts[i] - lengths[i])]
         self.output_template = None  # an empty int32 tensor on the device, made for the eager short path
+        self.lag = sum_lag(rows, self.splits, self.chunk)
         self.items = step_items(bs, d, self.splits, self.rsplits, self.nsel, self.passes, step)
         self.split = self.renorm and rows >= SPLIT_ROWS
         self.groups = step_groups(bs, d, self.splits, self.rsplits, self.nsel, self.passes, step, self.split)
@@ -382,6 +387,13 @@ def step_items(bs: int, d: int, splits: int, rsplits: int, nsel: int, passes: in
     if not step:
         return 2 * per_row_slices
     return 2 * per_row_slices + nsel * ((passes + 3) * per_row_slices + rows) + bs * rsplits
+
+
+def sum_lag(rows: int, splits: int, chunk: int) -> int:
+    """Maxima items the first sums trail by (``verify_kernel``'s ``lag``): every (row, slice)
+    when the logits fit in ``SUM_LAG_BYTES``, else as many slices as do, and never fewer than
+    one row's (so a sum's maxima always come first in the queue)."""
+    return int(min(rows * splits, max(splits, SUM_LAG_BYTES // (4 * chunk))))
 
 
 def step_groups(bs: int, d: int, splits: int, rsplits: int, nsel: int, passes: int, step: bool = True,
@@ -486,7 +498,8 @@ def fused_workspace_bytes(bs: int, d: int, vocab: int, top_k: bool = False, top_
 
 def tunables() -> tuple:
     """The sizes a plan is made with as they are now (tests shrink them): part of every plan's key."""
-    return _select.tunables() + (STEP_MAX_REGISTERS, tuple(SPLIT_MAX_REGISTERS.items()), PROGRAMS_PER_SM, SPLIT_ROWS)
+    return _select.tunables() + (STEP_MAX_REGISTERS, tuple(SPLIT_MAX_REGISTERS.items()), PROGRAMS_PER_SM, SPLIT_ROWS,
+                                 SUM_LAG_BYTES)
 
 
 _PLANS = PlanCache(StepPlan)
@@ -610,7 +623,8 @@ def _tails(plan: StepPlan, w, step: bool = True) -> list:
     t_form, k_form, p_form = plan.forms
     slots = (w.temps, w.top_k, w.top_p, w.part_max, w.part_sum, w.walk_state, w.res_sum, w.res_last, w.sync,
              w.pivots, w.state_i, w.state_f, w.part_w, w.part_c, w.scratch,
-             plan.bs, plan.d, plan.vocab, plan.splits, plan.chunk, plan.rsplits, plan.rchunk, plan.steps, plan.passes)
+             plan.bs, plan.d, plan.vocab, plan.splits, plan.chunk, plan.rsplits, plan.rchunk, plan.steps, plan.passes,
+             plan.lag)
     return [(*slots, programs, first, end, plan.scale, plan.unscale, t_form, k_form, p_form, plan.has_k, plan.has_p,
              plan.nsel, step, kinds, walks, _select.SELECT_THRESHOLDS, _select.SELECT_CAP, _select.SELECT_BLOCK,
              _select.BLOCK, _select.SPLIT_MAX, plan.d_block, not INTERPRETED)

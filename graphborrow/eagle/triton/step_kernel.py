@@ -61,13 +61,11 @@ if TRITON_AVAILABLE:
         tl.atomic_xchg(flag, value, sem="release")
 
     @triton.jit
-    def _max_item(row, c, logits, part_max, predicts, zeroed, temps, t_src, t_value, top_k, k_src, k_value, top_p,
-                  p_src, p_value, arrivals, d, vocab, splits, chunk, T_FORM: tl.constexpr, K_FORM: tl.constexpr,
-                  P_FORM: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr):
+    def _max_item(row, c, logits, part_max, temps, t_src, t_value, top_k, k_src, k_value, top_p, p_src, p_value,
+                  arrivals, d, vocab, splits, chunk, T_FORM: tl.constexpr, K_FORM: tl.constexpr, P_FORM: tl.constexpr,
+                  BLOCK: tl.constexpr):
         """Largest logit of one (row, slice). Slice 0 writes the row's request's parameters
-        (every row of a request writes the same values, so each row's later items find them)
-        and zeroes the row's output entry, counted in ``zeroed`` (walks write outputs only
-        once every entry is zeroed: a tree may give a node another request's slot)."""
+        (every row of a request writes the same values, so each row's later items find them)."""
         base = logits + row.to(tl.int64) * vocab
         lo = c * chunk
         hi = tl.minimum(lo + chunk, vocab)
@@ -82,11 +80,21 @@ if TRITON_AVAILABLE:
             _store_param(temps, t_src, t_value, req, T_FORM, False)
             _store_param(top_k, k_src, k_value, req, K_FORM, True)
             _store_param(top_p, p_src, p_value, req, P_FORM, False)
-            if STEP:
-                tl.store(predicts + row, 0)
-                tl.debug_barrier()
-                tl.atomic_add(zeroed, 1, sem="release")
         return arrive(arrivals, row, splits)
+
+    @triton.jit
+    def _zero_outputs(ticket, predicts, rows, zeroed, STEP: tl.constexpr, BLOCK: tl.constexpr):
+        """Ticket 0 (of a step): zero every output entry, then count them in ``zeroed``. Walks
+        write outputs only once every entry is zeroed (a tree may give a node another request's
+        slot); ticket 0 comes before every walk, so a walk never waits for a ticket no program
+        has taken."""
+        if STEP:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if ticket == 0:
+                offs = tl.arange(0, BLOCK)
+                for start in range(0, rows, BLOCK):
+                    tl.store(predicts + start + offs, 0, mask=start + offs < rows)
+                tl.debug_barrier()
+                tl.atomic_add(zeroed, rows, sem="release")
 
     @triton.jit
     def _sum_item(row, c, logits, temps, part_max, part_sum, arrivals, d, vocab, splits, chunk, scale,
@@ -143,14 +151,33 @@ if TRITON_AVAILABLE:
                                  NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
         return last
 
+    @triton.jit
+    def _max_sum_order(ticket, per_step, lag):
+        """(stage, item) of one of the first ``2 * per_step`` tickets: ``lag`` maxima first,
+        then maxima and sums in turn, the sums ``lag`` items behind, then the last sums. A row's
+        sums thus re-read its logits while they are still in L2 (``lag`` >= ``splits``: a sum's
+        maxima always have smaller tickets)."""
+        stage = ticket * 0
+        i = ticket
+        if ticket >= lag:
+            u = ticket - lag
+            both = per_step - lag  # maxima after the first lag
+            if u < 2 * both:
+                stage = u % 2
+                i = tl.where(stage == 0, lag + u // 2, u // 2)
+            else:
+                stage = stage + 1
+                i = both + (u - 2 * both)
+        return stage, i
+
     @triton.jit(do_not_specialize=["t_value", "k_value", "p_value", "thr_single", "thr_acc", "bs", "d", "splits",
-                                   "rsplits", "steps", "passes", "programs", "first", "end"])
+                                   "rsplits", "steps", "passes", "lag", "programs", "first", "end"])
     def verify_kernel(logits, candidates, retrive_index, next_token, next_sibling, predicts, accept_index,
                      accept_length, coins, coins_final, t_src, k_src, p_src, t_value, k_value, p_value, thr_single,
                      thr_acc,
                      temps, top_k, top_p, part_max, part_sum, walk_state, res_sum, res_last, sync, pivots, state_i,
                      state_f, part_w, part_c, scratch,
-                     bs, d, vocab, splits, chunk, rsplits, rchunk, steps, passes, programs, first, end, scale,
+                     bs, d, vocab, splits, chunk, rsplits, rchunk, steps, passes, lag, programs, first, end, scale,
                      unscale,
                      T_FORM: tl.constexpr, K_FORM: tl.constexpr, P_FORM: tl.constexpr, HAS_TOPK: tl.constexpr,
                      HAS_TOPP: tl.constexpr, NSEL: tl.constexpr, STEP: tl.constexpr, KINDS: tl.constexpr,
@@ -178,14 +205,14 @@ if TRITON_AVAILABLE:
             last = ticket < 0
             if ticket < 2 * per_step:
                 if (KINDS & 1) != 0:
-                    stage = ticket // per_step
-                    i = ticket - stage * per_step
+                    stage, i = _max_sum_order(ticket, per_step, lag)
                     row = i // splits
                     c = i - row * splits
+                    _zero_outputs(ticket, predicts, rows, sync + 2, STEP, BLOCK)
                     if stage == 0:
-                        last = _max_item(row, c, logits, part_max, predicts, sync + 2, temps, t_src, t_value, top_k,
-                                         k_src, k_value, top_p, p_src, p_value, arrivals, d, vocab, splits, chunk,
-                                         T_FORM, K_FORM, P_FORM, STEP, BLOCK)
+                        last = _max_item(row, c, logits, part_max, temps, t_src, t_value, top_k, k_src, k_value,
+                                         top_p, p_src, p_value, arrivals, d, vocab, splits, chunk, T_FORM, K_FORM,
+                                         P_FORM, BLOCK)
                     else:
                         _wait(ready + row, 1)
                         last = _sum_item(row, c, logits, temps, part_max, part_sum, arrivals, d, vocab, splits,

@@ -33,6 +33,17 @@ def test_notebook_is_stripped_and_parameterised(path):
     assert "/work/" not in source
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_cell_has_an_id(path):
+    """nbformat 4.5 cells carry ids: a cell without one makes every reader of the file warn
+    (and nbformat means to refuse it)."""
+    import json
+
+    cells = json.loads(path.read_text())["cells"]
+    missing = [i for i, c in enumerate(cells) if not c.get("id")]
+    assert not missing, f"{path.name}: cells {missing} have no id (nbformat.validator.normalize adds them)"
+
+
 def test_strip_removes_outputs_and_counts():
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("1 + 1")

@@ -31,7 +31,6 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,9 +182,6 @@ def _papermill(source: Path, executed: Path, params: dict, job: NotebookJob, tmp
     import papermill
     from nbclient.exceptions import DeadKernelError
     from papermill.exceptions import PapermillExecutionError
-
-    # papermill's injected parameters cell has no id; nbformat gives it one and says so each run
-    warnings.filterwarnings("ignore", message="Cell is missing an id field")
 
     cancel, km = _Canceller(should_stop), None
     with open(log_path, "ab") as log, open(log_path, "a", encoding="utf-8", errors="replace") as text, \

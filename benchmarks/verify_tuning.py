@@ -166,14 +166,10 @@ def main(argv=None):
 
     started = time.monotonic()
     record["lag"] = sized(cases, POINTS, LAGS, lag, {})
-    if args.lag_only:
-        record["sized_s"] = time.monotonic() - started
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1))
-        return
-    sizes, renorm_sizes = (SIZES[:1], RENORM_SIZES[:1]) if args.defaults_only else (SIZES, RENORM_SIZES)
-    record["tune"] = sized(cases, TUNE_POINTS, sizes, grid, {})
-    record["renorm"] = sized(cases, RENORM_POINTS, renorm_sizes, split, {"top_ks": 50, "top_ps": 0.9})
+    if not args.lag_only:
+        sizes, renorm_sizes = (SIZES[:1], RENORM_SIZES[:1]) if args.defaults_only else (SIZES, RENORM_SIZES)
+        record["tune"] = sized(cases, TUNE_POINTS, sizes, grid, {})
+        record["renorm"] = sized(cases, RENORM_POINTS, renorm_sizes, split, {"top_ks": 50, "top_ps": 0.9})
     record["sized_s"] = time.monotonic() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))

@@ -1,5 +1,6 @@
 """The committed notebooks: stripped, one parameters cell with the shared knobs, python3 kernel."""
 
+import json
 import re
 from pathlib import Path
 
@@ -37,8 +38,6 @@ def test_notebook_is_stripped_and_parameterised(path):
 def test_every_cell_has_an_id(path):
     """nbformat 4.5 cells carry ids: a cell without one makes every reader of the file warn
     (and nbformat means to refuse it)."""
-    import json
-
     cells = json.loads(path.read_text())["cells"]
     missing = [i for i, c in enumerate(cells) if not c.get("id")]
     assert not missing, f"{path.name}: cells {missing} have no id (nbformat.validator.normalize adds them)"

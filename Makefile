@@ -61,7 +61,8 @@ browser:
 # CPU-only: GPU twins are deselected (not skipped); the simulated device runs the story.
 # nbval runs every notebook at its defaults; the points harness runs each at the H200 preset (the
 # browser test then opens those executed notebooks); then pytest. The notebooks' corners and random
-# points, and the DEEP_TESTS below, run in `make test-deep`.
+# points, the DEEP_TESTS below and the tests marked deep (long repeats of a check make test makes)
+# run in `make test-deep`.
 POINT_LABELS ?= h200
 # Long tests that repeat a check another target makes: compiling every kernel variant for sm_90 is
 # `make compile-kernels`; the deep Hypothesis profile's own test runs what `make deep` runs.
@@ -74,16 +75,18 @@ test: setup-test browser
 	$(MAKE) --no-print-directory test-nbval
 	rm -rf output/points
 	$(PY) -m graphborrow points --labels $(POINT_LABELS) --jobs 2 --out output/points
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope -m "not gpu" $(addprefix --deselect ,$(DEEP_TESTS)) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope -m "not gpu and not deep" $(addprefix --deselect ,$(DEEP_TESTS)) tests
 
 # Everything `make test` leaves out: every notebook at the low and high corners of its ranges, the
-# H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim); about 15 minutes on 2 cores.
+# H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim), then the deep tests; about 17 minutes
+# on 2 cores.
 POINT_SAMPLES ?= 1
 POINT_SEED ?= 0
-test-deep: setup-test
+test-deep: setup-test browser
 	rm -rf output/points-deep
 	$(PY) -m graphborrow points --skip-defaults --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points-deep
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(DEEP_TESTS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope -m "deep and not gpu" tests
 
 test-core: setup-test
 	$(PY) -m pytest -q -m "not gpu and not browser" tests

@@ -11,6 +11,7 @@ statistic the trace determines must equal the recorded one.
 from __future__ import annotations
 
 import difflib
+import functools
 import gzip
 import json
 import pickle
@@ -45,6 +46,13 @@ def load(path: Path) -> dict:
         return pickle.load(f)
 
 
+@functools.lru_cache(maxsize=None)
+def full_replay(path: Path):
+    """A full trace's replay, made once for the tests that read it (a replay is deterministic
+    and the tests only read its report)."""
+    return replay_trace(load(path))
+
+
 def test_the_corpus_is_committed_with_its_metadata():
     index = json.loads((CORPUS / "index.json").read_text())
     assert len(FULL) >= 30 and len(MID_RUN) >= 12
@@ -59,7 +67,7 @@ def test_the_corpus_is_committed_with_its_metadata():
 @pytest.mark.parametrize("path", FULL, ids=[name_of(p) for p in FULL])
 def test_full_trace_replays_exactly(path):
     snapshot = load(path)
-    report = replay_trace(snapshot)
+    report = full_replay(path)
     assert report.checks > 800
     # a program that died of a CUDA error inside a capture left state its trace does not explain
     assert not report.mid_run or snapshot["corpus"]["error"]
@@ -178,7 +186,7 @@ def test_inferred_pools_match_the_programs():
         if snapshot["corpus"]["error"]:
             continue
         truth = _true_pools(snapshot)
-        inferred = {int(key.split()[-1]): pool for key, pool in replay_trace(snapshot).inferred.items()
+        inferred = {int(key.split()[-1]): pool for key, pool in full_replay(path).inferred.items()
                     if key.startswith("segment at event")}
         pairs = Counter((truth[i], pool) for i, pool in inferred.items() if i in truth)
         by_truth, by_inferred = defaultdict(Counter), defaultdict(Counter)

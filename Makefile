@@ -61,21 +61,14 @@ browser:
 # CPU-only: GPU twins are deselected (not skipped); the simulated device runs the story.
 # nbval runs every notebook at its defaults; the points harness runs each at the H200 preset (the
 # browser test then opens those executed notebooks); then pytest. The notebooks' corners and random
-# points, the DEEP_TESTS below and the tests marked deep (long repeats of a check make test makes)
-# run in `make test-deep`.
+# points, and the tests marked deep (long repeats of a check make test or another target makes, each
+# saying which), run in `make test-deep`.
 POINT_LABELS ?= h200
-# Long tests that repeat a check another target makes: compiling every kernel variant for sm_90 is
-# `make compile-kernels`; the deep Hypothesis profile's own test runs what `make deep` runs.
-# Rebuilding the Cython model from scratch is what `make setup` does; the tests of a damaged, truncated or
-# checksum-less build that stay in make test load prebuilt files instead.
-DEEP_TESTS = tests/eagle/test_fused_compile.py::test_every_kernel_variant_compiles_for_sm90_without_spills \
-	tests/tooling/test_profiles.py::test_the_deep_profile_runs_fifty_times_the_examples \
-	tests/allocator/test_sim_compiled.py::test_build_force_replaces_a_damaged_build
 test: setup-test browser
 	$(MAKE) --no-print-directory test-nbval
 	rm -rf output/points
 	$(PY) -m graphborrow points --labels $(POINT_LABELS) --jobs 2 --out output/points
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope -m "not gpu and not deep" $(addprefix --deselect ,$(DEEP_TESTS)) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope -m "not gpu and not deep" tests
 
 # Everything `make test` leaves out: every notebook at the low and high corners of its ranges, the
 # H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim), then the deep tests; about 17 minutes
@@ -85,7 +78,6 @@ POINT_SEED ?= 0
 test-deep: setup-test browser
 	rm -rf output/points-deep
 	$(PY) -m graphborrow points --skip-defaults --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points-deep
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(DEEP_TESTS)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope -m "deep and not gpu" tests
 
 test-core: setup-test

@@ -205,6 +205,8 @@ def test_running_without_a_build_is_announced_unless_chosen(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.deep  # rebuilds the Cython model from scratch, as make setup does; the damaged, truncated and
+# checksum-less builds that make test checks load prebuilt files instead
 def test_build_force_replaces_a_damaged_build(built, tmp_path):
     targets = _copy_build(built, tmp_path)
     target = targets["blocks"]

@@ -26,6 +26,7 @@ assert importlib.util.find_spec("triton") is not None, "install triton (the 'ker
 
 
 @pytest.mark.slow
+@pytest.mark.deep  # what make compile-kernels does
 def test_every_kernel_variant_compiles_for_sm90_without_spills(tmp_path):
     out = tmp_path / "compiled.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}

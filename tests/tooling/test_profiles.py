@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,6 +43,7 @@ def _examples(profile: str, tmp_path: Path) -> dict:
     return {"own": lines.count("own"), "profile": int(profile[0])}
 
 
+@pytest.mark.deep  # runs what make deep runs
 def test_the_deep_profile_runs_fifty_times_the_examples(tmp_path):
     ci, deep = _examples("ci", tmp_path), _examples("deep", tmp_path)
     assert ci["own"] == 3 and deep["own"] == 150

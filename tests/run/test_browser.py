@@ -4,6 +4,7 @@ Needs Debian's chromium at /usr/bin/chromium (CI: ``apt-get install -y chromium`
 Screenshots land in test-artifacts/ at the repository root.
 """
 
+import json
 import os
 import secrets
 import shutil
@@ -55,12 +56,19 @@ def lab(tmp_path_factory):
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "MPLBACKEND": "Agg"}
+    # start the notebook's kernel without JupyterLab's "Select Kernel" dialog, which otherwise
+    # appears on opening (or not: a test waiting for it either way lost 15 s)
+    settings = tmp_path / "settings"
+    tracker = settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+    tracker.parent.mkdir(parents=True)
+    tracker.write_text(json.dumps({"autoStartDefaultKernel": True}))
     log = open(tmp_path / "lab.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
          f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--ServerApp.port_retries=0",
-         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--LabApp.expose_app_in_browser=True"]
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+         f"--LabApp.user_settings_dir={settings}", "--LabApp.expose_app_in_browser=True"]
         + (["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),
         stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -86,12 +94,19 @@ def lab(tmp_path_factory):
         log.close()
 
 
+KERNEL_READY = """() => {
+    const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+    const kernel = panel && panel.sessionContext && panel.sessionContext.session
+        && panel.sessionContext.session.kernel;
+    return !!kernel && kernel.connectionStatus === "connected" && kernel.status === "idle";
+}"""
+
+
 def _image_bytes(image) -> bytes:
     return image.screenshot()
 
 
 def test_explorer_redraws_when_a_slider_moves(lab):
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     url, token, root = lab
@@ -102,14 +117,9 @@ def test_explorer_redraws_when_a_slider_moves(lab):
         try:
             page.goto(f"{url}/lab/tree/explorer/{EXPLORER.name}?reset&token={token}")
             page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
-            select = page.locator(".jp-Dialog").get_by_role("button", name="Select", exact=True)
-            try:  # JupyterLab may ask which kernel to start; python3 is preselected
-                select.wait_for(state="visible", timeout=15_000)
-                select.click()
-            except PlaywrightTimeout:
-                pass
-            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
-                timeout=60_000)
+            # the kernel connected and idle (the status bar can read idle before it connects,
+            # and cells run then are dropped)
+            page.wait_for_function(KERNEL_READY, timeout=60_000)
             page.get_by_role("menuitem", name="Run", exact=True).click()
             page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
             image = page.locator("img.widget-image").first

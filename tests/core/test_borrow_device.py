@@ -12,6 +12,8 @@ import torch
 from graphborrow.core.borrow import BorrowState
 from graphborrow.core.errors import BorrowLeakError, PoolBusyError, WrongStreamError
 
+pytestmark = pytest.mark.slow
+
 MiB = 1 << 20
 
 

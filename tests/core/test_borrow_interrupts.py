@@ -28,6 +28,8 @@ from graphborrow.core.errors import EmptyGraphPoolError, PoolBusyError
 from graphborrow.sim import SimBackend
 from graphborrow.sim import device as sim_device
 
+pytestmark = pytest.mark.slow
+
 MiB = 1 << 20
 
 

@@ -41,6 +41,8 @@ from graphborrow.eagle.triton import (
 )
 from graphborrow.eagle.triton import select as fs
 
+pytestmark = pytest.mark.slow
+
 DEVICE = "cpu" if fv.INTERPRETED else "cuda"
 DEEP = os.environ.get("GRAPHBORROW_KERNEL_TESTS", "") == "deep"
 

@@ -37,6 +37,8 @@ from graphborrow.studies.pools import (
     simulate_recording,
 )
 
+pytestmark = pytest.mark.slow
+
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -30,6 +30,8 @@ from graphborrow.fidelity.compare import compare_snapshots
 from graphborrow.fidelity.fuzz.corpus import check, known_differences, program_of, read_corpus
 from graphborrow.fidelity.fuzz.run import gpu_addresses, gpu_streams, simulate_program
 
+pytestmark = pytest.mark.slow
+
 FULL = os.environ.get("GRAPHBORROW_FUZZ") == "all"
 SAMPLE = 10  # random programs per CI run
 MODELS_IN_CI = {"model_llama-fp32-to-bf16", "model_qwen2-direct-bf16-smallest-nograd", "model_mistral-fp32-to-bf16",

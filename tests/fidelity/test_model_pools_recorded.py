@@ -31,6 +31,8 @@ from graphborrow.fidelity.compare import (
 from graphborrow.fidelity.replay import replay_trace
 from graphborrow.studies.pools import simulate_recording
 
+pytestmark = pytest.mark.slow
+
 DATA = Path(__file__).resolve().parents[2] / "data" / "models_h200"
 RECORDINGS = sorted(DATA.glob("*.json.gz"))
 IDS = [p.name.split(".json")[0] for p in RECORDINGS]

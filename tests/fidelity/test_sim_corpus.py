@@ -24,6 +24,8 @@ from graphborrow.allocator.config import AllocatorConfig
 from graphborrow.core.sizes import allocation_size
 from graphborrow.fidelity.replay import DEVICE_MEMORY, replay_trace
 
+pytestmark = pytest.mark.slow
+
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "traces" / "corpus"
 TRACES = sorted(CORPUS.glob("*.pickle.gz"))
 FULL = [p for p in TRACES if "_" not in p.name.split(".")[0]]

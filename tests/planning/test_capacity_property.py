@@ -27,6 +27,8 @@ from graphborrow.eagle.draft_tree import DraftTree
 from graphborrow.eagle.plan import plan_verify
 from graphborrow.workloads.ladder import GraphLadder, ModelShape
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = 20
 LADDERS = (  # (hidden, intermediate, layers, vocab, decode batches, prefill tokens, draft tokens)
     (128, 256, 2, 32000, (16, 8, 4, 2, 1), 512, 4),

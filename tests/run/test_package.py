@@ -23,6 +23,8 @@ from graphborrow.studies.shipped import (
     numbered_notebooks,
 )
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 NOT_SOURCES = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", "output",
                                      "results", ".pytest_cache", ".hypothesis", ".whl", ".gl", "test-artifacts",

@@ -6,6 +6,8 @@ matplotlib.use("Agg")
 from graphborrow.core.errors import ParameterError
 from graphborrow.studies import explorer
 
+pytestmark = pytest.mark.slow
+
 
 def texts(fig):
     """Every title-like text of the figure: its suptitle (the verdict) and its subfigures' texts."""

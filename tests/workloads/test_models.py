@@ -16,6 +16,8 @@ from graphborrow.sim import SimBackend
 from graphborrow.workloads.ladder import GraphLadder, build_ladder, model_names
 from graphborrow.workloads.models import MODELS, ModelLadder, model_config
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def backed():

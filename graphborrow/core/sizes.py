@@ -100,7 +100,10 @@ def format_size(nbytes: int) -> str:
 
 
 def short_size(nbytes: int) -> str:
-    """Sizes in the planner's reasons: MiB with one decimal, KiB below a tenth of one."""
+    """Sizes in the planner's reasons: MiB with one decimal, KiB below a tenth of one, bytes
+    below one KiB."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
     return f"{nbytes / MB:.1f} MiB" if nbytes >= MB / 10 else f"{nbytes / 1024:.1f} KiB"
 
 

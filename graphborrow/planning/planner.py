@@ -352,14 +352,20 @@ class FailedAllocation:
         what = f"{self.label} ({short_size(s.nbytes)})" if self.label else f"a {short_size(s.nbytes)} tensor"
         where = ("building the borrow pool (its precarve)" if self.index < 0
                  else f"the step's allocation #{self.index + 1}")
-        need = (f"a new {short_size(s.segment_bytes)} segment" if s.name != "small"
-                else f"a new {short_size(SMALL_BUFFER)} small-pool segment")
+        segment = s.segment_bytes if s.name != "small" else SMALL_BUFFER
+        need = (f"a new {short_size(segment)} segment" if s.name != "small"
+                else f"a new {short_size(segment)} small-pool segment")
         cached = f"the largest cached free block is {short_size(self.largest_cached)}" if self.largest_cached \
             else "no cached free block is large enough"
+
+        def beside(nbytes: int) -> str:  # exact where one decimal would show the segment's own size
+            shown = short_size(nbytes)
+            return f"{shown} ({nbytes} B)" if shown == short_size(segment) and nbytes != segment else shown
+
         return (
             f"{where}, {what}, does not fit. It is {s.describe()}; {cached}, and {need} does not fit "
-            f"the room the free runs have left (largest {short_size(self.largest_room)}; largest run "
-            f"{short_size(self.largest_run)}, the step already holds {short_size(self.held_bytes)})"
+            f"the room the free runs have left (largest {beside(self.largest_room)}; largest run "
+            f"{beside(self.largest_run)}, the step already holds {short_size(self.held_bytes)})"
         )
 
 

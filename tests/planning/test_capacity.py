@@ -484,7 +484,15 @@ def test_the_first_request_failing_is_allocation_one_and_sizes_read_in_kib():
 def test_a_pool_with_no_room_left_fails_with_nothing_to_offer():
     r = replay(seq(("alloc", 1, 4096)), PoolImage.from_runs([]))
     assert not r.fits and (r.failed.largest_room, r.failed.largest_cached, r.failed.largest_run) == (0, 0, 0)
-    assert "(largest 0.0 KiB; largest run 0.0 KiB" in r.reason
+    assert "(largest 0 B; largest run 0 B" in r.reason
+
+
+def test_a_run_just_short_of_the_segment_is_named_in_bytes():
+    r = replay(seq(("alloc", 1, 100)), PoolImage.from_runs([(BASE, 2 * MB - 512)]))
+    assert not r.fits
+    assert r.reason.startswith("the step's allocation #1, a 100 B tensor, does not fit.")
+    assert "a new 2.0 MiB small-pool segment does not fit" in r.reason
+    assert f"largest run 2.0 MiB ({2 * MB - 512} B)" in r.reason, "one decimal alone would read 2.0 MiB against 2.0 MiB"
 
 
 def test_size_classes_at_their_boundaries():

@@ -41,7 +41,9 @@ class ModesReport:
     ``plans``: the planner's answer per mode. ``peaks``: the measured high-water mark (bytes)
     of each mode that fits; ``planned``: the planner's borrowed peak plus the step's outputs
     (made before the borrow, so not planned). ``results``: what each mode emitted.
-    ``device_bytes``: new device memory all the borrowed steps took together.
+    ``device_bytes``: new device memory all the borrowed steps took together. ``refused``:
+    for each mode the planner says does not fit, whether the borrow refused it when it ran
+    (True: the planner was right).
     """
 
     plans: dict
@@ -49,6 +51,7 @@ class ModesReport:
     planned: dict
     results: dict
     device_bytes: int
+    refused: dict
 
     @property
     def fitting(self) -> list[str]:
@@ -56,7 +59,8 @@ class ModesReport:
 
 
 def modes_in_borrow(state, logits, tree, temperature: float, coins, coins_final) -> ModesReport:
-    """Plan, then run, one verification step per mode borrowing from ``state``.
+    """Plan, then run, one verification step per mode borrowing from ``state``: the modes that
+    fit to measure them, the others to see the borrow refuse them as the planner said.
 
     Args:
         state: the graph pool's :class:`~graphborrow.core.borrow.BorrowState`.
@@ -89,8 +93,20 @@ def modes_in_borrow(state, logits, tree, temperature: float, coins, coins_final)
         peaks[mode] = peak_step_bytes(backend, step)
         outputs = sum(round_size(t.numel() * t.element_size()) for t in results[mode])
         planned[mode] = plans[mode].peak_bytes + outputs
+    refused = {}
+    for mode in [m for m in MODES if not plans[m].fits]:
+        state.retire()
+        # chunked that does not fit would be refused by eagle_verify's own plan: run its smallest
+        # group (one request) so the borrow itself is what refuses it
+        groups = {"chunk_rows": d} if mode == "chunked" else {}
+        try:
+            eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, borrow=state,
+                         mode=mode, validate=False, impl="reference", **groups)
+            refused[mode] = False
+        except backend.OutOfMemoryError:
+            refused[mode] = True
     state.retire()
-    return ModesReport(plans, peaks, planned, results, free_before - backend.mem_get_info()[0])
+    return ModesReport(plans, peaks, planned, results, free_before - backend.mem_get_info()[0], refused)
 
 
 def pooled_chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
@@ -157,7 +173,10 @@ def acceptance_study(draft_tokens: int, branching: int, temperature: float, samp
     tree = build_draft_tree(b, tree_depth_for(draft_tokens, b), draft_tokens, 1, vocab, generator=gen)
     res = sample_copies(tree, row_logits, temperature, samples, generator=gen)
     lengths = res.accept_length.double()
-    error = lengths.std().item() / math.sqrt(samples) if samples > 1 else 0.0
+    # never below one copy's weight: when every copy emitted the same count the sample's spread
+    # is zero, although the theory may differ from it by a rounding (a tree covering the whole
+    # vocabulary accepts a child with probability 1 - 1e-8 in float32); one copy tells nothing
+    error = max(lengths.std().item() / math.sqrt(samples), 1 / samples) if samples > 1 else float(draft_tokens)
     _, first = emitted_tokens(res, 0)
     second_node, second, second_test = None, torch.empty(0, dtype=torch.long), None
     if draft_tokens > 1:

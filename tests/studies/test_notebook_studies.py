@@ -40,6 +40,35 @@ def test_acceptance_study_tests_the_second_token_at_the_notebook_defaults():
     assert report.second_test is not None and report.second_test[0] < report.second_test[2]
 
 
+def test_a_count_every_copy_shares_still_has_a_standard_error():
+    # 12 children cover the 12-word vocabulary: a child is accepted with probability 1 - 1.5e-8
+    # (float32), so every copy emits 2 tokens while the theory says 1.99999999
+    report = sampling.acceptance_study(draft_tokens=13, branching=12, temperature=1.035536, samples=4233, seed=1)
+    assert report.mean_tokens == 2.0 and report.theory_tokens != 2.0
+    assert report.standard_error == 1 / 4233, "a zero spread is floored at one copy's weight"
+    assert abs(report.mean_tokens - report.theory_tokens) <= 4 * report.standard_error
+
+
+def test_modes_that_do_not_fit_are_run_and_refused_by_the_borrow(backend):
+    from graphborrow.studies.capacity import verify_inputs
+    from graphborrow.workloads.ladder import GraphLadder, ModelShape
+
+    modes_of = ("standard", "lean", "chunked")
+    with backend.activated():
+        # a pool with no run of 2 MiB (not even lean's bytes find a small-pool segment), then a roomy one
+        for width, prefill, fitting in ((16, 1, []), (512, 2048, list(modes_of))):
+            shape = ModelShape(hidden=width, intermediate=3 * width, layers=1, vocab=16, dtype=torch.float32)
+            lad = GraphLadder(backend, shape, prefill_tokens=prefill, decode_batches=(1,), draft_tokens=1).capture()
+            logits, tree = verify_inputs(backend, 1, 1, 16)
+            coins = torch.rand(1, 1).to(backend.device)
+            modes = sampling.modes_in_borrow(lad.state, logits, tree, 1.0, coins, coins[:, 0])
+            if backend.name == "sim" or fitting:  # (a GPU's libraries may leave the tiny pool other runs)
+                assert modes.fitting == fitting, {m: p.reason for m, p in modes.plans.items()}
+            assert modes.refused == {m: True for m in modes_of if m not in modes.fitting}, "the borrow ran a step the planner refused"
+            assert modes.device_bytes == 0
+            del lad, logits, tree
+
+
 def test_the_order_verdict_says_which_order_reserved_less():
     assert "**2.0 MiB more**" in capture_order.order_verdict(10 * MB, 12 * MB, 80 << 30)
     assert "**2.0 MiB less**" in capture_order.order_verdict(12 * MB, 10 * MB, 80 << 30)

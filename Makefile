@@ -71,7 +71,7 @@ test: setup-test browser
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder -m "not gpu and not deep" tests
 
 # Everything `make test` leaves out: every notebook at the low and high corners of its ranges, the
-# H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim), then the deep tests; about 17 minutes
+# H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim), then the deep tests; about 5 minutes
 # on 2 cores.
 POINT_SAMPLES ?= 1
 POINT_SEED ?= 0

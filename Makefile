@@ -64,11 +64,13 @@ browser:
 # points, and the tests marked deep (long repeats of a check make test or another target makes, each
 # saying which), run in `make test-deep`.
 POINT_LABELS ?= h200
+# both cores, whole modules per worker, the modules marked slow handed out first (tests/conftest.py)
+PYTEST_TWO_WORKERS = -q -n 2 --dist loadscope --no-loadscope-reorder
 test: setup-test browser
 	$(MAKE) --no-print-directory test-nbval
 	rm -rf output/points
 	$(PY) -m graphborrow points --labels $(POINT_LABELS) --jobs 2 --out output/points
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder -m "not gpu and not deep" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_TWO_WORKERS) -m "not gpu and not deep" tests
 
 # Everything `make test` leaves out: every notebook at the low and high corners of its ranges, the
 # H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim), then the deep tests; about 5 minutes
@@ -78,7 +80,7 @@ POINT_SEED ?= 0
 test-deep: setup-test browser
 	rm -rf output/points-deep
 	$(PY) -m graphborrow points --skip-defaults --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points-deep
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder -m "deep and not gpu" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_TWO_WORKERS) -m "deep and not gpu" tests
 
 test-core: setup-test
 	$(PY) -m pytest -q -m "not gpu and not browser" tests

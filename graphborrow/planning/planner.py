@@ -353,8 +353,7 @@ class FailedAllocation:
         where = ("building the borrow pool (its precarve)" if self.index < 0
                  else f"the step's allocation #{self.index + 1}")
         segment = s.segment_bytes if s.name != "small" else SMALL_BUFFER
-        need = (f"a new {short_size(segment)} segment" if s.name != "small"
-                else f"a new {short_size(segment)} small-pool segment")
+        need = f"a new {short_size(segment)} {'small-pool segment' if s.name == 'small' else 'segment'}"
         cached = f"the largest cached free block is {short_size(self.largest_cached)}" if self.largest_cached \
             else "no cached free block is large enough"
 

@@ -82,14 +82,18 @@ def modes_in_borrow(state, logits, tree, temperature: float, coins, coins_final)
     warm = torch.empty(MB, dtype=torch.uint8, device=backend.device)
     del warm
     free_before = backend.mem_get_info()[0]
+
+    def verify(mode, **groups):
+        return eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, borrow=state,
+                            mode=mode, validate=False, impl="reference", **groups)
+
     for mode in [m for m in MODES if plans[m].fits]:
         state.retire()
         with state.borrow("build the borrow pool"):  # a fresh pool precarves its seeds: not the step's bytes
             pass
 
         def step(mode=mode):
-            results[mode] = eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final,
-                                         borrow=state, mode=mode, validate=False, impl="reference")
+            results[mode] = verify(mode)
         peaks[mode] = peak_step_bytes(backend, step)
         outputs = sum(round_size(t.numel() * t.element_size()) for t in results[mode])
         planned[mode] = plans[mode].peak_bytes + outputs
@@ -100,8 +104,7 @@ def modes_in_borrow(state, logits, tree, temperature: float, coins, coins_final)
         # group (one request) so the borrow itself is what refuses it
         groups = {"chunk_rows": d} if mode == "chunked" else {}
         try:
-            eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, borrow=state,
-                         mode=mode, validate=False, impl="reference", **groups)
+            verify(mode, **groups)
             refused[mode] = False
         except backend.OutOfMemoryError:
             refused[mode] = True

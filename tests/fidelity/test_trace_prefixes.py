@@ -49,6 +49,12 @@ def trace(path: Path) -> tuple[dict, dict]:
         return pickle.load(f), {}
 
 
+def inert(action: str) -> bool:
+    """Entries that change no block or segment: the skipped kinds, and a failed allocation (what
+    it released first shows as entries of their own)."""
+    return action in SKIPPED or action == "oom"
+
+
 def leaves_no_mark(tail: list[dict]) -> bool:
     """Whether these entries, dropped from the end, leave the final segments and blocks as they were:
     no device call, and every block they allocate freed again in them. A failed allocation (``oom``)
@@ -56,7 +62,7 @@ def leaves_no_mark(tail: list[dict]) -> bool:
     counts: dict[int, Counter] = {}
     for entry in tail:
         action = entry["action"]
-        if action in SKIPPED or action == "oom":
+        if inert(action):
             continue
         if action not in ("alloc", "free_requested", "free_completed"):
             return False
@@ -77,7 +83,7 @@ def explained_by_prior_state(prefix: list[dict], snapshot: dict) -> bool:
     last, pages = {}, {}
     for entry in prefix:
         action = entry["action"]
-        if action in SKIPPED or action == "oom":
+        if inert(action):
             continue
         if action in ("segment_map", "segment_unmap"):
             for page in range(entry["addr"], entry["addr"] + entry["size"], MAP_PAGE):

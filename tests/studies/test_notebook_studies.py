@@ -50,13 +50,13 @@ def test_a_count_every_copy_shares_still_has_a_standard_error():
 
 
 def test_modes_that_do_not_fit_are_run_and_refused_by_the_borrow(backend):
+    from graphborrow.eagle import MODES
     from graphborrow.studies.capacity import verify_inputs
     from graphborrow.workloads.ladder import GraphLadder, ModelShape
 
-    modes_of = ("standard", "lean", "chunked")
     with backend.activated():
         # a pool with no run of 2 MiB (not even lean's bytes find a small-pool segment), then a roomy one
-        for width, prefill, fitting in ((16, 1, []), (512, 2048, list(modes_of))):
+        for width, prefill, fitting in ((16, 1, []), (512, 2048, list(MODES))):
             shape = ModelShape(hidden=width, intermediate=3 * width, layers=1, vocab=16, dtype=torch.float32)
             lad = GraphLadder(backend, shape, prefill_tokens=prefill, decode_batches=(1,), draft_tokens=1).capture()
             logits, tree = verify_inputs(backend, 1, 1, 16)
@@ -64,7 +64,7 @@ def test_modes_that_do_not_fit_are_run_and_refused_by_the_borrow(backend):
             modes = sampling.modes_in_borrow(lad.state, logits, tree, 1.0, coins, coins[:, 0])
             if backend.name == "sim" or fitting:  # (a GPU's libraries may leave the tiny pool other runs)
                 assert modes.fitting == fitting, {m: p.reason for m, p in modes.plans.items()}
-            assert modes.refused == {m: True for m in modes_of if m not in modes.fitting}, "the borrow ran a step the planner refused"
+            assert modes.refused == {m: True for m in MODES if m not in modes.fitting}, "the borrow ran a step the planner refused"
             assert modes.device_bytes == 0
             del lad, logits, tree
 

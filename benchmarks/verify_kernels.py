@@ -32,7 +32,8 @@ validate=False)``, as a serving engine makes it:
 ``--profile`` adds, at a few points, device time per kernel and the host-time profile:
 launches and allocations per call, the host time with every launch through Triton's JIT
 front end (``jit_host_us``), and the Python functions the call spends its time in
-(cProfile). Then: the standalone top-p renorm of 32 x V, and fused verification in
+(cProfile). Then: the standalone top-p renorm of 32 x V (and both standalone renorms at
+``RENORM_ROWS`` rows, eager against replayed), and fused verification in
 borrowed memory. A table says per point whether each goal of issue 23 is met.
 
 The package is imported from this file's tree (``--package TREE``: another tree, so the
@@ -421,7 +422,13 @@ def chunked_rows(args):
     return out_rows
 
 
+RENORM_ROWS = (8, 32, 128)  # the standalone renorms' row counts (32: the earlier record's point)
+
+
 def renorm_row(args):
+    """The standalone top-p 0.9 (and top-k 50) renorm of 32 x V against the reference and the
+    flashinfer-class goal, then both renorms at every ``RENORM_ROWS`` count: eager (device
+    time, host time, host time issued back to back) against replayed by hand."""
     rows, vocab = 32, args.vocab
     g = torch.Generator(device="cuda").manual_seed(0)
     probs = torch.softmax(2.0 * torch.randn(rows, vocab, device="cuda", generator=g), dim=-1)
@@ -442,7 +449,39 @@ def renorm_row(args):
     record["meets_goal"] = min(fused, record["fused_graph_us"]) <= goal  # device time: eager may wait on the host
     if args.profile:
         record["per_kernel_us"] = kernel_breakdown(top_p)[0]
+        record["host_profile"] = host_profile(top_p, args.iters)
+    record["standalone"] = standalone_renorm_rows(args)
     return record
+
+
+def standalone_renorm_rows(args):
+    """Each standalone renorm eager and replayed at ``RENORM_ROWS`` rows: issue 23's
+    "renorm steps launched eagerly at <= 1.5x their replayed time", for the renorm alone."""
+    out = []
+    for rows in RENORM_ROWS:
+        g = torch.Generator(device="cuda").manual_seed(rows)
+        probs = torch.softmax(2.0 * torch.randn(rows, args.vocab, device="cuda", generator=g), dim=-1)
+        for name, fn, value, reference in (("top_p", fs.top_p_renorm, 0.9, top_p_renorm_probs),
+                                           ("top_k", fs.top_k_renorm, 50, top_k_renorm_probs)):
+            def call(fn=fn, value=value):
+                return fn(probs, value, validate=False)
+
+            row = {"renorm": name, "rows": rows, "vocab": args.vocab, "value": value}
+            try:
+                row["agrees"] = torch.equal(call(), reference(probs, value))
+                row["device_us"] = event_us(call, args.iters)
+                row["host_us"] = host_us(call, args.iters)
+                row["host_issued_us"] = issued_us(call, args.iters)
+                row["graph_us"] = event_us(captured(call).replay, args.iters)
+                row["eager_vs_replayed"] = row["device_us"] / row["graph_us"]
+                row["goal_met"] = row["eager_vs_replayed"] <= GOALS["renorm_eager_vs_replayed"]
+            except Exception as exc:  # noqa: BLE001
+                row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            out.append(row)
+            print(f"  standalone {name} {rows} x {args.vocab}: " + ", ".join(
+                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                if k not in ("renorm", "rows", "vocab")), flush=True)
+    return out
 
 
 def compile_times(args):

@@ -39,6 +39,7 @@ default CUDA generator (graph-safe); a custom ``generator`` with missing coins i
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 
 import torch
@@ -75,27 +76,29 @@ class _Entry:
 
 class _LastCall:
     """The previous call's argument objects and the entry they found: a call passing the
-    very same objects (and tensors still at the same addresses) finds it without a key."""
+    very same objects (the tree still holding the same tables, every tensor still at its
+    address) finds it without a key. Both checks are single C-level passes (``map``): this
+    is the serving loop's whole host work before the replay."""
 
-    __slots__ = ("args", "pointers", "entry")
+    __slots__ = ("args", "tables", "tensors", "pointers", "entry")
 
     def __init__(self, args: tuple, entry: _Entry):
         self.args, self.entry = args, entry
-        self.pointers = _addresses(args)
+        self.tables = _tables(args[2])
+        self.tensors = [t for t in (args[0], args[1], *self.tables, *args[3:8]) if isinstance(t, torch.Tensor)]
+        self.pointers = list(map(_DATA_PTR, self.tensors))
 
     def finds(self, args: tuple) -> bool:
-        for a, b in zip(args, self.args):
-            if a is not b:
-                return False
-        return _addresses(args) == self.pointers
+        return (all(map(operator.is_, args, self.args)) and all(map(operator.is_, _tables(args[2]), self.tables))
+                and list(map(_DATA_PTR, self.tensors)) == self.pointers)
 
 
-def _addresses(args: tuple) -> tuple:
-    """The device addresses of a call's tensors (``args`` as :meth:`GraphSteps.verify` makes them)."""
-    logits, candidates, tree = args[:3]
-    return (logits.data_ptr(), tree.retrive_index.data_ptr(), tree.retrive_next_token.data_ptr(),
-            tree.retrive_next_sibling.data_ptr(),
-            *(t.data_ptr() for t in (candidates, *args[3:8]) if isinstance(t, torch.Tensor)))
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _tables(tree) -> tuple:
+    """The tree's three tables (the objects, not copies)."""
+    return tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling
 
 
 class GraphSteps:

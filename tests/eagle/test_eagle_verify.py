@@ -318,6 +318,33 @@ def test_the_fused_path_is_refused_where_it_cannot_run(sim, monkeypatch):
         verify(tree, logits, "standard", impl="fused")
 
 
+def test_the_graph_paths_last_call_is_found_only_with_the_same_objects_at_the_same_addresses():
+    """The serving loop's shortcut to the previous entry: the very same argument objects, the
+    tree holding the same tables, every tensor at the address it was captured with. Anything
+    else (another object, a table swapped on the same tree, storage moved in place) misses,
+    and the call then builds the full key."""
+    from types import SimpleNamespace
+
+    from graphborrow.eagle.graphs import _LastCall
+
+    tree, logits, _ = make_case(3, bs=2)
+    coins = torch.rand(2, tree.candidates.shape[1])
+    call = (logits, None, tree, 0.9, None, None, coins, None, None, None, 1.0, 1.0, "fused")
+    last = _LastCall(call, entry=None)
+    assert last.finds(call) and last.finds(tuple(call))
+    assert not last.finds((logits.clone(), *call[1:]))  # another tensor object
+    assert not last.finds((*call[:3], 1.1, *call[4:]))  # another temperature number
+    assert not last.finds((*call[:2], tree._replace(retrive_index=tree.retrive_index.clone()), *call[3:]))
+    duck = SimpleNamespace(**tree._asdict())  # a tree the caller may change in place (eagle_verify takes any)
+    last = _LastCall((*call[:2], duck, *call[3:]), entry=None)
+    duck.retrive_next_token = duck.retrive_next_token.clone()
+    assert not last.finds((*call[:2], duck, *call[3:]))
+    duck.retrive_next_token = tree.retrive_next_token
+    assert last.finds((*call[:2], duck, *call[3:]))
+    coins.set_(torch.rand(2, tree.candidates.shape[1]))  # the same object, its storage moved
+    assert not last.finds((*call[:2], duck, *call[3:]))
+
+
 def test_the_graph_path_is_refused_where_it_cannot_run():
     """graph=True replays the fused kernels from a CUDA graph: on CPU tensors (or with the
     reference implementation) the error names what it needs, and nothing is cached."""

@@ -424,6 +424,24 @@ def test_standalone_renorm_matches_the_reference_bitwise(ties, cap, passes, monk
         assert torch.equal(fv.top_p_renorm(dprobs, pd).cpu(), top_p_renorm_probs(probs, p)), f"top_p={p}"
 
 
+def test_standalone_renorm_reuses_its_workspace_and_refills_changed_parameters(monkeypatch):
+    """Eager calls of one shape share one workspace (the search leaves its counters at zero)
+    and refill a parameter slot only when the value changed: a number, then per-row values,
+    then the first number again must each give the reference's result."""
+    monkeypatch.setattr(fs, "SELECT_CAP", 16)
+    monkeypatch.setattr(fs, "SELECT_PASSES", 1)
+    fs.clear_plans()
+    probs = renorm_rows(4, 1100, ties=False)
+    dprobs = probs.to(DEVICE)
+    per_row = torch.tensor([0.2, 0.95, 0.5, 0.7, 1.0])
+    for p in (0.5, 0.5, per_row, 0.5):
+        pd = p.to(DEVICE) if isinstance(p, torch.Tensor) else p
+        assert torch.equal(fs.top_p_renorm(dprobs, pd).cpu(), top_p_renorm_probs(probs, p)), f"top_p={p}"
+    (plan,) = fs._RENORM_PLANS.plans.values()
+    (entry,) = plan.cached.values()
+    assert int(entry.views.select_counters.abs().sum()) == 0
+
+
 def test_top_p_is_float32_on_both_paths_standalone():
     """A row whose mass above a value is float32(0.9) exactly, just under 0.9: with top_p
     0.9 taken as float32 (as the reference, torch and flashinfer take it) that value is the
@@ -477,8 +495,14 @@ def test_renorm_rejects_bad_arguments():
     probs = torch.full((2, 8), 0.125, device=DEVICE)
     with pytest.raises(ValueError, match="top_k must be >= 1"):
         fv.top_k_renorm(probs, 0)
+    with pytest.raises(ValueError, match=r"and < 2\*\*31"):  # the kernels read k as int32: no wrap-around
+        fv.top_k_renorm(probs, torch.tensor([3, 2**32 + 3], device=DEVICE))
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         fv.top_p_renorm(probs, 0.0)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        fv.top_p_renorm(probs, torch.tensor([0.5, 1.5], device=DEVICE))
+    with pytest.raises(ValueError, match="one value per request"):
+        fv.top_p_renorm(probs, torch.tensor([0.5, 0.5, 0.5], device=DEVICE))
     with pytest.raises(ValueError, match="float32 tensor"):
         fv.top_k_renorm(probs.double(), 2)
 

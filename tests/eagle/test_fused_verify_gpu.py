@@ -291,3 +291,36 @@ def test_standalone_top_p_renorm_matches_the_reference_on_the_gpu():
     probs = torch.softmax(3.0 * torch.randn(32, 128256, device="cuda", generator=g), dim=-1)
     assert torch.equal(fv.top_p_renorm(probs, 0.9), top_p_renorm_probs(probs, 0.9))
     assert torch.equal(fv.top_k_renorm(probs, 50), top_k_renorm_probs(probs, 50))
+
+
+def test_standalone_renorm_in_a_graph_and_on_two_streams():
+    """Eager calls reuse a workspace per stream (its counters left at zero, its parameter
+    slot refilled only when the number changes); a captured call gets a workspace of its
+    own inside the graph. Replays, and eager calls on two streams in between, all give the
+    reference's values."""
+    from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
+    from graphborrow.eagle.triton import select
+
+    select.clear_plans()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    probs = torch.softmax(3.0 * torch.randn(16, 128256, device="cuda", generator=g), dim=-1)
+    expected = {0.9: top_p_renorm_probs(probs, 0.9), 0.5: top_p_renorm_probs(probs, 0.5)}
+    assert torch.equal(fv.top_p_renorm(probs, 0.9, validate=False), expected[0.9])  # compiles, then direct
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = [fv.top_p_renorm(probs, p, validate=False) for p in (0.5, 0.9, 0.5)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fv.top_p_renorm(probs, 0.9, validate=False)
+    for p in (0.9, 0.5, 0.5, 0.9):
+        graph.replay()
+        assert torch.equal(fv.top_p_renorm(probs, p, validate=False), expected[p])
+        assert torch.equal(static, expected[0.9])
+    torch.cuda.current_stream().wait_stream(side)
+    assert all(torch.equal(t, expected[p]) for t, p in zip(on_side, (0.5, 0.9, 0.5)))
+    (plan,) = select._RENORM_PLANS.plans.values()
+    assert len(plan.cached) == 2  # the two streams'; the graph's workspace is its own
+    assert all(int(entry.views.select_counters.abs().sum()) == 0 for entry in plan.cached.values())
+    k = torch.tensor([1, 50, 128256, 7] * 4, device="cuda")
+    assert torch.equal(fv.top_k_renorm(probs, k, validate=False), top_k_renorm_probs(probs, k))

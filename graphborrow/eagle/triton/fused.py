@@ -83,7 +83,7 @@ from ..scope import run_borrowing
 from ..step import VerifyStep, check_outputs, draw_into
 from ..validate import LOGIT_DTYPES
 from . import select as _select
-from .launch import ALIGN, Launcher, PlanCache, aligned, bound_call, current_stream, launch_hooks
+from .launch import ALIGN, Launcher, PlanCache, aligned, bound_call, capturing_now, current_stream, launch_hooks
 from .probs import (
     INTERPRETED,
     TRITON_AVAILABLE,
@@ -646,8 +646,6 @@ def _clamped_int(k) -> int:
 
 _TENSOR = torch.Tensor
 _I64, _F32 = torch.int64, torch.float32
-# torch.cuda.is_current_stream_capturing without its Python frame (the short path asks on every call)
-_capturing_now = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coins=None, coins_final=None,
@@ -735,7 +733,7 @@ def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coin
         else:
             return None
     plan = _PLANS.plans.get((bs, d, lshape[1], logits.dtype, depth, device, forms, in_place, dtypes, tunables()))
-    if plan is None or not plan.launcher.ready or launch_hooks() or _capturing_now():
+    if plan is None or not plan.launcher.ready or launch_hooks() or capturing_now():
         return None
     entry = plan.cached.get(current_stream(device))
     if entry is None:

@@ -25,6 +25,8 @@ the interpreter runs the kernels on host copies of them.
 
 from __future__ import annotations
 
+import torch
+
 from .probs import INTERPRETED, TRITON_AVAILABLE
 
 if TRITON_AVAILABLE:
@@ -38,10 +40,13 @@ if TRITON_AVAILABLE:
 else:
     _BASE_ARGS_FORMAT = None
 
-__all__ = ["ALIGN", "Launcher", "PlanCache", "aligned", "bound_call", "current_stream", "launch_hooks"]
+__all__ = ["ALIGN", "Launcher", "PlanCache", "aligned", "bound_call", "capturing_now", "current_stream", "launch_hooks"]
 
 ALIGN = 16  # bytes: the pointer alignment Triton specialises on
 RAW_FORMAT = "iiiKKppOOOOOO"  # grid x3, stream, function, cooperative, pdl, two scratch buffers, metadata, hooks
+# Whether the current CUDA stream is capturing a graph: torch.cuda.is_current_stream_capturing
+# without its Python frame (the eager paths ask on every call)
+capturing_now = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 def aligned(*pointers: int) -> bool:

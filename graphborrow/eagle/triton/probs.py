@@ -45,13 +45,17 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Per-request values, shared by the fused modules
 
 
-def per_request(value, n, name, like, dtype) -> torch.Tensor:
-    """A number or an n-value tensor as a fresh [n] tensor of ``dtype`` next to ``like``.
+def per_request_value(value, n, name, dtype):
+    """A number or an n-value tensor, checked: the number as the kernels take it (int32 top-k
+    clamped to 2**31 - 1, which keeps every entry as any larger k does), or the tensor.
 
-    Exactly one allocation on ``like``'s device whatever form the value takes (the
-    capacity planner records the step with numbers), and no host synchronisation.
-    Integer tensors are copied as they are: values of 2**31 and more are rejected by the
-    value checks (``validate``), since the kernels read k as int32.
+    Nothing is allocated and nothing is read on the host. Integer tensors are passed as they
+    are: values of 2**31 and more are rejected by the value checks (``validate``), since the
+    kernels read k as int32.
+
+    Raises:
+        ValueError: a tensor of another length, a float tensor for an integer parameter, or
+            something that is neither a number nor a tensor.
     """
     if isinstance(value, torch.Tensor):
         if value.numel() != n and not (value.numel() == 1 and value.dim() == 0):
@@ -59,12 +63,12 @@ def per_request(value, n, name, like, dtype) -> torch.Tensor:
                              f"{tuple(value.shape)}")
         if dtype in (torch.int32, torch.int64) and value.is_floating_point():
             raise ValueError(f"{name} must hold integers, got {value.dtype}")
-        return like.new_empty(n, dtype=dtype).copy_(value.reshape(-1).expand(n))
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number or a tensor of one value per request, got {type(value).__name__}")
     if dtype == torch.int32:
-        value = min(int(value), 2**31 - 1)
-    return like.new_full((n,), value, dtype=dtype)
+        return min(int(value), 2**31 - 1)
+    return float(value)
 
 
 def any_true(mask: torch.Tensor) -> bool:

@@ -36,8 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from .launch import Launcher, PlanCache, aligned
-from .probs import INTERPRETED, TRITON_AVAILABLE, any_true, compile_options, per_request
+from .launch import Launcher, PlanCache, aligned, bound_call, capturing_now, current_stream
+from .probs import INTERPRETED, TRITON_AVAILABLE, any_true, compile_options, per_request_value
 from .workspace import Layout
 
 if TRITON_AVAILABLE:
@@ -62,6 +62,7 @@ STREAM_WARPS = 8
 KEPT_SUM_FLOOR = 1e-8
 STATE_INTS = 8          # lo, hi, count >= lo, count >= hi, passes, active, gathered, (spare)
 STATE_FLOATS = 4        # weight >= hi, total weight, target, (spare)
+INT32_MAX = 2**31 - 1   # the kernels read top-k as int32
 
 
 class SelectWorkspace(NamedTuple):
@@ -186,24 +187,82 @@ def top_p_renorm(probs: torch.Tensor, top_p, validate: bool = True) -> torch.Ten
     return _renorm(probs, None, top_p, validate)
 
 
-class _RenormPlan:
-    """What the standalone renorm of one shape computes once: split, workspace, kernels."""
+class _RenormWorkspace:
+    """A standalone renorm's workspace for eager calls on one stream: made (its counters
+    zeroed) on first use; the search leaves its counters zeroed, so the next call reuses it
+    as it is. ``numbers``: the top-k and top-p numbers its parameter slots hold (None: not
+    known, e.g. a tensor's values), so a call with the same number fills nothing;
+    ``launches``: the direct launches' fixed arguments, ``(call, head, tail)`` per kernel."""
 
-    def __init__(self, rows: int, vocab: int):
+    __slots__ = ("buffer", "views", "pointers", "numbers", "launches")
+
+    def __init__(self, buffer: torch.Tensor, layout: Layout):
+        self.buffer = buffer
+        self.views = layout.views(buffer)
+        self.pointers = layout.pointers(buffer)
+        self.numbers = [None, None]
+        self.launches = None
+
+
+class _RenormPlan:
+    """What the standalone renorm of one shape computes once: the split, the workspace's
+    layout (the pivots, top-k and top-p per row, the search's slots), the compiled kernels,
+    and the eager calls' workspaces by stream (``cached``)."""
+
+    def __init__(self, rows: int, vocab: int, has_k: bool, has_p: bool):
+        self.rows, self.vocab, self.has_k, self.has_p = rows, vocab, has_k, has_p
         self.splits, self.chunk = split_layout(rows, vocab)
-        self.layout = Layout([("pivots", torch.float32, (rows, 4))] + select_slots(rows, self.splits))
+        self.layout = Layout([("pivots", torch.float32, (rows, 4)), ("top_k", torch.int32, (rows if has_k else 0,)),
+                              ("top_p", torch.float32, (rows if has_p else 0,))] + select_slots(rows, self.splits))
         self.launcher = Launcher()
+        self.cached: dict = {}
+
+    def workspace(self, like: torch.Tensor, stream: int) -> _RenormWorkspace:
+        """The workspace eager calls on ``stream`` share (calls on one stream run one after
+        another). Never used while a graph is captured: a graph would keep its address and
+        could replay on another stream. :func:`clear_plans` drops it."""
+        entry = self.cached.get(stream)
+        if entry is None:
+            buffer = self.layout.allocate(like)
+            self.layout.view(buffer, "select_counters").zero_()
+            entry = self.cached[stream] = _RenormWorkspace(buffer, self.layout)
+        return entry
+
+    def launches(self, src, dst, w) -> list:
+        """The renorm's launches, ``(kernel, grid, args, options)`` each (pointers or tensors)."""
+        search = SelectWorkspace(w.state_i, w.state_f, w.part_w, w.part_c, w.scratch, w.select_counters)
+        launches = select_launches(self.rows, self.vocab, src, w.pivots, search, w.top_k if self.has_k else None,
+                                   w.top_p if self.has_p else None, 1, self.splits, self.chunk)
+        launches.append((_apply_kernel, (self.rows, self.splits, 1),
+                         (src, w.pivots, dst, self.vocab, self.chunk, self.has_k, self.has_p, BLOCK),
+                         dict(num_warps=STREAM_WARPS, **compile_options())))
+        return launches
+
+    def direct_launches(self, entry: _RenormWorkspace, device: int) -> list:
+        """``entry``'s direct launches, made once: every argument but the source (the first)
+        and, for the last kernel, the output (the third) is fixed by the plan and workspace."""
+        if entry.launches is None:
+            stream = current_stream(device)
+            entry.launches = []
+            for kernel, (_, grid, args, _) in zip(self.launcher.compiled, self.launches(0, 0, entry.pointers)):
+                call, leading = bound_call(kernel)
+                entry.launches.append((call, (*grid, stream, *leading), args[1:]))
+        return entry.launches
 
 
 _RENORM_PLANS = PlanCache(_RenormPlan)
 
 
 def clear_plans() -> None:
-    """Forget the standalone renorm's cached plans."""
+    """Forget the standalone renorm's cached plans (their compiled-kernel handles and cached workspaces)."""
     _RENORM_PLANS.clear()
 
 
 def _renorm(probs, top_k, top_p, validate):
+    """Checks, then the search and the apply kernel. An eager call on CUDA reuses its plan's
+    workspace for the current stream (and its parameter slots when the number is the same as
+    last time) and, once the kernels are compiled, launches them directly: it allocates the
+    output only, and its host time is the launches'."""
     if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.dtype != torch.float32:
         raise ValueError("probs must be a float32 tensor [rows, vocab]; convert with .float() and reshape first")
     if not probs.is_contiguous():
@@ -211,33 +270,40 @@ def _renorm(probs, top_k, top_p, validate):
     if not TRITON_AVAILABLE:
         raise RuntimeError("top_k_renorm / top_p_renorm need triton (the 'kernels' extra)")
     rows, vocab = probs.shape
-    k = None if top_k is None else per_request(top_k, rows, "top_k", probs, torch.int32)
-    p = None if top_p is None else per_request(top_p, rows, "top_p", probs, torch.float32)
+    k = None if top_k is None else per_request_value(top_k, rows, "top_k", torch.int32)
+    p = None if top_p is None else per_request_value(top_p, rows, "top_p", torch.float32)
     if validate:
-        if k is not None and any_true(k < 1):
-            raise ValueError(f"top_k must be >= 1 (a value >= the vocabulary {vocab} keeps all)")
-        if p is not None and any_true(~(p > 0) | (p > 1)):
+        if k is not None and (any_true((k < 1) | (k > INT32_MAX)) if isinstance(k, torch.Tensor) else k < 1):
+            raise ValueError(f"top_k must be >= 1 and < 2**31 (a value >= the vocabulary {vocab} keeps all)")
+        if p is not None and (any_true(~(p > 0) | (p > 1)) if isinstance(p, torch.Tensor) else not 0 < p <= 1):
             raise ValueError("top_p must be in (0, 1] (1 keeps all)")
         if any_true(~torch.isfinite(probs)) or any_true(probs < 0):
             raise ValueError("probs must be finite and >= 0")
-    plan = _RENORM_PLANS.get((rows, vocab, k is not None, p is not None, probs.get_device(), tunables()), rows, vocab)
-    buffer = plan.layout.allocate(probs)
-    plan.layout.view(buffer, "select_counters").zero_()
+    device = probs.get_device()
+    plan = _RENORM_PLANS.get((rows, vocab, k is not None, p is not None, device, tunables()),
+                             rows, vocab, k is not None, p is not None)
+    if probs.is_cuda and capturing_now():  # a fresh workspace, its counters zeroed, inside the graph
+        entry = _RenormWorkspace(plan.layout.allocate(probs), plan.layout)
+        entry.views.select_counters.zero_()
+    else:
+        entry = plan.workspace(probs, 0 if INTERPRETED else current_stream(device))
+    for i, (name, value) in enumerate((("top_k", k), ("top_p", p))):
+        if isinstance(value, torch.Tensor):
+            getattr(entry.views, name).copy_(value.reshape(-1).expand(rows))
+            entry.numbers[i] = None
+        elif value is not None and entry.numbers[i] != value:
+            getattr(entry.views, name).fill_(value)
+            entry.numbers[i] = value
     out = torch.empty_like(probs)
     launcher = plan.launcher
-    if launcher.direct(probs.get_device(), aligned(probs.data_ptr(), out.data_ptr())):
-        w = plan.layout.pointers(buffer)
-        src, dst = probs.data_ptr(), out.data_ptr()
-        k_arg, p_arg = (None if t is None else t.data_ptr() for t in (k, p))
+    src, dst = probs.data_ptr(), out.data_ptr()
+    if launcher.direct(device, aligned(src, dst)):
+        *search, (apply, head, tail) = plan.direct_launches(entry, device)
+        for call, lead, rest in search:
+            call(*lead, src, *rest)
+        apply(*head, src, tail[0], dst, *tail[2:])
     else:
-        w = plan.layout.views(buffer)
-        src, dst, k_arg, p_arg = probs, out, k, p
-    search = SelectWorkspace(w.state_i, w.state_f, w.part_w, w.part_c, w.scratch, w.select_counters)
-    launches = select_launches(rows, vocab, src, w.pivots, search, k_arg, p_arg, 1, plan.splits, plan.chunk)
-    launches.append((_apply_kernel, (rows, plan.splits, 1), (src, w.pivots, dst, vocab, plan.chunk, k is not None,
-                                                             p is not None, BLOCK),
-                     dict(num_warps=STREAM_WARPS, **compile_options())))
-    launcher.run(launches)
+        launcher.run(plan.launches(probs, out, entry.views))
     return out
 
 

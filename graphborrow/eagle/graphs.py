@@ -77,8 +77,8 @@ class _Entry:
 class _LastCall:
     """The previous call's argument objects and the entry they found: a call passing the
     very same objects (the tree still holding the same tables, every tensor still at its
-    address) finds it without a key. Both checks are single C-level passes (``map``): this
-    is the serving loop's whole host work before the replay."""
+    address) finds it without a key. The checks are C-level passes (``map``), not a Python
+    loop: they are the serving loop's whole host work before the replay."""
 
     __slots__ = ("args", "tables", "tensors", "pointers", "entry")
 

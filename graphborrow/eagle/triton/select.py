@@ -206,7 +206,7 @@ class _RenormWorkspace:
 
 class _RenormPlan:
     """What the standalone renorm of one shape computes once: the split, the workspace's
-    layout (the pivots, top-k and top-p per row, the search's slots), the compiled kernels,
+    layout (the pivots, the search's slots, top-k and top-p per row), the compiled kernels,
     and the eager calls' workspaces by stream (``cached``)."""
 
     def __init__(self, rows: int, vocab: int, has_k: bool, has_p: bool):

@@ -5,37 +5,22 @@
 TREE is the folder whose ``graphborrow`` is measured (``.`` for this one, or an older
 version's ``git archive``), so two versions can be measured one after the other on one GPU.
 Prints one JSON object: per row count (V = 128256, top-p 0.9), the replay's median
-(CUDA events, 30 replays), the eager call's, and each kernel's mean device time inside
+(CUDA events, 30 replays; ``timing.event_us``), the eager call's, and each kernel's mean device time inside
 the replay (torch.profiler, 10 replays).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 sys.path.insert(0, sys.argv[1])
 
 import torch  # noqa: E402
+from timing import captured, event_us  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from graphborrow.eagle.triton import select  # noqa: E402
-
-
-def median_us(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
 
 
 def measure(rows: int) -> dict:
@@ -46,15 +31,8 @@ def measure(rows: int) -> dict:
         return select.top_p_renorm(probs, 0.9, validate=False)
 
     call()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    record = {"replay_us": median_us(graph.replay), "eager_us": median_us(call)}
+    graph = captured(call)
+    record = {"replay_us": event_us(graph.replay, 30), "eager_us": event_us(call, 30)}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             graph.replay()

@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     from graphborrow.eagle.step import VerifyStep
     from graphborrow.eagle.triton import fused as fv
     from graphborrow.eagle.triton import select as fs
+    from graphborrow.eagle.triton.timeline import run_traced, traced_plan
 
     assert not fv.INTERPRETED
     started = time.monotonic()
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
     one = build_draft_tree(4, 3, d, 1, vocab, generator=torch.Generator().manual_seed(1))  # one request: one launch
     step = VerifyStep(torch.zeros(d, vocab), one.candidates, one, 1.0, 50, 0.9, torch.zeros(1, d), torch.zeros(1)).check()
     fv.run_step(step, fv.allocate_outputs(step))
+    plain = VerifyStep(torch.zeros(bs * d, vocab), tree.candidates, tree, 1.0, None, None, coins, final).check()
+    run_traced(traced_plan(plain), plain)  # the step that records its clock times
     fv.fused_token_probs(torch.zeros(bs * d, vocab), 1.0, d, torch.zeros(bs * d, 4, dtype=torch.int64))
     probs = torch.zeros(32, vocab)
     fs.top_p_renorm(probs, 0.9, validate=False)

@@ -23,11 +23,14 @@ no larger than what the GPU holds at once, whose programs take work items from a
    removed unless every depth was accepted), once the request's tree has been walked; the
    request's last slice finds the slice where ``coin * mass`` falls and scans only that one.
 
-The walk of a request's draft tree (upstream's acceptance rule, each tried candidate's
-probability from its logit and its row's statistics) is done by the program that finishes
-the last row of the request. Dependencies are per row and per request: the program that
-completes a row's step (the last of its slices to arrive, an atomic counter) publishes it
-(a release store of the row's step number); an item of the next step spins until it sees
+The walk of a request's draft tree (upstream's acceptance rule) is done by the program that
+finishes the last row of the request. The item that finishes a row first writes the row's
+probability of each of its request's candidates (``cand_p``: one gather of D logits), so the
+walk reads each tried child's probability in one load instead of computing the row's
+statistics and loading the child's token, then its logit, at every depth; and its (m, s)
+(``norms``), which the residual items read instead of reducing the row's slices again.
+Dependencies are per row and per request: the program that completes a row's step (the
+last of its slices to arrive, an atomic counter) publishes it (a release store of the row's step number); an item of the next step spins until it sees
 it (acquire). Every item depends only on items with smaller tickets, taken earlier by
 programs that are running, so the spin always ends, whatever the grid size and however
 many programs the GPU holds at once; in Triton's interpreter (programs one after another)
@@ -113,6 +116,7 @@ __all__ = [
     "fused_token_probs",
     "fused_verify",
     "fused_workspace_bytes",
+    "run_plan",
     "run_step",
     "split_layout",
     "target_probs_reference",
@@ -287,7 +291,9 @@ class StepPlan:
     arrive (``ABSENT``, ``NUMBER``, ``PER_REQUEST``, ``ONE_VALUE``) and whether the kernel
     reads the caller's tensor in place (``in_place``); ``output_words``: int32 words of the
     outputs, each of the three starting 16-byte aligned; ``launcher``: the compiled kernel;
-    ``cached``: the eager calls' workspaces by stream (:meth:`workspace`).
+    ``cached``: the eager calls' workspaces by stream (:meth:`workspace`); ``trace``: where a
+    traced plan's launches write their clock times (None: not traced; set before the first
+    launch, on a plan of its own: :func:`graphborrow.eagle.triton.timeline.traced_plan`).
     """
 
     def __init__(self, bs: int, d: int, vocab: int, steps: int, forms: tuple, in_place: tuple, device: int = -1,
@@ -332,6 +338,7 @@ class StepPlan:
             self.options.append(options)
         self.launcher = Launcher()
         self.cached: dict = {}
+        self.trace = None  # an int64 tensor: the launches record their clock times there (:mod:`.timeline`)
 
     def outputs(self, buffer: torch.Tensor) -> VerifyResult:
         """The three outputs, cut from an int32 ``buffer`` of ``output_words`` (which nothing
@@ -468,7 +475,9 @@ def step_slots(bs: int, d: int, vocab: int, has_k: bool, has_p: bool) -> list:
     per (request, residual slice), ``sync`` (every counter: :func:`sync_words`); per (row,
     slice) ``part_max`` and the fixed-point ``part_sum``; with top-k / top-p, ``pivots``
     [rows, 4] and the search's slots (:func:`~graphborrow.eagle.triton.select.select_slots`;
-    without, they are empty). It grows with bs * D, never with V."""
+    without, they are empty); last ``cand_p`` [rows, D], each row's probability of each of its
+    request's candidates (what the walk reads), and ``norms`` [rows, 2], each row's (m, s)
+    (what the residual reads). It grows with bs * D * D, never with V."""
     rows = bs * d
     splits, _ = split_layout(rows, vocab)
     rsplits, _ = split_layout(bs, vocab)
@@ -479,7 +488,8 @@ def step_slots(bs: int, d: int, vocab: int, has_k: bool, has_p: bool) -> list:
              ("part_sum", torch.int64, (rows, splits)), ("walk_state", torch.int32, (bs, WALK_FIELDS + d)),
              ("res_sum", torch.float64, (bs, rsplits)), ("res_last", torch.int32, (bs, rsplits)),
              ("sync", torch.int32, (sync_words(bs, d),)), ("pivots", torch.float32, (rows if renorm else 0, 4))]
-    return slots + select_slots(rows if renorm else 0, splits, counters=False)
+    walk = [("cand_p", torch.float32, (rows, d)), ("norms", torch.float32, (rows, 2))]
+    return slots + select_slots(rows if renorm else 0, splits, counters=False) + walk
 
 
 def fused_workspace_bytes(bs: int, d: int, vocab: int, top_k: bool = False, top_p: bool = False) -> int:
@@ -556,6 +566,12 @@ def run_step(step: VerifyStep, out: VerifyResult, launch: bool = True) -> None:
         _launch(plan, step, out, buffer, fresh=True)
 
 
+def run_plan(plan: StepPlan, step: VerifyStep, out: VerifyResult) -> None:
+    """:func:`run_step` with a plan of the caller's (one made for ``step``'s shape, say a
+    traced one: :mod:`.timeline`) instead of the cached one."""
+    _launch(plan, step, out, plan.layout.allocate(step.logits), fresh=True)
+
+
 def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, workspace, fresh: bool) -> None:
     """Launch the step. ``workspace``: a fresh buffer (``fresh``: its counters are zeroed
     first) or the plan's :class:`CachedWorkspace`."""
@@ -622,12 +638,14 @@ def _tails(plan: StepPlan, w, step: bool = True) -> list:
     """Each launch's kernel arguments after the per-call ones: the workspace's slots, then the plan's."""
     t_form, k_form, p_form = plan.forms
     slots = (w.temps, w.top_k, w.top_p, w.part_max, w.part_sum, w.walk_state, w.res_sum, w.res_last, w.sync,
-             w.pivots, w.state_i, w.state_f, w.part_w, w.part_c, w.scratch,
+             w.pivots, w.state_i, w.state_f, w.part_w, w.part_c, w.scratch, w.cand_p, w.norms,
              plan.bs, plan.d, plan.vocab, plan.splits, plan.chunk, plan.rsplits, plan.rchunk, plan.steps, plan.passes,
              plan.lag)
-    return [(*slots, programs, first, end, plan.scale, plan.unscale, t_form, k_form, p_form, plan.has_k, plan.has_p,
-             plan.nsel, step, kinds, walks, _select.SELECT_THRESHOLDS, _select.SELECT_CAP, _select.SELECT_BLOCK,
-             _select.BLOCK, _select.SPLIT_MAX, plan.d_block, not INTERPRETED)
+    trace = w.sync if plan.trace is None else plan.trace if isinstance(w.sync, torch.Tensor) else plan.trace.data_ptr()
+    return [(*slots, programs, first, end, plan.scale, plan.unscale, trace, t_form, k_form, p_form, plan.has_k,
+             plan.has_p, plan.nsel, step, kinds, walks, _select.SELECT_THRESHOLDS, _select.SELECT_CAP,
+             _select.SELECT_BLOCK, _select.BLOCK, _select.SPLIT_MAX, plan.d_block, not INTERPRETED,
+             plan.trace is not None)
             for programs, (first, end, kinds, walks) in zip(plan.programs, plan.groups)]
 
 

@@ -19,17 +19,32 @@ if TRITON_AVAILABLE:
     from .probs import fixed_point_e, prob, renormed, row_max_y, row_norm
     from .select import arrive, gather_item, init_item, kept_item, pass_item, resolve_item
 
-__all__ = ["ABSENT", "NUMBER", "ONE_VALUE", "PER_REQUEST", "SYNC_HEAD", "WALK_FIELDS"]
+__all__ = ["ABSENT", "NUMBER", "ONE_VALUE", "PER_REQUEST", "SYNC_HEAD", "TRACE_FIELDS", "WALK_FIELDS"]
 
 WALK_FIELDS = 4  # final node, its slot, last rejected token, dropped-token count; then the dropped tokens
 SYNC_HEAD = 32  # int32 words before the per-row counters: ticket, programs gone, rows zeroed (one cache line)
+
+# int64 words a traced launch writes per ticket (at its ticket) and per program (after the last
+# ticket): clock times in ns (``%globaltimer``) and who did what (see :mod:`.timeline`)
+TRACE_FIELDS = 8
 
 # How a per-request parameter reaches the kernel (its first items write it into the workspace)
 ABSENT, NUMBER, PER_REQUEST, ONE_VALUE = 0, 1, 2, 3
 
 if TRITON_AVAILABLE:
     WALK_FIELDS_C = tl.constexpr(WALK_FIELDS)
+    TRACE_FIELDS_C = tl.constexpr(TRACE_FIELDS)
     SYNC_HEAD_C = tl.constexpr(SYNC_HEAD)
+
+    @triton.jit
+    def _now():
+        """The GPU's global clock in ns (``%globaltimer``: one clock for every SM)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def _sm():
+        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
     def _store_param(dst, src, value, req, FORM: tl.constexpr, CLAMP: tl.constexpr):
@@ -152,6 +167,33 @@ if TRITON_AVAILABLE:
         return last
 
     @triton.jit
+    def _search_of(q, k, row, c, logits, temps, part_max, part_sum, top_k, top_p, pivots, state_i, state_f, part_w,
+                   part_c, scratch, arrivals, d, vocab, splits, chunk, unscale, passes, HAS_TOPK: tl.constexpr,
+                   HAS_TOPP: tl.constexpr, KINDS: tl.constexpr, NT: tl.constexpr, CAP: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+        """Step ``k`` of search ``q`` (0: top-k's, when both run); returns whether this program
+        finished the row's step."""
+        last = k < 0
+        if HAS_TOPK and HAS_TOPP:
+            if q == 0:
+                last = _search_item(k, row, c, logits, temps, part_max, part_sum, top_k, pivots, state_i, state_f,
+                                    part_w, part_c, scratch, arrivals, d, vocab, splits, chunk, unscale, passes, False,
+                                    HAS_TOPK, KINDS, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
+            else:
+                last = _search_item(k, row, c, logits, temps, part_max, part_sum, top_p, pivots, state_i, state_f,
+                                    part_w, part_c, scratch, arrivals, d, vocab, splits, chunk, unscale, passes, True,
+                                    HAS_TOPK, KINDS, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
+        elif HAS_TOPK:
+            last = _search_item(k, row, c, logits, temps, part_max, part_sum, top_k, pivots, state_i, state_f, part_w,
+                                part_c, scratch, arrivals, d, vocab, splits, chunk, unscale, passes, False, HAS_TOPK,
+                                KINDS, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
+        elif HAS_TOPP:
+            last = _search_item(k, row, c, logits, temps, part_max, part_sum, top_p, pivots, state_i, state_f, part_w,
+                                part_c, scratch, arrivals, d, vocab, splits, chunk, unscale, passes, True, HAS_TOPK,
+                                KINDS, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
+        return last
+
+    @triton.jit
     def _max_sum_order(ticket, per_step, lag):
         """(stage, item) of one of the first ``2 * per_step`` tickets: ``lag`` maxima first,
         then maxima and sums in turn, the sums ``lag`` items behind, then the last sums. A row's
@@ -176,18 +218,20 @@ if TRITON_AVAILABLE:
                      accept_length, coins, coins_final, t_src, k_src, p_src, t_value, k_value, p_value, thr_single,
                      thr_acc,
                      temps, top_k, top_p, part_max, part_sum, walk_state, res_sum, res_last, sync, pivots, state_i,
-                     state_f, part_w, part_c, scratch,
+                     state_f, part_w, part_c, scratch, cand_p, norms,
                      bs, d, vocab, splits, chunk, rsplits, rchunk, steps, passes, lag, programs, first, end, scale,
-                     unscale,
+                     unscale, trace,
                      T_FORM: tl.constexpr, K_FORM: tl.constexpr, P_FORM: tl.constexpr, HAS_TOPK: tl.constexpr,
                      HAS_TOPP: tl.constexpr, NSEL: tl.constexpr, STEP: tl.constexpr, KINDS: tl.constexpr,
                      WALKS: tl.constexpr, NT: tl.constexpr, CAP: tl.constexpr, BLOCK_S: tl.constexpr,
-                     BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+                     BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+                     TRACE: tl.constexpr):
         """The step's items with tickets ``first`` to ``end``; each program takes tickets until they
         run out. A row's step number ``ready[row]`` counts its finished steps; the program that
         finishes a request's last row walks its tree. ``KINDS``: the items this launch can meet
         (module docstring); ``WALKS``: it holds the kind that finishes a row, so the walk is
-        compiled in. STEP False: maxima and sums only."""
+        compiled in. STEP False: maxima and sums only. TRACE: write each ticket's and each
+        program's clock times to ``trace`` (:func:`_trace_ticket`)."""
         rows = bs * d
         per_step = rows * splits
         ready = sync + SYNC_HEAD_C  # [rows] steps done
@@ -198,11 +242,16 @@ if TRITON_AVAILABLE:
         search = (passes + 3) * per_step + rows  # one search's items
         searches_end = 2 * per_step + NSEL * search
         final = 1 + NSEL * (passes + 4)  # the step whose end finishes a row
+        started = _clock(TRACE, 0)
+        ticket_at, waited, done = started, started, started
         ticket = first + tl.atomic_add(sync, 1, sem="relaxed")
         while ticket < end:
             row = ticket * 0
             stage = ticket * 0 - 1
             last = ticket < 0
+            acted = ticket < 0  # (traced: a residual item that sampled, or a finishing item that walked)
+            ticket_at = _clock(TRACE, ticket_at)
+            waited = ticket_at
             if ticket < 2 * per_step:
                 if (KINDS & 1) != 0:
                     stage, i = _max_sum_order(ticket, per_step, lag)
@@ -215,6 +264,7 @@ if TRITON_AVAILABLE:
                                          P_FORM, BLOCK)
                     else:
                         _wait(ready + row, 1)
+                        waited = _clock(TRACE, waited)
                         last = _sum_item(row, c, logits, temps, part_max, part_sum, arrivals, d, vocab, splits,
                                          chunk, scale, BLOCK, SPLIT_BLOCK, PRECISE)
             elif ticket < searches_end:
@@ -239,52 +289,38 @@ if TRITON_AVAILABLE:
                         c = i - row * splits
                     stage = 2 + q * (passes + 4) + k
                     _wait(ready + row, stage)
-                    if HAS_TOPK and HAS_TOPP:
-                        if q == 0:
-                            last = _search_item(k, row, c, logits, temps, part_max, part_sum, top_k, pivots, state_i,
-                                                state_f, part_w, part_c, scratch, arrivals, d, vocab, splits, chunk,
-                                                unscale, passes, False, HAS_TOPK, KINDS, NT, CAP, BLOCK_S, BLOCK,
-                                                SPLIT_BLOCK, PRECISE)
-                        else:
-                            last = _search_item(k, row, c, logits, temps, part_max, part_sum, top_p, pivots, state_i,
-                                                state_f, part_w, part_c, scratch, arrivals, d, vocab, splits, chunk,
-                                                unscale, passes, True, HAS_TOPK, KINDS, NT, CAP, BLOCK_S, BLOCK,
-                                                SPLIT_BLOCK, PRECISE)
-                    elif HAS_TOPK:
-                        last = _search_item(k, row, c, logits, temps, part_max, part_sum, top_k, pivots, state_i,
-                                            state_f, part_w, part_c, scratch, arrivals, d, vocab, splits, chunk,
-                                            unscale, passes, False, HAS_TOPK, KINDS, NT, CAP, BLOCK_S, BLOCK,
-                                            SPLIT_BLOCK, PRECISE)
-                    elif HAS_TOPP:
-                        last = _search_item(k, row, c, logits, temps, part_max, part_sum, top_p, pivots, state_i,
-                                            state_f, part_w, part_c, scratch, arrivals, d, vocab, splits, chunk,
-                                            unscale, passes, True, HAS_TOPK, KINDS, NT, CAP, BLOCK_S, BLOCK,
-                                            SPLIT_BLOCK, PRECISE)
+                    waited = _clock(TRACE, waited)
+                    last = _search_of(q, k, row, c, logits, temps, part_max, part_sum, top_k, top_p, pivots, state_i,
+                                      state_f, part_w, part_c, scratch, arrivals, d, vocab, splits, chunk, unscale,
+                                      passes, HAS_TOPK, HAS_TOPP, KINDS, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
             else:
                 if (KINDS & 2) != 0:
                     i = ticket - searches_end
                     b = i // rsplits
                     _wait(walked + b, 1)
-                    _residual_item(b, i - b * rsplits, logits, temps, part_max, part_sum, pivots, walk_state,
-                                   coins_final, res_sum, res_last, res_arrivals, ready, walked, predicts, d, vocab,
-                                   splits, rsplits, rchunk, unscale, HAS_TOPK, HAS_TOPP, D_BLOCK, BLOCK // 2,
-                                   SPLIT_BLOCK, PRECISE)
+                    waited = _clock(TRACE, waited)
+                    row = b
+                    stage = ticket * 0 - 2
+                    acted = _residual_item(b, i - b * rsplits, logits, temps, norms, pivots, walk_state, coins_final,
+                                           res_sum, res_last, res_arrivals, ready, walked, predicts, d, vocab,
+                                           rsplits, rchunk, HAS_TOPK, HAS_TOPP, D_BLOCK, BLOCK // 2, SPLIT_BLOCK,
+                                           PRECISE)
+            done = _clock(TRACE, done)
             if last:
                 if STEP and WALKS:
                     if stage == final:
-                        b = row // d
-                        if arrive(rows_done, b, d):
-                            if (KINDS & 1) != 0:  # (else a launch before zeroed every output entry)
-                                _wait(sync + 2, rows)  # every output entry zeroed
-                            _walk(b, logits, temps, part_max, part_sum, pivots, candidates, retrive_index,
-                                  next_token, next_sibling, coins, predicts, accept_index, accept_length,
-                                  walk_state, d, vocab, steps, splits, unscale, thr_single, thr_acc, HAS_TOPK,
-                                  HAS_TOPP, SPLIT_BLOCK, PRECISE)
-                            _publish(walked + b, 1)
+                        acted = _finish_row(row, logits, temps, part_max, part_sum, pivots, candidates, cand_p, norms,
+                                            retrive_index, next_token, next_sibling, coins, predicts, accept_index,
+                                            accept_length, walk_state, sync, rows_done, walked, rows, d, vocab, splits,
+                                            steps, unscale, thr_single, thr_acc, HAS_TOPK, HAS_TOPP, KINDS,
+                                            SPLIT_BLOCK, D_BLOCK, PRECISE)
                     else:
                         _publish(ready + row, stage + 1)
                 else:
                     _publish(ready + row, stage + 1)
+            if TRACE:
+                _trace_ticket(trace + ticket.to(tl.int64) * TRACE_FIELDS_C, ticket_at, waited, done, _now(), stage,
+                              row, last, acted)
             ticket = first + tl.atomic_add(sync, 1, sem="relaxed")
         # the last program out resets the queue (every program has taken its last ticket)
         tl.debug_barrier()
@@ -292,6 +328,58 @@ if TRITON_AVAILABLE:
             tl.store(sync + 0, 0)
             tl.store(sync + 1, 0)
             tl.store(sync + 2, 0)
+        if TRACE:
+            _trace_program(trace + (end + tl.program_id(0)).to(tl.int64) * TRACE_FIELDS_C, started)
+
+    @triton.jit
+    def _finish_row(row, logits, temps, part_max, part_sum, pivots, candidates, cand_p, norms, retrive_index,
+                    next_token, next_sibling, coins, predicts, accept_index, accept_length, walk_state, sync, rows_done,
+                    walked, rows, d, vocab, splits, steps, unscale, thr_single, thr_acc, HAS_TOPK: tl.constexpr,
+                    HAS_TOPP: tl.constexpr, KINDS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+                    PRECISE: tl.constexpr):
+        """The end of a row's last step: its walk numbers, then, from the request's last row to
+        finish, the request's walk (returns True) and its walk flag."""
+        b = row // d
+        _candidate_probs(row, b, logits, temps, part_max, part_sum, pivots, candidates, cand_p, norms, d, vocab,
+                         splits, unscale, HAS_TOPK, HAS_TOPP, SPLIT_BLOCK, D_BLOCK, PRECISE)
+        walks = arrive(rows_done, b, d)
+        if walks:
+            if (KINDS & 1) != 0:  # (else a launch before zeroed every output entry)
+                _wait(sync + 2, rows)  # every output entry zeroed
+            _walk(b, cand_p, candidates, retrive_index, next_token, next_sibling, coins, predicts, accept_index,
+                  accept_length, walk_state, d, steps, thr_single, thr_acc)
+            _publish(walked + b, 1)
+        return walks
+
+    @triton.jit
+    def _clock(TRACE: tl.constexpr, otherwise):
+        """The global clock when tracing, else ``otherwise`` (unchanged: no clock read)."""
+        if TRACE:
+            return _now()
+        else:
+            return otherwise
+
+    @triton.jit
+    def _trace_program(here, started):
+        """A program's record: when it started and left, and its SM."""
+        tl.store(here + 0, started)
+        tl.store(here + 1, _now())
+        tl.store(here + 2, _sm().to(tl.int64))
+
+    @triton.jit
+    def _trace_ticket(here, ticket_at, waited, done, published, stage, row, last, acted):
+        """One ticket's record: when it was taken, when its wait ended, when its item's work was
+        done and when the program moved on (after publishing, or walking a tree); the SM, the
+        program, its stage (-2: a residual), its row (a residual's: the request), and whether
+        it finished its row's step (1) and sampled or walked (2)."""
+        tl.store(here + 0, ticket_at)
+        tl.store(here + 1, waited)
+        tl.store(here + 2, done)
+        tl.store(here + 3, published)
+        tl.store(here + 4, _sm().to(tl.int64))
+        tl.store(here + 5, tl.program_id(0).to(tl.int64))
+        tl.store(here + 6, stage.to(tl.int64))
+        tl.store(here + 7, row.to(tl.int64) * 4 + last.to(tl.int64) + 2 * acted.to(tl.int64))
 
     @triton.jit
     def _pivots_of(pivots, row, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr):
@@ -308,15 +396,34 @@ if TRITON_AVAILABLE:
         return pk, sk, pp, sp
 
     @triton.jit
-    def _walk(b, logits, temps, part_max, part_sum, pivots, candidates, retrive_index, next_token, next_sibling,
-              coins, predicts, accept_index, accept_length, walk_state,
-              d, vocab, steps, splits, unscale, thr_single, thr_acc,
-              HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-        """Upstream's acceptance rule down one request's tree; records where the walk ended (for
-        the residual items, which read it through L2)."""
+    def _candidate_probs(row, b, logits, temps, part_max, part_sum, pivots, candidates, cand_p, norms, d, vocab,
+                         splits, unscale, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                         D_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+        """Row ``row``'s (renormalised) probability of each of its request's candidate tokens,
+        into ``cand_p[row]``, and its (m, s) into ``norms[row]``: written by the item that
+        finishes the row, so the walk finds the probability of every child it tries in one
+        load, and a residual item its row's statistics in one (candidate ids outside [0, V),
+        which no walk reaches, are not read)."""
+        t = tl.load(temps + b, cache_modifier=".cg")
+        big, total = row_norm(part_max, part_sum, row, splits, t, unscale, SPLIT_BLOCK)
+        tl.store(norms + row.to(tl.int64) * 2, big)
+        tl.store(norms + row.to(tl.int64) * 2 + 1, total)
+        pk, sk, pp, sp = _pivots_of(pivots, row, HAS_TOPK, HAS_TOPP)
+        k = tl.arange(0, D_BLOCK)
+        tok = tl.load(candidates + b * d + k, mask=k < d, other=-1)
+        inside = (tok >= 0) & (tok < vocab)
+        x = tl.load(logits + row.to(tl.int64) * vocab + tok, mask=inside, other=0.0).to(tl.float32)
+        p = renormed(prob(x, t, big, total, PRECISE), pk, sk, pp, sp, HAS_TOPK, HAS_TOPP)
+        tl.store(cand_p + row.to(tl.int64) * d + k, p, mask=k < d)
+
+    @triton.jit
+    def _walk(b, cand_p, candidates, retrive_index, next_token, next_sibling, coins, predicts, accept_index,
+              accept_length, walk_state, d, steps, thr_single, thr_acc):
+        """Upstream's acceptance rule down one request's tree, each tried child's probability
+        read from its parent row's ``cand_p``; records where the walk ended (for the residual
+        items, which read it through L2)."""
         node0 = b * d
         state = walk_state + b * (WALK_FIELDS_C + d)
-        t = tl.load(temps + b, cache_modifier=".cg")
         node = 0
         coin = tl.load(coins + node0)
         tried = 0
@@ -328,23 +435,20 @@ if TRITON_AVAILABLE:
         j = 1
         while (j < steps) & (alive != 0):
             row = node0 + node
-            big, total = row_norm(part_max, part_sum, row, splits, t, unscale, SPLIT_BLOCK)
-            pk, sk, pp, sp = _pivots_of(pivots, row, HAS_TOPK, HAS_TOPP)
             child = tl.load(next_token + row).to(tl.int32)
             chosen = -1
             acc = 0.0
             tried = 0
             while (child != -1) & (chosen == -1):
+                p = tl.load(cand_p + row.to(tl.int64) * d + child, cache_modifier=".cg")
+                nxt = tl.load(next_sibling + node0 + child).to(tl.int32)
                 tok = tl.load(candidates + node0 + child).to(tl.int32)
                 tl.store(state + WALK_FIELDS_C + tried, tok)  # the residual drops this depth's tried tokens
                 tried += 1
-                x = tl.load(logits + row.to(tl.int64) * vocab + tok).to(tl.float32)
-                p = renormed(prob(x, t, big, total, PRECISE), pk, sk, pp, sp, HAS_TOPK, HAS_TOPP)
                 acc = acc + p
                 ok = (p > 0) & ((coin < tl.math.div_rn(acc, thr_acc)) | (p >= thr_single))
                 last_rej = tl.where((~ok) & (p > 0), tok, last_rej)
                 chosen = tl.where(ok, child, -1)
-                nxt = tl.load(next_sibling + node0 + child).to(tl.int32)
                 child = tl.where(ok, child, nxt)
             if chosen >= 0:
                 tl.store(predicts + last, tl.load(candidates + node0 + chosen).to(tl.int32))
@@ -382,16 +486,17 @@ if TRITON_AVAILABLE:
         return r
 
     @triton.jit
-    def _residual_item(b, c, logits, temps, part_max, part_sum, pivots, walk_state, coins_final, res_sum, res_last,
-                       res_arrivals, ready, walked, predicts, d, vocab, splits, rsplits, rchunk, unscale,
-                       HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    def _residual_item(b, c, logits, temps, norms, pivots, walk_state, coins_final, res_sum, res_last, res_arrivals,
+                       ready, walked, predicts, d, vocab, rsplits, rchunk, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                        SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
         """Residual mass of one (request, slice), the request's tree walked; the request's last
-        slice samples the final token, then resets the request's flags for the next launch."""
+        slice samples the final token, then resets the request's flags for the next launch
+        (and returns True)."""
         state = walk_state + b * (WALK_FIELDS_C + d)
         row = b * d + tl.load(state + 0, cache_modifier=".cg")
         t = tl.load(temps + b, cache_modifier=".cg")
-        big, total = row_norm(part_max, part_sum, row, splits, t, unscale, SPLIT_BLOCK)
+        big = tl.load(norms + row.to(tl.int64) * 2, cache_modifier=".cg")
+        total = tl.load(norms + row.to(tl.int64) * 2 + 1, cache_modifier=".cg")
         pk, sk, pp, sp = _pivots_of(pivots, row, HAS_TOPK, HAS_TOPP)
         k = tl.arange(0, D_BLOCK)
         dropped = tl.load(state + WALK_FIELDS_C + k, mask=k < tl.load(state + 3, cache_modifier=".cg"), other=-1,
@@ -410,7 +515,8 @@ if TRITON_AVAILABLE:
             last_pos = tl.maximum(last_pos, tl.where(r > 0, idx, -1))
         tl.store(res_sum + b * rsplits + c, tl.sum(mass, axis=0))
         tl.store(res_last + b * rsplits + c, tl.max(last_pos, axis=0))
-        if arrive(res_arrivals, b, rsplits):
+        sampled = arrive(res_arrivals, b, rsplits)
+        if sampled:
             # u = coin * total mass; find the slice where the running sum crosses u, then
             # scan it from the running sum before it (<= u, so no zero entry can be picked)
             slots = tl.arange(0, SPLIT_BLOCK)
@@ -440,6 +546,7 @@ if TRITON_AVAILABLE:
             tl.store(predicts + tl.load(state + 1, cache_modifier=".cg"), token)
             tl.store(walked + b, 0)
             tl.store(ready + b * d + k, 0, mask=k < d)
+        return sampled
 
 
     @triton.jit(do_not_specialize=["d", "splits", "k"])

@@ -487,8 +487,9 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _residual_item(b, c, logits, temps, norms, pivots, walk_state, coins_final, res_sum, res_last, res_arrivals,
-                       ready, walked, predicts, d, vocab, rsplits, rchunk, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                       SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+                       ready, walked, predicts, d, vocab, rsplits, rchunk, HAS_TOPK: tl.constexpr,
+                       HAS_TOPP: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                       PRECISE: tl.constexpr):
         """Residual mass of one (request, slice), the request's tree walked; the request's last
         slice samples the final token, then resets the request's flags for the next launch
         (and returns True)."""

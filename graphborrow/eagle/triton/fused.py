@@ -33,7 +33,8 @@ Dependencies are per row and per request: the program that completes a row's ste
 last of its slices to arrive, an atomic counter) publishes it (a release store of the row's
 step number); an item of the next step spins until it sees it (acquire). Every item
 depends only on items with smaller tickets, taken earlier by programs that are running, so
-the spin always ends, whatever the grid size and however many programs the GPU holds at once; in Triton's interpreter (programs one after another)
+the spin always ends, whatever the grid size and however many programs the GPU holds at
+once; in Triton's interpreter (programs one after another)
 program 0 takes every ticket in order and never waits.
 
 With top-k / top-p, a step of ``SPLIT_ROWS`` rows or more runs as one launch per kind of

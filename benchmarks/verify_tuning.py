@@ -21,18 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-
-def _package_tree(argv) -> str:
-    for i, a in enumerate(argv):
-        if a == "--package" and i + 1 < len(argv):
-            return str(Path(argv[i + 1]).resolve())
-    return str(Path(__file__).resolve().parents[1])
-
-
-sys.path.insert(0, _package_tree(sys.argv))
-
+import verify_kernels as vk  # noqa: I001  (first: it puts the measured tree, --package or this one, on sys.path)
 import torch  # noqa: E402
-import verify_kernels as vk  # noqa: E402  (its path setup keeps the package imported above)
 from timing import captured, event_us, host_us, issued_us, wall_us  # noqa: E402
 
 from graphborrow.eagle import eagle_verify  # noqa: E402

@@ -22,8 +22,14 @@ static, as for any CUDA graph.
 
 **What an entry holds**: its graph; its outputs (``predicts``, ``accept_index``,
 ``accept_length``, about ``4 * bs * (D + S + 1)`` bytes), which every replay rewrites, so
-a caller copies what it keeps before the next call with the same key; and references to
-the tensors it was captured with (their memory must outlive the graph, which reads it).
+a caller copies what it keeps before the next call with the same key; the step's counters
+(``4 * (2 * bs * D + 3 * bs)`` bytes and a few more, outside the graph pool:
+:func:`~graphborrow.eagle.triton.fused.step_counters`), which the kernel leaves zeroed, so the
+graph is the kernel alone, without the zeroing node a step captured by hand replays before
+it; and references to the tensors it was captured with (their memory
+must outlive the graph, which reads it). Entries do share the pool's memory (one entry's
+workspace is where another's was), so, as for any graphs sharing a pool, replay them one
+after another, not at once on two streams.
 The workspace (a few KiB to about 9 MiB with top-k / top-p at bs 128 x D 16) lives in the
 graph pool the entries share: one private pool per device, or, with an enabled
 ``borrow``, the borrow state's graph pool itself (the capture runs in its
@@ -58,10 +64,10 @@ MAX_ENTRIES = 8
 class _Entry:
     """One captured step: the graph, its outputs, and what it was captured from."""
 
-    __slots__ = ("graph", "out", "step", "borrow")
+    __slots__ = ("graph", "out", "step", "borrow", "counters")
 
-    def __init__(self, graph, out: VerifyResult, step: VerifyStep, borrow):
-        self.graph, self.out, self.step, self.borrow = graph, out, step, borrow
+    def __init__(self, graph, out: VerifyResult, step: VerifyStep, borrow, counters: torch.Tensor):
+        self.graph, self.out, self.step, self.borrow, self.counters = graph, out, step, borrow, counters
 
     def replay(self, validate: bool) -> VerifyResult:
         if validate:
@@ -80,16 +86,19 @@ class _LastCall:
     address) finds it without a key. The checks are C-level passes (``map``), not a Python
     loop: they are the serving loop's whole host work before the replay."""
 
-    __slots__ = ("args", "tables", "tensors", "pointers", "entry")
+    __slots__ = ("args", "index", "next_token", "next_sibling", "tensors", "pointers", "entry")
 
     def __init__(self, args: tuple, entry: _Entry):
         self.args, self.entry = args, entry
-        self.tables = _tables(args[2])
-        self.tensors = [t for t in (args[0], args[1], *self.tables, *args[3:8]) if isinstance(t, torch.Tensor)]
+        tables = _tables(args[2])
+        self.index, self.next_token, self.next_sibling = tables
+        self.tensors = [t for t in (args[0], args[1], *tables, *args[3:8]) if isinstance(t, torch.Tensor)]
         self.pointers = list(map(_DATA_PTR, self.tensors))
 
     def finds(self, args: tuple) -> bool:
-        return (all(map(operator.is_, args, self.args)) and all(map(operator.is_, _tables(args[2]), self.tables))
+        tree = args[2]
+        return (all(map(operator.is_, args, self.args)) and tree.retrive_index is self.index
+                and tree.retrive_next_token is self.next_token and tree.retrive_next_sibling is self.next_sibling
                 and list(map(_DATA_PTR, self.tensors)) == self.pointers)
 
 
@@ -171,18 +180,20 @@ class GraphSteps:
         out = fused.allocate_outputs(step)
         if step.batch_size == 0:
             return out
-        run_borrowing(borrow, fused.run_step, step, out)  # the first call's result; kernels compiled before capture
+        counters = fused.step_counters(step)  # the entry's own: the graph needs no zeroing node
+        # the first call's result; kernels compiled before capture
+        run_borrowing(borrow, fused.run_step, step, out, True, counters)
         graph = torch.cuda.CUDAGraph()
         if borrow is None:
             with torch.cuda.graph(graph, pool=self._pool(step.logits.get_device())):
-                fused.run_step(step, out)
+                fused.run_step(step, out, True, counters)
         else:
             with borrow.capture_scope(), borrow.backend.graph(graph, pool=borrow.pool_id):
-                fused.run_step(step, out)
+                fused.run_step(step, out, True, counters)
         if len(self.entries) >= self.max_entries:
             self.entries.popitem(last=False)
             self._last = None  # (it may hold the entry that goes)
-        self.entries[key] = _Entry(graph, out, step, borrow)
+        self.entries[key] = _Entry(graph, out, step, borrow, counters)
         self.captures += 1
         return out
 
@@ -193,12 +204,12 @@ class GraphSteps:
         return pool
 
     def held_bytes(self) -> int:
-        """Bytes of the entries' outputs (their graphs' workspace lives in the graph pool).
+        """Bytes of the entries' outputs and counters (their graphs' workspace lives in the graph pool).
 
         Returns:
-            The sum over entries of their three output tensors' bytes.
+            The sum over entries of their three output tensors' and their counters' bytes.
         """
-        return sum(t.numel() * t.element_size() for e in self.entries.values() for t in e.out)
+        return sum(t.numel() * t.element_size() for e in self.entries.values() for t in (*e.out, e.counters))
 
     def clear(self) -> None:
         """Drop every entry: its graph, outputs and references to the tensors it was captured from."""

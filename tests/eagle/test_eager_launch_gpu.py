@@ -206,9 +206,43 @@ def test_the_graph_path_replays_what_an_eager_call_computes(renorm):
     assert same(graph_call(other), graph_call())
     graph_call(temperature=1.1)
     assert GRAPH_STEPS.captures == captures + 2 and len(GRAPH_STEPS.entries) == 3
-    assert GRAPH_STEPS.held_bytes() == 3 * 4 * (bs * d + bs * tree.tree_depth + bs)
+    assert GRAPH_STEPS.held_bytes() == 3 * 4 * (bs * d + bs * tree.tree_depth + bs + fv.sync_words(bs, d))
     clear_verify_graphs()
     assert not GRAPH_STEPS.entries
+
+
+def test_the_graph_paths_graph_is_the_kernel_alone():
+    """An entry keeps its step's counters (zeroed once, left zeroed by every replay), so its
+    graph holds the step's kernel and nothing else, where the same step captured by hand
+    zeroes its workspace's counters first (a memset node). Two entries replayed in turns, on
+    two streams, each give their own logits' tokens and leave their counters at zero."""
+    clear_verify_graphs()
+    bs, d, vocab = 4, 8, 128256
+    tree, logits, coins, coins_final = gpu_case(5, bs, d, (4, 3), vocab, False, 0.9)
+    other = gpu_case(6, bs, d, (4, 3), vocab, False, 0.9, tree=tree)[1]
+    kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False)
+    expected = [reference(lg, tree, 0.9, None, None, coins, coins_final) for lg in (logits, other)]
+
+    def graph_call(lg=logits):
+        return eagle_verify(lg, None, tree, 0.9, graph=True, **kw)
+
+    assert kernels_and_allocations(graph_call) == (1, 0)  # (the warm-up call captures)
+    by_hand = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(by_hand):
+        eagle_verify(logits, None, tree, 0.9, **kw)
+    assert kernels_and_allocations(by_hand.replay) == (2, 0)
+    outs = [graph_call(lg) for lg in (logits, other)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(10):
+        for s, lg in zip(streams, (logits, other)):
+            s.wait_stream(torch.cuda.current_stream())  # (entries share the pool: one replay at a time)
+            with torch.cuda.stream(s):
+                graph_call(lg)
+            torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert same(outs[0], expected[0]) and same(outs[1], expected[1]) and not same(expected[0], expected[1])
+    assert not any(bool(entry.counters.any()) for entry in GRAPH_STEPS.entries.values())
+    clear_verify_graphs()
 
 
 def test_the_graph_path_borrows_from_the_graph_pool():

@@ -266,6 +266,26 @@ def test_the_counters_end_at_zero_whatever_the_grid(monkeypatch):
         assert not bool(entry.views.sync.any())
 
 
+def test_counters_of_the_callers_stand_in_for_the_workspaces(monkeypatch):
+    """run_step with counters of the caller's (what a graph's owner keeps, so the captured
+    step needs no zeroing node) uses them and not the workspace's: with every workspace
+    byte nonzero, the step still gives the reference's tokens, call after call on the same
+    counters, and leaves them at zero. Without them, the workspace's counters are zeroed
+    first, so the same garbage is harmless too."""
+    tree, logits, coins, coins_final = case(16, 2, 4, 900, 1, 3)
+    expected = reference(logits, tree, 0.9, None, None, coins, coins_final)
+    dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
+    monkeypatch.setattr(fv.Layout, "allocate", lambda self, like: like.new_full((self.nbytes,), 7, dtype=torch.uint8))
+    step = VerifyStep.of(dlogits, None, dtree, 0.9, None, None, dcoins, dfinal)
+    counters = fv.step_counters(step)
+    assert counters.shape == (fv.sync_words(2, 4),) and not bool(counters.any())
+    for given in (counters, counters, None):
+        out = fv.allocate_outputs(step)
+        fv.run_step(step, out, counters=given)
+        assert_same(expected, out, "own counters" if given is not None else "the workspace's, zeroed")
+        assert not bool(counters.any())
+
+
 @pytest.mark.parametrize("lag_bytes, lag", cases([(1, 4), (10 * 4 * 256, 10), (1 << 30, 32)], [0]))
 def test_sums_trailing_the_maxima_give_the_same_tokens(lag_bytes, lag, monkeypatch):
     """On large steps the sums trail the maxima by ``lag`` items (so a row's logits are still

@@ -52,8 +52,10 @@ Nothing synchronises with the host, so the step can be captured in a CUDA graph.
 arrivals, per-row step numbers, walk flags) lives in the workspace's ``sync`` slot, which
 must hold zeros when the kernel starts; the kernel leaves it zeroed (each counter is reset
 by the last program to use it, the ticket by the last program to leave). A fresh
-workspace has its ``sync`` slot zeroed before the launch (one fill); the cached workspace
-(below) is zeroed once, when it is made.
+workspace has its ``sync`` slot zeroed before the launch (one fill: captured, a memset node
+before the kernel's); the cached workspace (below) is zeroed once, when it is made; and a
+caller that owns counters outside its workspace (:func:`step_counters`, as the graph
+path's entries do) passes them in place of the slot, so its captured step is the kernel alone.
 
 Host time. Everything a call would otherwise redo is computed once per *plan* — the
 step's shape and the form of its arguments (a number or a tensor, and its dtype) —
@@ -120,6 +122,7 @@ __all__ = [
     "run_plan",
     "run_step",
     "split_layout",
+    "step_counters",
     "target_probs_reference",
     "top_k_renorm",
     "top_p_renorm",
@@ -550,7 +553,7 @@ def plan_for(step: VerifyStep) -> StepPlan:
 # One step
 
 
-def run_step(step: VerifyStep, out: VerifyResult, launch: bool = True) -> None:
+def run_step(step: VerifyStep, out: VerifyResult, launch: bool = True, counters: torch.Tensor | None = None) -> None:
     """The fused step into ``out``, its workspace allocated here (inside the caller's borrow
     scope, if any).
 
@@ -560,11 +563,29 @@ def run_step(step: VerifyStep, out: VerifyResult, launch: bool = True) -> None:
     every entry of ``out`` (``accept_length`` counting the emitted token). With
     ``launch=False`` nothing runs: the capacity planner records this function on the
     layout-only device, so its plan is the allocation sequence of exactly this path.
+    ``counters``: zeroed counters of the caller's (:func:`step_counters`) used instead of the
+    workspace's, so nothing is zeroed first (a captured step then is its kernel alone).
     """
     plan = plan_for(step)
     buffer = plan.layout.allocate(step.logits)
     if launch:
-        _launch(plan, step, out, buffer, fresh=True)
+        _launch(plan, step, out, buffer, fresh=True, counters=counters)
+
+
+def step_counters(step: VerifyStep) -> torch.Tensor:
+    """Counters a step's owner keeps (``sync_words`` int32 zeros on the logits' device) for
+    :func:`run_step`'s ``counters``.
+
+    Every launch leaves its counters zeroed, so counters that nothing else writes stay ready
+    for the next launch without a zeroing node before it, as long as launches using them run
+    one after another. A graph's own workspace cannot give that: the memory a captured step
+    frees is taken by the later nodes of the same capture, and of later captures into the
+    same pool. So these are allocated outside the capture, and whoever keeps the graph keeps
+    them (:mod:`graphborrow.eagle.graphs`); two graphs replayed at once on two streams must
+    not share them.
+    """
+    bs, d = step.candidates.shape
+    return torch.zeros(sync_words(bs, d), dtype=torch.int32, device=step.logits.device)
 
 
 def run_plan(plan: StepPlan, step: VerifyStep, out: VerifyResult) -> None:
@@ -573,12 +594,14 @@ def run_plan(plan: StepPlan, step: VerifyStep, out: VerifyResult) -> None:
     _launch(plan, step, out, plan.layout.allocate(step.logits), fresh=True)
 
 
-def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, workspace, fresh: bool) -> None:
+def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, workspace, fresh: bool,
+            counters: torch.Tensor | None = None) -> None:
     """Launch the step. ``workspace``: a fresh buffer (``fresh``: its counters are zeroed
-    first) or the plan's :class:`CachedWorkspace`."""
+    first, unless zeroed ``counters`` of the caller's stand in for them) or the plan's
+    :class:`CachedWorkspace`."""
     tree, device = step.tree, step.logits.get_device()
     buffer = workspace if fresh else workspace.buffer
-    if fresh:
+    if fresh and counters is None:
         plan.layout.view(buffer, "sync").zero_()
     values = (step.temperatures, step.top_ks, step.top_ps)
     params = [v if direct else None for v, direct in zip(values, plan.in_place)]
@@ -593,6 +616,8 @@ def _launch(plan: StepPlan, step: VerifyStep, out: VerifyResult, workspace, fres
         w = workspace.pointers if not fresh else plan.layout.pointers(buffer)
     else:
         w, pointers = (workspace.views if not fresh else plan.layout.views(buffer)), given
+    if counters is not None:
+        w = w._replace(sync=counters if isinstance(w.sync, torch.Tensor) else counters.data_ptr())
     numbers = (_number(step.temperatures, plan.forms[0], float), _number(step.top_ks, plan.forms[1], _clamped_int),
                _number(step.top_ps, plan.forms[2], float), step.threshold_single, step.threshold_acc)
     call, tails = _step_args(plan, w, pointers, numbers)

@@ -19,7 +19,9 @@ validate=False)``, as a serving engine makes it:
   ``replay()``; ``graph_path_us`` / ``graph_path_pipelined_us``: ``eagle_verify(...,
   graph=True)``, the built-in capture-once-replay-after path (where the package has it);
 - ``softmax_us``: one torch.softmax pass over the same logits (``softmax_with_temperature_us``:
-  with upstream's division by the temperature first); ``reference``: eagle_verify
+  with upstream's division by the temperature first, ``torch.softmax(logits / T)``: the
+  same-run table's "softmax" column, 1534 us at 128 x 16 where the plain pass takes about
+  1100, and so the yardstick of issue 23's "replayed <= 0.6x one softmax pass"); ``reference``: eagle_verify
   with impl="reference"; the tokens checked against the reference over
   target_probs_reference (``agrees``) and eagle_verify's reference path;
   ``upstream_semantics``: the reference kernel over ``torch.softmax`` probabilities
@@ -286,6 +288,7 @@ def fused_row(common, step, renorm, args, tree, logits, coins, coins_final):
         row["graph_path_agrees"] = same and all(torch.equal(a, b) for a, b in zip(graph_path(), got))
     row["vs_softmax"] = row["device_us"] / row["softmax_us"]
     row["graph_vs_softmax"] = row["graph_us"] / row["softmax_us"]
+    row["graph_vs_softmax_t"] = row["graph_us"] / row["softmax_with_temperature_us"]  # (the goal's ratio)
     probs = target_probs_reference(logits, t, renorm.get("top_ks"), renorm.get("top_ps"))
     exact = kernel_over(probs, tree, coins, coins_final)
     accepts, tokens = differing_requests(exact, got, bs, d)
@@ -300,7 +303,7 @@ def fused_row(common, step, renorm, args, tree, logits, coins, coins_final):
 def run_point(bs, d, args, rows):
     vocab, t = args.vocab, args.temperature
     tree, logits, coins, coins_final = make_case(bs, d, vocab, seed=bs * 100 + d, temperature=t)
-    softmax_us = event_us(lambda: torch.softmax(logits, dim=-1), args.iters)  # one pass, the goal's yardstick
+    softmax_us = event_us(lambda: torch.softmax(logits, dim=-1), args.iters)  # one pass, without the division
     common = {"bs": bs, "draft_tokens": d, "vocab": vocab, "temperature": t, "softmax_us": softmax_us,
               "softmax_with_temperature_us": event_us(lambda: torch.softmax(logits / t, dim=-1), args.iters)}
     up = UPSTREAM_SAME_RUN.get((bs, d))
@@ -515,7 +518,8 @@ def goals(rows):
         v = {"ok": True, "host_us": f["host_us"] <= GOALS["host_us"],
              "host_issued_us": f.get("host_issued_us", math.inf) <= GOALS["host_us"],
              "eager_le_upstream_eager": "device_us" in up and f["device_us"] <= up["device_us"],
-             "replayed_le_0.6_softmax": f["graph_us"] <= GOALS["replayed_vs_softmax"] * f["softmax_us"],
+             "replayed_le_0.6_softmax": (f["graph_us"]
+                                         <= GOALS["replayed_vs_softmax"] * f["softmax_with_temperature_us"]),
              "same_tokens_as_reference": bool(f.get("agrees"))}
         if "graph_path_us" in f:
             v["graph_path_le_1.1_manual"] = f["graph_path_us"] <= GOALS["graph_path_vs_manual"] * f["graph_us"]
@@ -529,8 +533,9 @@ def goals(rows):
 
 def print_tables(rows):
     by, verdicts = goals(rows)
-    print(f"\n{'bs':>4} {'D':>3} {'softmax':>8} {'up eager':>8} {'up repl':>8} | {'eager':>7} {'host':>6} "
-          f"{'issued':>6} {'pipe':>6} {'replay':>7} {'gpath':>6} {'gpipe':>6} {'x smax':>6} | {'rn eager':>8} {'rn repl':>8} "
+    print(f"\n{'bs':>4} {'D':>3} {'smax/T':>8} {'up eager':>8} {'up repl':>8} | {'eager':>7} {'host':>6} "
+          f"{'issued':>6} {'pipe':>6} {'replay':>7} {'gpath':>6} {'gpipe':>6} {'x smT':>6} | "
+          f"{'rn eager':>8} {'rn repl':>8} "
           f"{'agree':>5} {'upstream tokens (expected)':>9}  goals missed")
     for (bs, d), impls in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         f, up, fr = impls.get("fused", {}), impls.get("upstream", {}), impls.get("fused_renorm", {})
@@ -539,11 +544,11 @@ def print_tables(rows):
             continue
         us = f.get("upstream_semantics", {})
         missed = [k for k, ok in verdicts[(bs, d)].items() if ok is False]
-        print(f"{bs:>4} {d:>3} {f['softmax_us']:>8.0f} {up.get('device_us', math.nan):>8.0f} "
+        print(f"{bs:>4} {d:>3} {f['softmax_with_temperature_us']:>8.0f} {up.get('device_us', math.nan):>8.0f} "
               f"{up.get('replayed_us', math.nan):>8.0f} | {f['device_us']:>7.0f} {f['host_us']:>6.0f} "
               f"{f.get('host_issued_us', math.nan):>6.0f} "
               f"{f['pipelined_us']:>6.0f} {f['graph_us']:>7.0f} {f.get('graph_path_us', math.nan):>6.0f} "
-              f"{f.get('graph_path_pipelined_us', math.nan):>6.0f} {f['graph_us'] / f['softmax_us']:>6.2f} | "
+              f"{f.get('graph_path_pipelined_us', math.nan):>6.0f} {f['graph_vs_softmax_t']:>6.2f} | "
               f"{fr.get('device_us', math.nan):>8.0f} {fr.get('graph_us', math.nan):>8.0f} "
               f"{str(f.get('agrees')):>5} {us.get('differing_token_requests', '-')!s:>3} "
               f"({us.get('expected_token_flips', math.nan):.3f})  {', '.join(missed) or '-'}")

@@ -113,6 +113,9 @@ VARIABLES: tuple[Variable, ...] = (
              "settings; the simulated device follows them as torch does", _allocator_settings),
     Variable("TRITON_INTERPRET", "graphborrow.eagle.triton", "1 runs the fused kernels in Triton's interpreter "
              "(set by graphborrow when there is no GPU)", _one_of("TRITON_INTERPRET", ("", "0", "1"))),
+    Variable("GRAPHBORROW_DIRECT_LAUNCH", "graphborrow.eagle.triton.launch", "0 launches the fused kernels through "
+             "Triton's C launcher and the graph path's graphs through CUDAGraph.replay instead of the direct "
+             "launcher (graphborrow.eagle.triton.direct)", _one_of("GRAPHBORROW_DIRECT_LAUNCH", ("", "0", "1"))),
     Variable(MAX_POINT_ENV, "graphborrow.run.sweep.execute", "MiB of executed notebook and results one sweep "
              "point may send back (default 64)", _max_point_mb),
     Variable("CUDA_VISIBLE_DEVICES", "graphborrow.run.sweep.cluster", "the GPUs local sweep workers get, one "

@@ -61,6 +61,7 @@ def test_the_table_in_the_docs_lists_every_variable():
 
 
 BAD = [
+    ("GRAPHBORROW_DIRECT_LAUNCH", "off", "must be one of"),
     ("GRAPHBORROW_MAX_POINT_MB", "abc", "must be a positive number of MiB"),
     ("GRAPHBORROW_MAX_POINT_MB", "0", "must be a positive number of MiB"),
     ("GRAPHBORROW_MAX_POINT_MB", "-5", "must be a positive number of MiB"),

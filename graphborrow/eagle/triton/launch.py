@@ -25,6 +25,8 @@ the interpreter runs the kernels on host copies of them.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .probs import INTERPRETED, TRITON_AVAILABLE
@@ -40,13 +42,24 @@ if TRITON_AVAILABLE:
 else:
     _BASE_ARGS_FORMAT = None
 
-__all__ = ["ALIGN", "Launcher", "PlanCache", "aligned", "bound_call", "capturing_now", "current_stream", "launch_hooks"]
+__all__ = ["ALIGN", "DIRECT_ENV", "Launcher", "PlanCache", "aligned", "bound_call", "capturing_now", "current_stream",
+           "direct_disabled", "launch_hooks"]
 
 ALIGN = 16  # bytes: the pointer alignment Triton specialises on
 RAW_FORMAT = "iiiKKppOOOOOO"  # grid x3, stream, function, cooperative, pdl, two scratch buffers, metadata, hooks
 # Whether the current CUDA stream is capturing a graph: torch.cuda.is_current_stream_capturing
 # without its Python frame (the eager paths ask on every call)
 capturing_now = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+
+
+DIRECT_ENV = "GRAPHBORROW_DIRECT_LAUNCH"  # "0": keep Triton's launcher and CUDAGraph.replay (:mod:`.direct`)
+
+
+def direct_disabled() -> bool:
+    """Whether ``GRAPHBORROW_DIRECT_LAUNCH=0`` asks for Triton's C launcher and
+    ``CUDAGraph.replay`` in place of :mod:`.direct`'s launches (read when a plan's
+    launches or a graph entry are made)."""
+    return os.environ.get(DIRECT_ENV, "1") == "0"
 
 
 def aligned(*pointers: int) -> bool:

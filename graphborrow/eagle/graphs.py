@@ -6,7 +6,10 @@
 with a given key runs the fused step eagerly (compiling its kernels; that call's result
 is real), then captures the same step into a CUDA graph; every later call with that key
 replays the graph: one launch, no Python work per kernel. Serving engines pass the same
-logits, tree and coin buffers every step, so their key repeats and no copy is needed.
+logits, tree and coin buffers every step, so their key repeats and no copy is needed. An
+entry whose graph draws no random numbers (both coins given) launches the graph's executable
+directly (:func:`.triton.direct.graph_launch`, ``cuGraphLaunch``), which costs the host
+less than ``CUDAGraph.replay``; ``GRAPHBORROW_DIRECT_LAUNCH=0`` keeps ``replay`` for all.
 
 **The key** is everything a captured launch bakes in: the address, shape, strides and
 dtype of every tensor argument (logits, candidates, the three tree tables, coins, and
@@ -53,7 +56,8 @@ import torch
 from .modes import VerifyResult
 from .scope import run_borrowing
 from .step import VerifyStep
-from .triton import fused
+from .triton import direct, fused
+from .triton.launch import current_stream, direct_disabled
 from .verify import resolve_impl
 
 __all__ = ["GRAPH_STEPS", "GraphSteps", "clear_verify_graphs"]
@@ -62,22 +66,52 @@ MAX_ENTRIES = 8
 
 
 class _Entry:
-    """One captured step: the graph, its outputs, and what it was captured from."""
+    """One captured step: the graph, its outputs, and what it was captured from.
 
-    __slots__ = ("graph", "out", "step", "borrow", "counters")
+    ``executable``: the graph's executable, launched directly (:func:`.direct.graph_launch`)
+    in place of ``CUDAGraph.replay`` when the graph draws no random numbers (the call gave
+    both coins), so no generator offset needs advancing; None: ``replay``.
+    """
+
+    __slots__ = ("graph", "out", "step", "borrow", "counters", "executable", "device")
 
     def __init__(self, graph, out: VerifyResult, step: VerifyStep, borrow, counters: torch.Tensor):
         self.graph, self.out, self.step, self.borrow, self.counters = graph, out, step, borrow, counters
+        self.device = step.logits.get_device()
+        self.executable = _direct_executable(graph, step)
 
     def replay(self, validate: bool) -> VerifyResult:
         if validate:
             self.step.validate()  # (the captured tensors: the same memory as the call's)
         if self.borrow is None:
-            self.graph.replay()
+            self.launch()
         else:
             with self.borrow.replay_scope():
-                self.graph.replay()
+                self.launch()
         return self.out
+
+    def launch(self) -> None:
+        if self.executable is None:
+            self.graph.replay()
+        else:
+            _GRAPH_LAUNCH(self.executable, current_stream(self.device), self.device)
+
+
+def _direct_executable(graph, step: VerifyStep):
+    """The graph's executable for direct launches, or None where ``replay`` must run it: coins
+    drawn inside the graph (``replay`` advances the generator's offset), the direct module
+    not built, this torch without ``raw_cuda_graph_exec``, or ``GRAPHBORROW_DIRECT_LAUNCH=0``."""
+    global _GRAPH_LAUNCH
+    if step.coins is None or step.coins_final is None or direct_disabled() or direct.module() is None:
+        return None
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    if raw is None:
+        return None
+    _GRAPH_LAUNCH = direct.module().graph_launch
+    return raw() or None
+
+
+_GRAPH_LAUNCH = None  # direct.module().graph_launch, once an entry uses it
 
 
 class _LastCall:

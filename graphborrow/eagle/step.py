@@ -239,6 +239,8 @@ def check_outputs(out, step: VerifyStep) -> tuple:
     for t, name, shape in zip(out, ("predicts", "accept_index", "accept_length"),
                               ((bs * d,), (bs, step.tree_depth), (bs,))):
         expect(t, f"out {name}", shape, torch.int32)
+        if t.device != step.logits.device:
+            raise ValueError(f"out {name} must be on the logits' device ({step.logits.device}), got {t.device}")
         if not t.is_contiguous():
             raise ValueError(f"out {name} must be contiguous; call .contiguous() first")
     return tuple(out)

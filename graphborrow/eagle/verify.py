@@ -39,12 +39,13 @@ from .draft_tree import DraftTree
 from .modes import MODES, VerifyResult, run_reference
 from .scope import run_borrowing
 from .sequence import requests_per_chunk
-from .step import VerifyStep
+from .step import VerifyStep, check_outputs
 
 __all__ = ["IMPLS", "eagle_verify", "fused_available", "resolve_impl"]
 
 IMPLS = ("auto", "reference", "fused")
 FUSED_MODULE = "graphborrow.eagle.triton.fused"
+EAGER_MODULE = "graphborrow.eagle.triton.eager"
 GRAPHS_MODULE = "graphborrow.eagle.graphs"
 
 
@@ -66,6 +67,7 @@ def eagle_verify(
     impl: str = "auto",
     validate: bool = True,
     graph: bool = False,
+    out=None,
 ) -> VerifyResult:
     """Non-greedy EAGLE verification of ``tree`` against ``logits`` [bs*D, V].
 
@@ -104,9 +106,14 @@ def eagle_verify(
             tensors are that graph's outputs, rewritten by its next replay. See
             :mod:`graphborrow.eagle.graphs` for what invalidates an entry, the memory it
             holds and how to clear it.
+        out: ``(predicts [bs*D], accept_index [bs, S], accept_length [bs])``, int32 and
+            contiguous on the logits' device, to write the result into instead of new
+            tensors (say the previous step's result, once the caller has read it); every
+            entry is rewritten. A serving loop that passes it allocates nothing per call.
+            Not with ``graph=True``, whose entries own their outputs.
 
     Returns:
-        A :class:`VerifyResult`.
+        A :class:`VerifyResult` (of ``out``'s tensors when given).
 
     Raises:
         ValueError: a bad argument, named.
@@ -114,14 +121,17 @@ def eagle_verify(
             borrow pool (raised before anything is allocated).
     """
     if graph:
+        if out is not None:
+            raise ValueError("graph=True returns its captured step's own outputs (rewritten by each replay), so it "
+                             "takes no out=; copy what you keep from the result, or call without graph=True")
         return _graph_steps().verify(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final,
                                      generator, borrow, threshold_single, threshold_acc, impl, validate)
     if (not validate and borrow is None and impl != "reference" and type(logits) is torch.Tensor and logits.is_cuda
             and mode in MODES and impl in IMPLS and fused_available()):  # the eager serving call: its short path
-        out = _import(FUSED_MODULE).eager(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final,
-                                          generator, threshold_single, threshold_acc)
-        if out is not None:
-            return out
+        result = _import(EAGER_MODULE).eager(logits, candidates, tree, temperatures, top_ks, top_ps, coins,
+                                             coins_final, generator, threshold_single, threshold_acc, out)
+        if result is not None:
+            return result
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if impl not in IMPLS:
@@ -133,20 +143,26 @@ def eagle_verify(
         step.require_contiguous()
     if validate:
         step.validate()
+    if out is not None:
+        out = VerifyResult(*check_outputs(out, step))
     if fused is not None:
-        return fused.verify(step, borrow)
+        return fused.verify(step, borrow, out=out)
     borrowing = borrow is not None and bool(borrow.enabled)
     per_chunk = step.batch_size
     if mode == "chunked":
         per_chunk = _chunk_requests(step, borrow if borrowing else None, chunk_rows)
     bs = step.batch_size
-    predicts = step.candidates.new_zeros(bs * step.draft_tokens, dtype=torch.int32)
-    accept_index = step.candidates.new_full((bs, step.tree_depth), -1, dtype=torch.int32)
-    accept_length = step.candidates.new_zeros(bs, dtype=torch.int32)
-    out = VerifyResult(predicts, accept_index, accept_length)
+    if out is None:
+        out = VerifyResult(step.candidates.new_zeros(bs * step.draft_tokens, dtype=torch.int32),
+                           step.candidates.new_full((bs, step.tree_depth), -1, dtype=torch.int32),
+                           step.candidates.new_zeros(bs, dtype=torch.int32))
+    else:
+        out.predicts.zero_()
+        out.accept_index.fill_(-1)
+        out.accept_length.zero_()
     if bs:
         run_borrowing(borrow, run_reference, step, mode, per_chunk, out)
-        accept_length += 1
+        out.accept_length.add_(1)
     return out
 
 

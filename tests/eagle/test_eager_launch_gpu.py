@@ -19,6 +19,8 @@ from graphborrow.device import get_backend
 from graphborrow.eagle import eagle_verify
 from graphborrow.eagle.graphs import GRAPH_STEPS, clear_verify_graphs
 from graphborrow.eagle.step import VerifyStep
+from graphborrow.eagle.triton import direct
+from graphborrow.eagle.triton.eager import eager
 from graphborrow.eagle.triton import fused as fv
 
 pytestmark = [
@@ -74,7 +76,7 @@ def counters_at_zero(plan):
 @pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
 def test_the_short_path_launches_what_the_general_path_does(renorm):
     """From a plan's second call on (its kernel compiled, its workspace made), the eager
-    public call takes fused.eager: the reference's tokens, for parameters as numbers and
+    public call takes eager.eager: the reference's tokens, for parameters as numbers and
     per-request tensors alike; coins not given are drawn into the workspace. Every call
     leaves the workspace's counters at zero."""
     bs, d, vocab = 16, 8, 50257
@@ -86,16 +88,16 @@ def test_the_short_path_launches_what_the_general_path_does(renorm):
     for temperature, kw in ((0.9, renorm), (temps, params)):
         first = eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, impl="fused",
                              validate=False, **kw)
-        short = fv.eager(logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"), coins, coins_final)
+        short = eager(logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"), coins, coins_final)
         assert short is not None and same(first, expected) and same(short, expected)
         assert same(eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final,
                                  validate=False, **kw), expected)
-        drawn = fv.eager(logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"))
+        drawn = eager(logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"))
         assert drawn is not None and int(drawn.accept_length.min()) >= 1
         torch.cuda.synchronize()
         assert counters_at_zero(plan_of(logits, tree, temperature, coins, coins_final, kw))
     shifted = torch.empty(logits.numel() + 1, device="cuda")[1:].view_as(logits).copy_(logits)
-    assert fv.eager(shifted, None, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final) is None
+    assert eager(shifted, None, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final) is None
 
 
 @pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
@@ -267,3 +269,80 @@ def test_the_graph_path_borrows_from_the_graph_pool():
     del kept, y, g
     clear_verify_graphs()
     state.retire()
+
+
+def packed_launches(plan) -> list:
+    """Whether each eager launch a plan's workspaces hold is a KernelLaunch's (else Triton's launcher)."""
+    return [isinstance(getattr(call, "__self__", None), direct.module().KernelLaunch)
+            for entry in plan.cached.values() for call, _, _ in (entry.launches or ())]
+
+
+@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
+def test_packed_launches_give_tritons_launchers_tokens(renorm, monkeypatch):
+    """Eager calls launch through direct.KernelLaunch, the kernel's trailing arguments packed
+    once: the reference's tokens, and the tokens of Triton's own C launcher
+    (GRAPHBORROW_DIRECT_LAUNCH=0), for parameters as numbers and as per-request tensors,
+    thresholds below 1 (the float arguments), float32 / bfloat16 / float16 logits, and the
+    split launches of a top-k + top-p step of 512 rows."""
+    for bs, d, dtype in ((1, 4, torch.float32), (16, 8, torch.bfloat16), (64, 8, torch.float16)):
+        tree, logits, coins, coins_final = gpu_case(11 + bs, bs, d, (4, 3), 128256, False, 0.9)
+        logits = logits.to(dtype)
+        tensors = dict(top_ks=torch.full((bs,), renorm["top_ks"], device="cuda"),
+                       top_ps=torch.full((bs,), renorm["top_ps"], device="cuda")) if renorm else {}
+        expected = reference(logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final,
+                             (0.7, 0.8))
+        for temperature, kw in ((0.9, renorm), (torch.full((bs,), 0.9, device="cuda"), tensors)):
+            kw = dict(kw, coins=coins, coins_final=coins_final, impl="fused", validate=False, threshold_single=0.7,
+                      threshold_acc=0.8)
+            got = {}
+            for setting in ("1", "0"):
+                monkeypatch.setenv("GRAPHBORROW_DIRECT_LAUNCH", setting)
+                fv.clear_plans()
+                eagle_verify(logits, None, tree, temperature, **kw)  # (compiles; the JIT front end)
+                got[setting] = [eagle_verify(logits, None, tree, temperature, **kw) for _ in range(3)]
+                plan = plan_of(logits, tree, temperature, coins, coins_final, kw)
+                assert set(packed_launches(plan)) == {setting == "1"}
+            case = f"bs {bs}, D {d}, {dtype}, temperature {type(temperature).__name__}"
+            assert all(same(out, expected) for out in got["1"] + got["0"]), case
+    fv.clear_plans()
+
+
+def test_callers_outputs_are_written_with_nothing_allocated():
+    """eagle_verify(out=...) on the eager short path: one kernel, no allocation at all, the
+    caller's tensors returned holding the reference's tokens (the previous result passed
+    back, as a serving loop would)."""
+    bs, d = 8, 8
+    tree, logits, coins, coins_final = gpu_case(12, bs, d, (4, 3), 128256, False)
+    kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False)
+    expected = reference(logits, tree, 1.0, None, None, coins, coins_final)
+    out = eagle_verify(logits, None, tree, 1.0, **kw)
+    for t in out:
+        t.fill_(-5)
+    assert kernels_and_allocations(lambda: eagle_verify(logits, None, tree, 1.0, out=out, **kw)) == (1, 0)
+    got = eagle_verify(logits, None, tree, 1.0, out=out, **kw)
+    assert all(a is b for a, b in zip(got, out)) and same(got, expected)
+    separate = tuple(torch.full_like(t, 3) for t in out)
+    assert same(eager(logits, None, tree, 1.0, None, None, coins, coins_final, out=separate), expected)
+
+
+def test_the_graph_path_launches_its_executable_directly(monkeypatch):
+    """An entry captured with both coins given launches its graph's executable itself (the
+    graph draws no random numbers); one that draws its coins keeps CUDAGraph.replay, which
+    advances the generator, so its replays draw new coins. Both replay the reference's
+    tokens; GRAPHBORROW_DIRECT_LAUNCH=0 keeps replay for every entry."""
+    bs, d, vocab = 16, 8, 128256
+    tree, logits, coins, coins_final = gpu_case(13, bs, d, (4, 3), vocab, False, 0.9)
+    expected = reference(logits, tree, 0.9, None, None, coins, coins_final)
+    for setting in ("1", "0"):
+        monkeypatch.setenv("GRAPHBORROW_DIRECT_LAUNCH", setting)
+        clear_verify_graphs()
+        kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, graph=True)
+        results = [[t.clone() for t in eagle_verify(logits, None, tree, 0.9, **kw)] for _ in range(3)]
+        (entry,) = GRAPH_STEPS.entries.values()
+        assert (entry.executable is not None) == (setting == "1") and all(same(r, expected) for r in results)
+        drawn = [[t.clone() for t in eagle_verify(logits, None, tree, 0.9, impl="fused", validate=False, graph=True)]
+                 for _ in range(6)]
+        entry = list(GRAPH_STEPS.entries.values())[-1]
+        assert entry.executable is None
+        assert len({tuple(r[2].tolist()) for r in drawn}) > 1  # new coins each replay: accept lengths vary
+    clear_verify_graphs()

@@ -417,6 +417,35 @@ def test_out_buffers_are_rewritten_and_chunking_changes_nothing():
         out[1].fill_(9)
 
 
+def test_eagle_verify_writes_into_the_callers_outputs_on_both_paths():
+    """eagle_verify(out=...): both implementations rewrite every entry of the caller's
+    buffers (filled with garbage first) and return them, with the tokens of a call without
+    out=; buffers of the wrong dtype, shape, layout or count are refused by name, and so is
+    out= with graph=True (its entries own their outputs)."""
+    tree, logits, coins, coins_final = case(23, 3, 4, 500, 2, 3)
+    dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
+    kw = dict(coins=dcoins, coins_final=dfinal, top_ks=30, top_ps=0.9)
+    for impl in ("fused", "reference"):
+        expected = eagle_verify(dlogits, None, dtree, 0.8, impl=impl, **kw)
+        out = tuple(torch.full_like(t, 5) for t in expected)
+        got = eagle_verify(dlogits, None, dtree, 0.8, impl=impl, out=out, **kw)
+        assert all(a is b for a, b in zip(got, out))
+        assert_same(expected, got, f"{impl}, out=")
+    good = [torch.zeros(12, dtype=torch.int32, device=DEVICE), torch.zeros(3, dtree.tree_depth, dtype=torch.int32,
+                                                                            device=DEVICE),
+            torch.zeros(3, dtype=torch.int32, device=DEVICE)]
+    bad = {"dtype": (good[0].long(), *good[1:]), "shape": (good[0][:6], *good[1:]),
+           "contiguous": (good[0], good[1].t().contiguous().t(), good[2]), "count": tuple(good[:2])}
+    messages = {"dtype": "out predicts must be torch.int32", "shape": "out predicts must have shape (12,)",
+                "contiguous": "out accept_index must be contiguous", "count": "out must be (predicts"}
+    for impl in ("fused", "reference"):
+        for name, out in bad.items():
+            with pytest.raises(ValueError, match=messages[name].replace("(", r"\(").replace(")", r"\)")):
+                eagle_verify(dlogits, None, dtree, 0.8, impl=impl, out=out, **kw)
+    with pytest.raises(ValueError, match="graph=True returns its captured step's own outputs"):
+        eagle_verify(dlogits, None, dtree, 0.8, graph=True, out=good, **kw)
+
+
 RENORM_ROWS = 5
 
 

@@ -63,8 +63,10 @@ and cached (:class:`StepPlan`): the vocabulary split, the item counts, launches 
 the workspace layout and, after the plan's first call, the compiled kernels, which later
 calls launch directly (:mod:`.launch`). An eager call without a borrow (and not being captured
 into a CUDA graph) reuses the plan's workspace for the current stream, made on first use
-(:meth:`StepPlan.workspace`), so it allocates its outputs only; :func:`eager` is that call
-with the arguments checked and assembled in as few Python operations as the checks allow.
+(:meth:`StepPlan.workspace`), so it allocates its outputs only, and nothing when the caller
+passes them (``out=``); :func:`.eager.eager` is that call with the arguments checked and assembled
+in as few Python operations as the checks allow, launching through :mod:`.direct` (the
+kernel's other arguments packed once per plan and stream).
 With a borrow, or while a graph is captured, the step allocates its workspace (a size fixed
 by the shape, so the capacity planner replays exactly this request, recorded by
 ``run_step(..., launch=False)`` on the layout-only device) and zeroes its counters first.
@@ -87,9 +89,8 @@ from ..draft_tree import DraftTree
 from ..modes import VerifyResult
 from ..scope import run_borrowing
 from ..step import VerifyStep, check_outputs, draw_into
-from ..validate import LOGIT_DTYPES
 from . import select as _select
-from .launch import ALIGN, Launcher, PlanCache, aligned, bound_call, capturing_now, current_stream, launch_hooks
+from .launch import Launcher, PlanCache, aligned, current_stream
 from .probs import (
     INTERPRETED,
     TRITON_AVAILABLE,
@@ -115,7 +116,6 @@ __all__ = [
     "TRITON_AVAILABLE",
     "StepPlan",
     "clear_plans",
-    "eager",
     "fused_token_probs",
     "fused_verify",
     "fused_workspace_bytes",
@@ -202,17 +202,13 @@ def fused_verify(
         step.validate()
     if launch:
         _check_launchable(step.logits)
-    if out is None:
-        return verify(step, borrow, launch)
-    out = VerifyResult(*check_outputs(out, step))
-    if step.batch_size:
-        _run(plan_for(step), step, out, borrow, launch)
-    return out
+    return verify(step, borrow, launch, out)
 
 
-def verify(step: VerifyStep, borrow=None, launch: bool = True) -> VerifyResult:
+def verify(step: VerifyStep, borrow=None, launch: bool = True, out=None) -> VerifyResult:
     """:func:`~graphborrow.eagle.eagle_verify`'s fused path for a checked (and, if asked,
-    validated) ``step``: new outputs (one allocation), then the step.
+    validated) ``step``: new outputs (one allocation) unless ``out`` gives them
+    (:func:`~graphborrow.eagle.step.check_outputs`), then the step.
 
     With an enabled ``borrow`` the step's workspace is allocated inside the borrow scope and
     freed there; without one (and outside a CUDA graph capture) the plan's cached workspace
@@ -222,7 +218,10 @@ def verify(step: VerifyStep, borrow=None, launch: bool = True) -> VerifyResult:
         The step's :class:`~graphborrow.eagle.modes.VerifyResult`.
     """
     plan = plan_for(step)
-    out = plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
+    if out is None:
+        out = plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
+    else:
+        out = VerifyResult(*check_outputs(out, step))
     if step.batch_size:
         _run(plan, step, out, borrow, launch)
     return out
@@ -271,9 +270,8 @@ class CachedWorkspace:
 
     ``buffer``: the workspace (its counters zeroed once, when it was made; each launch
     leaves them zeroed); ``views``: its slots as tensors; ``pointers``: their addresses;
-    ``head`` / ``tail``: the direct launch's leading arguments (grid, stream, the compiled
-    kernel's handles) and the kernel arguments after the per-call ones, made once the plan's
-    kernel is compiled (:func:`eager`).
+    ``launches``: the short path's launches on this stream, ``(call, leading, trailing)``
+    each, made by its first call once the plan's kernel is compiled (:mod:`.eager`).
     """
 
     __slots__ = ("buffer", "views", "pointers", "launches")
@@ -321,10 +319,15 @@ class StepPlan:
         self.output_words = -(-(self.output_starts[2] + bs) // 4) * 4
         self.output_bytes = (4 * self.output_starts[1], 4 * self.output_starts[2])  # accept_index, accept_length
         # the buffer cut in one call (one C call makes the pieces; three as_strided calls cost twice the host time):
-        # predicts, padding, accept_index, padding, accept_length, padding
+        # predicts, accept_index and accept_length, each followed by its padding where it has any (a piece is
+        # a tensor made per call), and where each of the three is among the pieces
         starts = (*self.output_starts, self.output_words)
         lengths = (bs * d, bs * steps, bs)
-        self.output_pieces = [piece for i in range(3) for piece in (lengths[i], starts[i + 1] - starts[i] - lengths[i])]
+        self.output_pieces, self.output_at = [], []
+        for i in range(3):
+            self.output_at.append(len(self.output_pieces))
+            padding = starts[i + 1] - starts[i] - lengths[i]
+            self.output_pieces += [lengths[i], padding] if padding else [lengths[i]]
         self.output_template = None  # an empty int32 tensor on the device, made for the eager short path
         self.lag = sum_lag(rows, self.splits, self.chunk)
         self.items = step_items(bs, d, self.splits, self.rsplits, self.nsel, self.passes, step)
@@ -347,8 +350,9 @@ class StepPlan:
     def outputs(self, buffer: torch.Tensor) -> VerifyResult:
         """The three outputs, cut from an int32 ``buffer`` of ``output_words`` (which nothing
         else holds: the pieces share its memory without being tracked as its views)."""
-        predicts, _, index, _, length, _ = buffer.unsafe_split_with_sizes(self.output_pieces)
-        return VerifyResult(predicts, index.view(self.bs, self.steps), length)
+        pieces = buffer.unsafe_split_with_sizes(self.output_pieces)
+        at = self.output_at
+        return VerifyResult(pieces[0], pieces[at[1]].view(self.bs, self.steps), pieces[at[2]])
 
     def workspace(self, like: torch.Tensor) -> CachedWorkspace:
         """The workspace eager calls on the current stream share: made (its counters zeroed)
@@ -516,13 +520,13 @@ def tunables() -> tuple:
                                  SUM_LAG_BYTES)
 
 
-_PLANS = PlanCache(StepPlan)
+STEP_PLANS = PlanCache(StepPlan)  # every plan made, by key (the eager short path looks its plan up here)
 
 
 def clear_plans() -> None:
     """Forget every cached plan, the standalone renorm's too (the compiled-kernel handles and
     the cached workspaces they hold)."""
-    _PLANS.clear()
+    STEP_PLANS.clear()
     _select.clear_plans()
 
 
@@ -544,7 +548,7 @@ def plan_for(step: VerifyStep) -> StepPlan:
             forms.append(PER_REQUEST if not direct or value.numel() == bs else ONE_VALUE)
             in_place.append(direct)
             dtypes.append(value.dtype)
-    return _PLANS.get((bs, d, logits.shape[1], logits.dtype, step.tree.tree_depth, device, tuple(forms),
+    return STEP_PLANS.get((bs, d, logits.shape[1], logits.dtype, step.tree.tree_depth, device, tuple(forms),
                        tuple(in_place), tuple(dtypes), tunables()),
                       bs, d, logits.shape[1], step.tree.tree_depth, tuple(forms), tuple(in_place), device)
 
@@ -657,10 +661,10 @@ def _step_args(plan: StepPlan, w, pointers, numbers, step: bool = True) -> tuple
             w.coins if coins is None else coins, w.coins_final if coins_final is None else coins_final,
             w.temps if t_src is None else t_src, w.top_k if k_src is None else k_src,
             w.top_p if p_src is None else p_src, *numbers)
-    return call, _tails(plan, w, step)
+    return call, launch_tails(plan, w, step)
 
 
-def _tails(plan: StepPlan, w, step: bool = True) -> list:
+def launch_tails(plan: StepPlan, w, step: bool = True) -> list:
     """Each launch's kernel arguments after the per-call ones: the workspace's slots, then the plan's."""
     t_form, k_form, p_form = plan.forms
     slots = (w.temps, w.top_k, w.top_p, w.part_max, w.part_sum, w.walk_state, w.res_sum, w.res_last, w.sync,
@@ -683,149 +687,6 @@ def _number(value, form: int, convert):
 def _clamped_int(k) -> int:
     """top-k as an int32 kernel argument: k >= V keeps everything, so 2**31 - 1 stands for any larger k."""
     return min(int(k), INT32_MAX)
-
-
-# ---------------------------------------------------------------------------------
-# The eager call's short path
-
-_TENSOR = torch.Tensor
-_I64, _F32 = torch.int64, torch.float32
-
-
-def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coins=None, coins_final=None,
-          generator=None, threshold_single=1.0, threshold_acc=1.0):
-    """:func:`~graphborrow.eagle.eagle_verify` with ``validate=False``, no borrow and CUDA
-    logits, in as few Python operations as its checks allow; None when the call is not that
-    common case (the caller then takes the general path, which checks it and names any
-    problem).
-
-    The common case: plain tensors of the documented shapes and dtypes, contiguous (what
-    :meth:`~graphborrow.eagle.step.VerifyStep.check` and ``require_contiguous`` ask, checked
-    here directly); coins given on the logits' device or not given; temperature, top-k and
-    top-p numbers or tensors on that device the kernel reads in place; the plan already
-    compiled and its workspace made for the current stream (by an earlier call); every
-    pointer 16-byte aligned; no launch hook installed and no graph being captured. What it
-    accepts the general path accepts too, and it launches the same kernel with the same
-    arguments (:func:`_step_args`) into the same cached workspace.
-
-    Returns:
-        A :class:`~graphborrow.eagle.modes.VerifyResult`, or None.
-    """
-    if candidates is None:
-        candidates = getattr(tree, "candidates", None)
-    try:
-        index, next_token, next_sibling, depth = (tree.retrive_index, tree.retrive_next_token,
-                                                  tree.retrive_next_sibling, tree.tree_depth)
-    except AttributeError:
-        return None
-    T = _TENSOR
-    if not (type(logits) is T and type(candidates) is T and type(index) is T and type(next_token) is T
-            and type(next_sibling) is T and type(depth) is int and depth >= 1):
-        return None
-    shape = candidates.shape
-    if len(shape) != 2:
-        return None
-    bs, d = shape
-    lshape = logits.shape
-    if not (bs and d and len(lshape) == 2 and lshape[0] == bs * d and lshape[1] and index.shape == shape
-            and next_token.shape == shape and next_sibling.shape == shape and candidates.dtype is _I64
-            and index.dtype is _I64 and next_token.dtype is _I64 and next_sibling.dtype is _I64
-            and logits.dtype in LOGIT_DTYPES and logits.is_contiguous() and candidates.is_contiguous()
-            and index.is_contiguous() and next_token.is_contiguous() and next_sibling.is_contiguous()):
-        return None
-    device = logits.get_device()
-    if coins is not None and not (type(coins) is T and coins.shape == shape and coins.dtype is _F32
-                                  and coins.is_contiguous() and coins.get_device() == device):
-        return None
-    if coins_final is not None and not (type(coins_final) is T and coins_final.shape == (bs,)
-                                        and coins_final.dtype is _F32 and coins_final.is_contiguous()
-                                        and coins_final.get_device() == device):
-        return None
-    ts, ta = threshold_single, threshold_acc
-    if not ((type(ts) is float or type(ts) is int) and (type(ta) is float or type(ta) is int)
-            and 0.0 <= ts <= 1.0 and 0.0 <= ta <= 1.0):
-        return None
-    kind = type(temperatures)
-    if kind is float or kind is int:
-        forms, in_place, dtypes, t_value, t_tensor = (NUMBER,), (False,), (), float(temperatures), None
-    elif kind is T and _readable(temperatures, bs, device):
-        forms, in_place, dtypes, t_value, t_tensor = ((PER_REQUEST if temperatures.numel() == bs else ONE_VALUE,),
-                                                      (True,), (temperatures.dtype,), 0.0, temperatures)
-    else:
-        return None
-    k_value, k_tensor, p_value, p_tensor = 0, None, 0.0, None
-    if top_ks is None:
-        forms, in_place = forms + (ABSENT,), in_place + (False,)
-    else:
-        kind = type(top_ks)
-        if kind is int or (kind is float and top_ks.is_integer()):
-            forms, in_place, k_value = forms + (NUMBER,), in_place + (False,), min(int(top_ks), INT32_MAX)
-        elif kind is T and _readable(top_ks, bs, device) and not top_ks.is_floating_point():
-            forms = forms + (PER_REQUEST if top_ks.numel() == bs else ONE_VALUE,)
-            in_place, dtypes, k_tensor = in_place + (True,), dtypes + (top_ks.dtype,), top_ks
-        else:
-            return None
-    if top_ps is None:
-        forms, in_place = forms + (ABSENT,), in_place + (False,)
-    else:
-        kind = type(top_ps)
-        if kind is float or kind is int:
-            forms, in_place, p_value = forms + (NUMBER,), in_place + (False,), float(top_ps)
-        elif kind is T and _readable(top_ps, bs, device):
-            forms = forms + (PER_REQUEST if top_ps.numel() == bs else ONE_VALUE,)
-            in_place, dtypes, p_tensor = in_place + (True,), dtypes + (top_ps.dtype,), top_ps
-        else:
-            return None
-    plan = _PLANS.plans.get((bs, d, lshape[1], logits.dtype, depth, device, forms, in_place, dtypes, tunables()))
-    if plan is None or not plan.launcher.ready or launch_hooks() or capturing_now():
-        return None
-    entry = plan.cached.get(current_stream(device))
-    if entry is None:
-        return None
-    w = entry.pointers
-    pointers = (logits.data_ptr(), candidates.data_ptr(), index.data_ptr(), next_token.data_ptr(),
-                next_sibling.data_ptr(), w.coins if coins is None else coins.data_ptr(),
-                w.coins_final if coins_final is None else coins_final.data_ptr(),
-                w.temps if t_tensor is None else t_tensor.data_ptr(),
-                w.top_k if k_tensor is None else k_tensor.data_ptr(),
-                w.top_p if p_tensor is None else p_tensor.data_ptr())
-    p0, p1, p2, p3, p4, p5, p6, p7, p8, p9 = pointers
-    if (p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7 | p8 | p9) % ALIGN:  # (aligned(*pointers), written out)
-        return None
-    if entry.launches is None:
-        _direct_launches(plan, entry, device)
-    if coins is None:
-        draw_into(entry.views.coins, generator)
-    if coins_final is None:
-        draw_into(entry.views.coins_final, generator)
-    buffer = plan.output_template.new_empty(plan.output_words)
-    base = buffer.data_ptr()
-    at_index, at_length = plan.output_bytes
-    call = (p0, p1, p2, p3, p4, base, base + at_index, base + at_length, p5, p6, p7, p8, p9, t_value, k_value, p_value,
-            float(ts), max(float(ta), 1e-9))
-    for launch, head, tail in entry.launches:
-        launch(*head, *call, *tail)
-    return plan.outputs(buffer)
-
-
-def _readable(value: torch.Tensor, bs: int, device: int) -> bool:
-    """A per-request tensor the kernel reads in place: on the logits' device, contiguous, one
-    value per request or a single value (0-d)."""
-    return (value.get_device() == device and value.is_contiguous()
-            and (value.numel() == bs or value.dim() == 0))
-
-
-def _direct_launches(plan: StepPlan, entry: CachedWorkspace, device: int) -> None:
-    """The direct launches' fixed arguments for ``entry``'s stream: grid, stream and the
-    compiled kernel's handles before the kernel arguments, the workspace's and plan's after."""
-    stream = current_stream(device)
-    if plan.output_template is None:
-        plan.output_template = torch.empty(0, dtype=torch.int32, device=plan.torch_device)
-    launches = []
-    for kernel, programs, tail in zip(plan.launcher.compiled, plan.programs, _tails(plan, entry.pointers)):
-        launch, leading = bound_call(kernel)
-        launches.append((launch, (programs, 1, 1, stream, *leading), tail))
-    entry.launches = launches
 
 
 def fused_token_probs(logits: torch.Tensor, temperatures, d: int, tokens: torch.Tensor) -> torch.Tensor:

@@ -56,9 +56,10 @@ def traced_plan(step: VerifyStep) -> "fused.StepPlan":
 
 def run_traced(plan: "fused.StepPlan", step: VerifyStep, out: VerifyResult | None = None) -> VerifyResult:
     """One launch of ``plan`` (from :func:`traced_plan`) on ``step``, in a fresh workspace, so
-    it can be captured in a CUDA graph; returns the outputs."""
+    it can be captured in a CUDA graph; returns the outputs (when ``out`` is None, the cached
+    plan's: a traced plan shares its output layout)."""
     if out is None:
-        out = plan.outputs(step.candidates.new_empty(plan.output_words, dtype=torch.int32))
+        out = fused.allocate_outputs(step)
     fused.run_plan(plan, step, out)
     return out
 

@@ -14,6 +14,9 @@ On a GPU, CUDA events around one call at a time (the GPU idle before it), median
   (:func:`graphborrow.eagle.triton.fused.step_counters`, zeroed once): the kernel alone;
 - ``graph_path_us``: ``eagle_verify(..., graph=True)``, whose entries own their counters, with
   its lookup on the host (``graph_path_host_us`` against ``replay_host_us``, ``replay()``'s own);
+- ``by_hand_direct_us``: the by-hand graph's executable launched directly
+  (:func:`graphborrow.eagle.triton.direct.graph_launch`, as the graph path's entries do when
+  the graph draws no random numbers) instead of ``replay()``; ``direct_host_us`` its host time;
 - ``softmax_t_us``: ``torch.softmax(logits / T)``, the yardstick of verify_kernels.py's goals.
 
 Each variant's tokens are checked equal to the eager call's. V = 128256, T = 0.7, the trees
@@ -40,6 +43,12 @@ from graphborrow.eagle import eagle_verify  # noqa: E402
 from graphborrow.eagle.graphs import clear_verify_graphs  # noqa: E402
 from graphborrow.eagle.step import VerifyStep  # noqa: E402
 from graphborrow.eagle.triton import fused  # noqa: E402
+
+try:  # (an older version launches graphs with replay() only)
+    from graphborrow.eagle.triton.direct import graph_launch as direct_launch  # noqa: E402
+    from graphborrow.eagle.triton.launch import current_stream  # noqa: E402
+except ImportError:
+    direct_launch = None
 
 VOCAB, T = 128256, 0.7
 POINTS = "1x4,4x4,16x4,1x8,4x8,1x16,4x16,32x8"
@@ -84,12 +93,20 @@ def point(bs: int, d: int, iters: int, rounds: int) -> dict:
     path_out = graph_path()
     variants = {"by_hand_us": by_hand.replay, "kernel_alone_us": alone.replay, "graph_path_us": graph_path,
                 "softmax_t_us": lambda: torch.softmax(logits / T, dim=-1)}
-    samples = {name: [] for name in (*variants, "graph_path_host_us", "replay_host_us")}
+    hosts = {"graph_path_host_us": graph_path, "replay_host_us": by_hand.replay}
+    if direct_launch is not None and hasattr(by_hand, "raw_cuda_graph_exec"):
+        executable, device = by_hand.raw_cuda_graph_exec(), torch.cuda.current_device()
+
+        def by_hand_direct():
+            direct_launch(executable, current_stream(device), device)
+
+        variants["by_hand_direct_us"] = hosts["direct_host_us"] = by_hand_direct
+    samples = {name: [] for name in (*variants, *hosts)}
     for _ in range(rounds):
         for name, fn in variants.items():
             samples[name].append(event_us(fn, iters))
-        samples["graph_path_host_us"].append(host_us(graph_path, iters))
-        samples["replay_host_us"].append(host_us(by_hand.replay, iters))
+        for name, fn in hosts.items():
+            samples[name].append(host_us(fn, iters))
     row = {"bs": bs, "d": d, **{name: round(statistics.median(v), 2) for name, v in samples.items()},
            "by_hand_pipelined_us": round(pipelined_us(by_hand.replay, iters), 2),
            "kernel_alone_pipelined_us": round(pipelined_us(alone.replay, iters), 2)}
@@ -114,7 +131,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("replay_floor.py measures CUDA graphs: run it on a GPU machine")
     chosen = points(args.points)
-    record = {"command": " ".join(["replay_floor.py"] + (argv if argv is not None else sys.argv[1:])),
+    record = {"command": "python benchmarks/replay_floor.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "torch": torch.__version__, "device": torch.cuda.get_device_name(), "python": platform.python_version(),
               "vocab": VOCAB, "temperature": T, "iters": args.iters, "rounds": args.rounds,
               "empty_graph_us": {str(n): round(empty_graph_us(n, args.iters), 2) for n in (1, 528)}, "rows": []}

@@ -30,6 +30,11 @@ from graphborrow.eagle.triton import fused  # noqa: E402
 from graphborrow.eagle.triton import select as sel  # noqa: E402
 from graphborrow.eagle.triton.launch import current_stream, launch_hooks  # noqa: E402
 
+try:  # (an older version keeps the short path in fused)
+    from graphborrow.eagle.triton.eager import eager  # noqa: E402
+except ImportError:
+    eager = fused.eager
+
 VOCAB, T = 128256, 0.7
 POINTS = [(bs, d) for d in (4, 8, 16) for bs in (1, 4, 16, 32, 64, 128)]
 TUNE_POINTS = [(32, 4), (64, 4), (4, 16), (16, 4), (128, 16)]
@@ -47,7 +52,8 @@ RENORM_SIZES = [(32, (64, 128)), (1, (64, 128)), (10**9, (64, 128)), (32, (64, 1
 def pieces(case) -> dict:
     """The short path's pieces, each timed alone with the plan the last call made."""
     tree, logits, coins, final = case
-    plan = list(fused._PLANS.plans.values())[-1]
+    plans = getattr(fused, "STEP_PLANS", None) or fused._PLANS  # (the cache's older name)
+    plan = list(plans.plans.values())[-1]
     entry = plan.cached[current_stream(0)]
     launch, head, tail = entry.launches[0]
     w = entry.pointers
@@ -63,7 +69,7 @@ def pieces(case) -> dict:
             "capturing": wall_us(torch.cuda.is_current_stream_capturing),
             "stream": wall_us(lambda: current_stream(0)), "hooks": wall_us(launch_hooks),
             "tunables": wall_us(fused.tunables), "data_ptr": wall_us(logits.data_ptr),
-            "short_path": host_us(lambda: fused.eager(logits, None, tree, T, None, None, coins, final), 200)}
+            "short_path": host_us(lambda: eager(logits, None, tree, T, None, None, coins, final), 200)}
 
 
 def host_rows(cases) -> list:

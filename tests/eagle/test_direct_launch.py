@@ -126,7 +126,7 @@ PROBE = textwrap.dedent('''
 
 def test_kinds_of_a_kernel_triton_compiled(tmp_path):
     """Triton's own signature of a kernel compiled for sm_90 (no GPU needed): an int equal to
-    1 becomes a constexpr unless told not to specialise, a bool is u1, a Python float fp32,
+    1 becomes a constexpr unless told not to specialise, a bool u1 (i1 in older Triton), a Python float fp32,
     a large int i64; the kinds follow, the two scratch pointers last."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     script = tmp_path / "probe.py"  # (Triton reads a kernel's source from its file)

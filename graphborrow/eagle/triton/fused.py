@@ -549,8 +549,8 @@ def plan_for(step: VerifyStep) -> StepPlan:
             in_place.append(direct)
             dtypes.append(value.dtype)
     return STEP_PLANS.get((bs, d, logits.shape[1], logits.dtype, step.tree.tree_depth, device, tuple(forms),
-                       tuple(in_place), tuple(dtypes), tunables()),
-                      bs, d, logits.shape[1], step.tree.tree_depth, tuple(forms), tuple(in_place), device)
+                           tuple(in_place), tuple(dtypes), tunables()),
+                          bs, d, logits.shape[1], step.tree.tree_depth, tuple(forms), tuple(in_place), device)
 
 
 # ---------------------------------------------------------------------------------

@@ -306,8 +306,9 @@ def fused_row(common, step, renorm, args, tree, logits, coins, coins_final):
     row["graph_us"] = event_us(graph.replay, args.iters)
     row["graph_pipelined_us"] = pipelined_us(graph.replay, args.iters)
     del graph
+    call = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, **renorm)  # step()'s arguments
     if GRAPH_PATH:
-        kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, graph=True, **renorm)
+        kw = dict(call, graph=True)
 
         def graph_path():
             return eagle_verify(logits, None, tree, t, **kw)
@@ -317,7 +318,6 @@ def fused_row(common, step, renorm, args, tree, logits, coins, coins_final):
         row["graph_path_pipelined_us"] = pipelined_us(graph_path, args.iters)
         row["graph_path_host_us"] = host_us(graph_path, args.host_iters)
         row["graph_path_agrees"] = same and all(torch.equal(a, b) for a, b in zip(graph_path(), got))
-    call = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, **renorm)
     if OUT_ARG:  # the serving loop's form: the previous result's buffers passed back, nothing allocated
         out = step()
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
-import sysconfig
 import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -44,16 +42,7 @@ NO_MEMORY = -9
 
 
 def _compiler() -> str:
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    cc = cc.split()[0]
-    if shutil.which(cc) is None:
-        for fallback in ("cc", "gcc", "clang"):
-            if shutil.which(fallback):
-                return fallback
-        raise RuntimeError(
-            "no C compiler found to build the bump arena; install gcc (or set CC)"
-        )
-    return cc
+    return native.compiler("the bump arena")
 
 
 def library_path() -> Path:

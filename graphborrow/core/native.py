@@ -15,13 +15,15 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sysconfig
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["cache_dir", "content_tag", "digest_path", "is_intact", "prepare", "problem", "publish", "temporary_dir"]
+__all__ = ["cache_dir", "compiler", "content_tag", "digest_path", "is_intact", "prepare", "problem", "publish",
+           "temporary_dir"]
 
 CACHE_ENV = "GRAPHBORROW_CACHE_DIR"
 TEMPORARY_PREFIX = ".build-"  # every temporary a build leaves while it runs starts with this
@@ -41,6 +43,25 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "graphborrow"
+
+
+def compiler(what: str) -> str:
+    """The C compiler the native builds run: ``$CC``'s program (its flags are not part of its
+    name), else Python's own compiler, else the first of cc, gcc and clang on the PATH.
+
+    Args:
+        what: what is being built, for the message (e.g. ``"the bump arena"``).
+
+    Raises:
+        RuntimeError: none of them is found.
+    """
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is not None:
+        return cc
+    for fallback in ("cc", "gcc", "clang"):
+        if shutil.which(fallback):
+            return fallback
+    raise RuntimeError(f"no C compiler found to build {what}; install gcc (or set CC)")
 
 
 def content_tag(*parts: bytes) -> str:

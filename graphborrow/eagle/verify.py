@@ -143,10 +143,10 @@ def eagle_verify(
         step.require_contiguous()
     if validate:
         step.validate()
+    if fused is not None:
+        return fused.verify(step, borrow, out=out)  # (it checks out=)
     if out is not None:
         out = VerifyResult(*check_outputs(out, step))
-    if fused is not None:
-        return fused.verify(step, borrow, out=out)
     borrowing = borrow is not None and bool(borrow.enabled)
     per_chunk = step.batch_size
     if mode == "chunked":

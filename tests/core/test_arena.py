@@ -512,7 +512,7 @@ from graphborrow.core import native  # noqa: E402
 
 def test_the_compiler_comes_from_cc_then_the_usual_names(monkeypatch):
     found = {"gcc": "/usr/bin/gcc", "clang": "/usr/bin/clang", "mycc": "/opt/mycc"}
-    monkeypatch.setattr(arena_module.shutil, "which", lambda name: found.get(name))
+    monkeypatch.setattr(native.shutil, "which", lambda name: found.get(name))  # (the rule lives in native)
     monkeypatch.setenv("CC", "mycc -pthread -O2")
     assert arena_module._compiler() == "mycc"  # the flags of $CC are not part of its name
     monkeypatch.setenv("CC", "missing-cc")

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import platform
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -40,13 +38,6 @@ TYPE_KINDS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "B
 SCRATCH_KINDS = "PP"  # the two scratch pointers Triton's launchers (3.4 to 3.6) pass after the arguments
 
 
-def _compiler() -> str | None:
-    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(cc):
-        return cc
-    return next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-
-
 def build() -> Path:
     """Compile ``direct.c`` unless an intact build of it exists; return the built module's path.
 
@@ -59,9 +50,7 @@ def build() -> Path:
     target = native.cache_dir() / f"{NAME}-{tag}{EXT_SUFFIX}"
     if native.is_intact(target):
         return target
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("building the direct launcher needs a C compiler (install gcc, or set CC)")
+    cc = native.compiler("the direct launcher")
     if not (Path(include) / "Python.h").exists():
         raise RuntimeError(f"building the direct launcher needs Python's headers (no Python.h in {include}); "
                            "install the python3-dev package of this interpreter")

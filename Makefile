@@ -32,6 +32,7 @@ setup-test: setup $(VENV)/.installed-test
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[notebooks,test,models,kernels]"
+	$(PY) -m graphborrow build --launchers
 	touch $@
 
 setup-docs: setup $(VENV)/.installed-docs

@@ -17,8 +17,11 @@ validate=False)``, as a serving engine makes it:
   same call writing into the previous result's tensors (``out=``: nothing allocated, the
   serving loop's form); ``triton_launcher_host_us``: ``host_us`` with the kernel launched
   through Triton's C launcher (``GRAPHBORROW_DIRECT_LAUNCH=0``, the package's launch before
-  its direct one); ``pipelined_us``: the time per call of --iters calls issued back to back
-  (host work overlapping the GPU's, as in a serving loop);
+  its direct one); ``python_short_path_host_us`` / ``python_short_path_host_out_us``:
+  ``host_us`` / ``host_out_us`` through the short path in Python, the compiled router
+  (:mod:`graphborrow.eagle.triton.eager_call`) set aside; ``pipelined_us``: the time per
+  call of --iters calls issued back to back (host work overlapping the GPU's, as in a
+  serving loop);
 - ``graph_us``: *replayed*, the same call captured by hand in a CUDA graph, events around
   ``replay()``; ``graph_path_us`` / ``graph_path_pipelined_us``: ``eagle_verify(...,
   graph=True)``, the built-in capture-once-replay-after path (where the package has it),
@@ -272,6 +275,24 @@ except ImportError:
     DIRECT_ENV = None
 
 
+try:  # the compiled short path's routes (an older version has none)
+    from graphborrow.eagle.triton import eager_call  # noqa: E402
+    from graphborrow.eagle.triton.eager import ROUTES  # noqa: E402
+except ImportError:
+    eager_call = ROUTES = None
+
+
+@contextlib.contextmanager
+def python_short_path():
+    """Calls inside take the short path in Python (the compiled router set aside), for a
+    same-run comparison of the two."""
+    router, ROUTES.router = ROUTES.router, None
+    try:
+        yield
+    finally:
+        ROUTES.router = router
+
+
 @contextlib.contextmanager
 def tritons_launcher():
     """Calls inside launch through Triton's C launcher and ``CUDAGraph.replay`` (the package's
@@ -327,6 +348,12 @@ def fused_row(common, step, renorm, args, tree, logits, coins, coins_final):
         row["host_out_us"] = host_us(into_out, args.host_iters)
         row["host_out_issued_us"] = issued_us(into_out, args.host_iters)
         row["out_agrees"] = all(torch.equal(a, b) for a, b in zip(into_out(), got))
+    if ROUTES is not None and ROUTES.router is not None:  # the same call through the short path in Python
+        with python_short_path():
+            row["python_short_path_host_us"] = host_us(step, args.host_iters)
+            row["python_short_path_agrees"] = all(torch.equal(a, b) for a, b in zip(step(), got))
+            if OUT_ARG:
+                row["python_short_path_host_out_us"] = host_us(into_out, args.host_iters)
     if DIRECT_ENV is not None:  # the same calls through Triton's launcher and CUDAGraph.replay
         with tritons_launcher():
             step()
@@ -591,7 +618,8 @@ def goals(rows):
 def print_tables(rows):
     by, verdicts = goals(rows)
     print(f"\n{'bs':>4} {'D':>3} {'smax/T':>8} {'up eager':>8} {'up repl':>8} | {'eager':>7} {'host':>6} "
-          f"{'issued':>6} {'out':>5} {'triton':>6} {'pipe':>6} {'replay':>7} {'gpath':>6} {'gpipe':>6} {'x smT':>6} | "
+          f"{'issued':>6} {'out':>5} {'py':>5} {'triton':>6} {'pipe':>6} {'replay':>7} {'gpath':>6} {'gpipe':>6} "
+          f"{'x smT':>6} | "
           f"{'rn eager':>8} {'rn repl':>8} "
           f"{'agree':>5} {'upstream tokens (expected)':>9}  goals missed")
     for (bs, d), impls in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -604,6 +632,7 @@ def print_tables(rows):
         print(f"{bs:>4} {d:>3} {f['softmax_with_temperature_us']:>8.0f} {up.get('device_us', math.nan):>8.0f} "
               f"{up.get('replayed_us', math.nan):>8.0f} | {f['device_us']:>7.0f} {f['host_us']:>6.0f} "
               f"{f.get('host_issued_us', math.nan):>6.0f} {f.get('host_out_us', math.nan):>5.0f} "
+              f"{f.get('python_short_path_host_us', math.nan):>5.0f} "
               f"{f.get('triton_launcher_host_us', math.nan):>6.0f} {f['pipelined_us']:>6.0f} {f['graph_us']:>7.0f} "
               f"{f.get('graph_path_us', math.nan):>6.0f} "
               f"{f.get('graph_path_pipelined_us', math.nan):>6.0f} {f.get('graph_vs_softmax_t', math.nan):>6.2f} | "
@@ -686,6 +715,10 @@ def main(argv=None):
     except ImportError:
         record["triton"] = None
     out = args.out
+    if eager_call is not None:  # built before anything is timed (the first eager call would build it)
+        began = time.perf_counter()
+        record["compiled_eager_path"] = eager_call.module() is not None
+        print(f"compiled eager path: {record['compiled_eager_path']} ({time.perf_counter() - began:.1f} s)")
     if args.only != "host":
         record["compile_s"] = compile_times(args)
         print("Triton compile (first call) seconds:", {k: round(v, 2) for k, v in record["compile_s"].items()})

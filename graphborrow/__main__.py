@@ -196,6 +196,30 @@ def _build(args: argparse.Namespace) -> int:
     names = ", ".join(path.name for path in paths.values())
     folder = next(iter(paths.values())).parent
     print(f"compiled allocator model: {names} in {folder}" + (" (already built)" if existed and not args.force else ""))
+    if args.launchers or _cuda_torch():
+        return _build_launchers()
+    return 0
+
+
+def _cuda_torch() -> bool:
+    """Whether this torch is a CUDA build (where the fused kernels' launchers are used)."""
+    import torch
+
+    return torch.version.cuda is not None
+
+
+def _build_launchers() -> int:
+    """The fused verification's compiled launch paths: the direct launcher (C) and the compiled
+    eager short path (C++ against this torch), each built unless an intact build exists."""
+    from graphborrow.eagle.triton import direct, eager_call
+
+    for what, module in (("direct launcher", direct), ("compiled eager path", eager_call)):
+        try:
+            path = module.build()
+        except RuntimeError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        print(f"{what}: {path.name} in {path.parent}")
     return 0
 
 
@@ -296,9 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
         own = sub.add_parser(name, help=text, add_help=False)  # each owns its options (see main)
         own.add_argument("rest", nargs=argparse.REMAINDER)
 
-    build = sub.add_parser("build", help="compile the simulated allocator with Cython (no-op when built)")
+    build = sub.add_parser("build", help="compile the simulated allocator with Cython, and the fused kernels' "
+                                         "launchers with a CUDA torch (no-op when built)")
     build.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")
     build.add_argument("--verbose", action="store_true", help="show Cython's and the compiler's output")
+    build.add_argument("--launchers", action="store_true",
+                       help="also build the fused kernels' direct launcher and compiled eager path (the default "
+                            "with a CUDA build of torch)")
     build.set_defaults(func=_build)
 
     replay = sub.add_parser("replay-corpus", help="replay a folder of recorded traces on the simulated allocator")

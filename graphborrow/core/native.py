@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["cache_dir", "compiler", "content_tag", "digest_path", "is_intact", "prepare", "problem", "publish",
-           "temporary_dir"]
+__all__ = ["cache_dir", "compiler", "content_tag", "cxx_compiler", "digest_path", "is_intact", "prepare", "problem",
+           "publish", "temporary_dir"]
 
 CACHE_ENV = "GRAPHBORROW_CACHE_DIR"
 TEMPORARY_PREFIX = ".build-"  # every temporary a build leaves while it runs starts with this
@@ -62,6 +62,22 @@ def compiler(what: str) -> str:
         if shutil.which(fallback):
             return fallback
     raise RuntimeError(f"no C compiler found to build {what}; install gcc (or set CC)")
+
+
+def cxx_compiler(what: str) -> str:
+    """The C++ compiler: ``$CXX``'s program, else Python's own, else the first of c++, g++ and
+    clang++ on the PATH (as :func:`compiler` finds the C one).
+
+    Raises:
+        RuntimeError: none of them is found.
+    """
+    cxx = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()[0]
+    if shutil.which(cxx) is not None:
+        return cxx
+    for fallback in ("c++", "g++", "clang++"):
+        if shutil.which(fallback):
+            return fallback
+    raise RuntimeError(f"no C++ compiler found to build {what}; install g++ (or set CXX)")
 
 
 def content_tag(*parts: bytes) -> str:

@@ -107,6 +107,7 @@ VARIABLES: tuple[Variable, ...] = (
     # not checked here: a build runs the compiler before anything else and names CC when it fails
     # (the arena falls back to cc, gcc or clang when CC names no program: the build code's rule)
     Variable("CC", "graphborrow.core.arena and the allocator build", "the C compiler of the native builds"),
+    Variable("CXX", "graphborrow.eagle.triton.eager_call", "the C++ compiler of the compiled eager path"),
     Variable(PURE_ENV, "graphborrow.allocator.compiled", "1 runs the pure-Python allocator model instead of the "
              "compiled one", _one_of(PURE_ENV, ("", "0", "1"))),
     Variable(ALLOC_CONF, "graphborrow.allocator.config (the simulated device, the planner)", "torch's allocator "
@@ -115,7 +116,8 @@ VARIABLES: tuple[Variable, ...] = (
              "(set by graphborrow when there is no GPU)", _one_of("TRITON_INTERPRET", ("", "0", "1"))),
     Variable("GRAPHBORROW_DIRECT_LAUNCH", "graphborrow.eagle.triton.launch", "0 launches the fused kernels through "
              "Triton's C launcher and the graph path's graphs through CUDAGraph.replay instead of the direct "
-             "launcher (graphborrow.eagle.triton.direct)", _one_of("GRAPHBORROW_DIRECT_LAUNCH", ("", "0", "1"))),
+             "launcher (graphborrow.eagle.triton.direct), and keeps the eager short path in Python (no compiled "
+             "router, graphborrow.eagle.triton.eager_call)", _one_of("GRAPHBORROW_DIRECT_LAUNCH", ("", "0", "1"))),
     Variable(MAX_POINT_ENV, "graphborrow.run.sweep.execute", "MiB of executed notebook and results one sweep "
              "point may send back (default 64)", _max_point_mb),
     Variable("CUDA_VISIBLE_DEVICES", "graphborrow.run.sweep.cluster", "the GPUs local sweep workers get, one "

@@ -1,4 +1,5 @@
-"""The native-build cache shared by the C arena and the compiled allocator: names, digests, publishing.
+"""The native-build cache shared by the native builds (the C arena, the compiled allocator, the fused
+kernels' launchers): names, digests, publishing, compilers.
 
 The builds themselves are tested where they are made (tests/core/test_arena.py builds the
 arena in fresh processes, damaged and concurrent; tests/allocator/test_sim_compiled.py the
@@ -100,3 +101,22 @@ def test_an_unwritable_cache_names_the_setting_that_moves_it(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(RuntimeError, match=r"cannot write the test cache .*set GRAPHBORROW_CACHE_DIR to a writable"):
         native.prepare(blocker / "cache", "the test cache")
+
+
+def test_the_cxx_compiler_comes_from_cxx_then_the_usual_names(monkeypatch):
+    """$CXX's program (not its flags), else Python's own C++ compiler, else c++, g++, clang++."""
+    found = {"g++": "/usr/bin/g++", "clang++": "/usr/bin/clang++", "myc++": "/opt/myc++"}
+    monkeypatch.setattr(native.shutil, "which", lambda name: found.get(name))
+    monkeypatch.setattr(native.sysconfig, "get_config_var", lambda name: None)
+    monkeypatch.setenv("CXX", "myc++ -O3")
+    assert native.cxx_compiler("x") == "myc++"
+    monkeypatch.setenv("CXX", "missing++")
+    assert native.cxx_compiler("x") == "g++"  # c++ is absent here: g++ is next
+    monkeypatch.delenv("CXX")
+    found["c++"] = "/usr/bin/c++"
+    assert native.cxx_compiler("x") == "c++"  # (no $CXX, no Python setting: c++)
+    del found["c++"], found["g++"]
+    assert native.cxx_compiler("x") == "clang++"
+    del found["clang++"]
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found to build the router; install g\+\+ .or set CXX."):
+        native.cxx_compiler("the router")

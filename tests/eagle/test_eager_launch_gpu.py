@@ -19,8 +19,8 @@ from graphborrow.device import get_backend
 from graphborrow.eagle import eagle_verify
 from graphborrow.eagle.graphs import GRAPH_STEPS, clear_verify_graphs
 from graphborrow.eagle.step import VerifyStep
-from graphborrow.eagle.triton import direct
-from graphborrow.eagle.triton.eager import eager
+from graphborrow.eagle.triton import direct, eager_call
+from graphborrow.eagle.triton.eager import ROUTES, eager, short_path
 from graphborrow.eagle.triton import fused as fv
 
 pytestmark = [
@@ -346,3 +346,65 @@ def test_the_graph_path_launches_its_executable_directly(monkeypatch):
         assert entry.executable is None
         assert len({tuple(r[2].tolist()) for r in drawn}) > 1  # new coins each replay: accept lengths vary
     clear_verify_graphs()
+
+
+@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
+def test_the_compiled_router_takes_the_common_call(renorm):
+    """Once the Python short path has launched a plan on a stream, the compiled router
+    (eager.ROUTES, built here against this torch) takes the same call: the Python short
+    path's results and the reference's tokens for float32 and bfloat16 logits, parameters as
+    numbers and as tensors, coins given and drawn, out= given; one kernel per launch of the
+    plan, one allocation (none with out=)."""
+    assert eager_call.module() is not None, eager_call.build()
+    for bs, d, dtype in ((1, 4, torch.float32), (16, 8, torch.bfloat16)):
+        tree, logits, coins, coins_final = gpu_case(21 + bs, bs, d, (4, 3), 128256, False, 0.9)
+        logits = logits.to(dtype)
+        tensors = dict(top_ks=torch.full((bs,), renorm["top_ks"], device="cuda"),
+                       top_ps=torch.full((bs,), renorm["top_ps"], device="cuda")) if renorm else {}
+        expected = reference(logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
+        split = bool(renorm) and bs * d >= fv.SPLIT_ROWS
+        for temperature, kw in ((0.9, renorm), (torch.full((bs,), 0.9, device="cuda"), tensors)):
+            args = (logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"), coins, coins_final, None,
+                    1.0, 1.0)
+            for _ in range(2):  # (compiles, then the Python short path adds the route)
+                eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, impl="fused",
+                             validate=False, **kw)
+            routed = ROUTES.router.call(*args, None)
+            python = short_path(*args)
+            case = f"bs {bs}, D {d}, {dtype}, temperature {type(temperature).__name__}"
+            assert routed is not None and same(routed, expected) and same(python, expected), case
+            assert ROUTES.router.call(*args, python) is python and same(python, expected), case
+            drawn = ROUTES.router.call(*args[:6], None, None, None, 1.0, 1.0, None)
+            assert drawn is not None and int(drawn.accept_length.min()) >= 1, case
+            assert kernels_and_allocations(lambda: ROUTES.router.call(*args, None)) == (12 if split else 1, 1)
+            assert kernels_and_allocations(lambda: ROUTES.router.call(*args, python)) == (12 if split else 1, 0)
+
+
+def test_a_stream_capturing_a_graph_is_not_routed():
+    """A stream with a route that then captures a graph: the router declines inside the
+    capture (the call would otherwise put the stream's cached workspace into the graph), the
+    captured call takes the general path, and its graph replays the reference's tokens; on
+    that stream eager calls are routed again afterwards."""
+    bs, d = 4, 8
+    tree, logits, coins, coins_final = gpu_case(31, bs, d, (4, 3), 128256, False)
+    kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False)
+    args = (logits, None, tree, 1.0, None, None, coins, coins_final, None, 1.0, 1.0, None)
+    expected = reference(logits, tree, 1.0, None, None, coins, coins_final)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            eagle_verify(logits, None, tree, 1.0, **kw)
+        assert ROUTES.router.call(*args) is not None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        declined = ROUTES.router.call(*args)
+        captured = eagle_verify(logits, None, tree, 1.0, **kw)
+    assert declined is None
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same(captured, expected)
+    with torch.cuda.stream(stream):
+        routed = ROUTES.router.call(*args)
+    torch.cuda.synchronize()
+    assert routed is not None and same(routed, expected)

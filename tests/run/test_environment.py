@@ -85,7 +85,7 @@ GOOD = [
     ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64"), ("PYTORCH_CUDA_ALLOC_CONF", ""),
     ("GRAPHBORROW_SIM_PURE", "1"), ("GRAPHBORROW_SIM_PURE", "0"), ("GRAPHBORROW_SIM_PURE", ""),
     ("TRITON_INTERPRET", "1"), ("GRAPHBORROW_CACHE_DIR", "/tmp/graphborrow-cache"), ("GRAPHBORROW_CACHE_DIR", ""),
-    ("CC", "cc"), ("CUDA_VISIBLE_DEVICES", "anything"), ("OMP_NUM_THREADS", "1"),
+    ("CC", "cc"), ("CXX", "c++"), ("CUDA_VISIBLE_DEVICES", "anything"), ("OMP_NUM_THREADS", "1"),
     ("GRAPHBORROW_FORK_KERNELS", "0"), ("GRAPHBORROW_SEQUENCE_CACHE", "0"),
 ]
 

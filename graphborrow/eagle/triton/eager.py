@@ -11,6 +11,12 @@ or one allocation, and launches the compiled kernel through a
 once per plan and stream (Triton's C launcher where the direct module does not apply).
 Anything else returns None and takes the general path, which checks again and names any
 problem.
+
+Once a plan has launched here on a stream, the same call is made in C++ first: a route to
+the plan's launches goes to :data:`ROUTES`' compiled :mod:`.eager_call` router, which reads
+the tensors' attributes without Python and declines (returns None) wherever this function
+would not take the call the same way; this function is then what it mirrors, and what runs
+where the router cannot be built.
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import torch
 from ..modes import VerifyResult
 from ..step import draw_into
 from ..validate import LOGIT_DTYPES
+from . import eager_call
 from .direct import kernel_launch
-from .fused import INT32_MAX, STEP_PLANS, CachedWorkspace, StepPlan, launch_tails, tunables
+from .fused import INT32_MAX, ON_CLEAR, STEP_PLANS, CachedWorkspace, StepPlan, launch_tails, tunables
 from .launch import ALIGN, bound_call, capturing_now, current_stream, direct_disabled, launch_hooks
 from .step_kernel import ABSENT, NUMBER, ONE_VALUE, PER_REQUEST
 
-__all__ = ["EAGER_CALL_ARGS", "eager"]
+__all__ = ["EAGER_CALL_ARGS", "ROUTES", "Routes", "eager", "short_path"]
 
 _TENSOR = torch.Tensor
 _I64, _I32, _F32 = torch.int64, torch.int32, torch.float32
@@ -35,7 +42,22 @@ EAGER_CALL_ARGS = 18  # per-call kernel arguments: 13 addresses, 3 parameters, 2
 def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coins=None, coins_final=None,
           generator=None, threshold_single=1.0, threshold_acc=1.0, out=None):
     """:func:`~graphborrow.eagle.eagle_verify` with ``validate=False``, no borrow and CUDA
-    logits; None when the call is not that common case (the general path then checks it).
+    logits: through :data:`ROUTES`' compiled router where it has a route for the call, else
+    :func:`short_path`; None when the call is not that common case (the general path then
+    checks it)."""
+    if ROUTES.router is not None:
+        result = ROUTES.router.call(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final,
+                                    generator, threshold_single, threshold_acc, out)
+        if result is not None:
+            return result
+    return short_path(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final, generator,
+                      threshold_single, threshold_acc, out)
+
+
+def short_path(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coins=None, coins_final=None,
+               generator=None, threshold_single=1.0, threshold_acc=1.0, out=None):
+    """:func:`eager` in Python: the call checked and launched, and its route added for the
+    compiled router; None when the call is not the common case.
 
     The common case: plain tensors of the documented shapes and dtypes, contiguous (what
     :meth:`~graphborrow.eagle.step.VerifyStep.check` and ``require_contiguous`` ask); coins
@@ -132,6 +154,7 @@ def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coin
         return None
     if entry.launches is None:
         _direct_launches(plan, entry, device)
+    ROUTES.add(plan, entry, logits, depth, forms, dtypes)
     if out is None:
         buffer = plan.output_template.new_empty(plan.output_words)
         o0 = buffer.data_ptr()
@@ -151,6 +174,36 @@ def eager(logits, candidates, tree, temperatures, top_ks=None, top_ps=None, coin
     for launch, head, tail in entry.launches:
         launch(*head, *call, *tail)
     return plan.outputs(buffer) if out is None else out
+
+
+class Routes:
+    """The compiled short path's :class:`Router` (:mod:`.eager_call`), made on the first
+    launch here and emptied with the plans (``fused.clear_plans``); ``router`` stays None
+    where the module cannot be built or ``GRAPHBORROW_DIRECT_LAUNCH=0``."""
+
+    def __init__(self):
+        self.router, self.tried = None, False
+
+    def add(self, plan: StepPlan, entry: CachedWorkspace, logits: torch.Tensor, depth: int, forms: tuple,
+            dtypes: tuple) -> None:
+        """Route later calls of ``plan``'s key on the current stream to ``entry``'s launches."""
+        if not self.tried and not direct_disabled():
+            self.tried = True
+            compiled = eager_call.module()
+            if compiled is not None:
+                self.router = compiled.Router(tunables, launch_hooks, draw_into, VerifyResult)
+                ON_CLEAR.append(self.router.clear)
+        if self.router is None or direct_disabled():
+            return
+        w, device = entry.pointers, plan.device
+        self.router.add(plan.bs, plan.d, plan.vocab, depth, device, logits.dtype, forms,
+                        (*dtypes, None, None, None)[:3], eager_call.module().current_stream(device),
+                        (w.coins, w.coins_final, w.temps, w.top_k, w.top_p), entry.views.coins,
+                        entry.views.coins_final, plan.steps, plan.output_words, plan.output_starts[1],
+                        plan.output_starts[2], entry.launches, tunables(), (plan, entry))
+
+
+ROUTES = Routes()
 
 
 def _callers_outputs(out, plan: StepPlan, device: int):

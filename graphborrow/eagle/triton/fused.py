@@ -521,13 +521,16 @@ def tunables() -> tuple:
 
 
 STEP_PLANS = PlanCache(StepPlan)  # every plan made, by key (the eager short path looks its plan up here)
+ON_CLEAR: list = []  # called by clear_plans: what else holds plans (the compiled short path's routes)
 
 
 def clear_plans() -> None:
     """Forget every cached plan, the standalone renorm's too (the compiled-kernel handles and
-    the cached workspaces they hold)."""
+    the cached workspaces they hold), and the compiled short path's routes to them."""
     STEP_PLANS.clear()
     _select.clear_plans()
+    for clear in ON_CLEAR:
+        clear()
 
 
 def plan_for(step: VerifyStep) -> StepPlan:

@@ -1,0 +1,92 @@
+"""The eager short path compiled: a C++ :class:`Router` (``eager_call.cpp``) that makes
+:func:`~graphborrow.eagle.triton.eager.eager`'s call without reading tensors through Python.
+
+``eager()`` in Python reads about sixty tensor attributes per call (shape, dtype, contiguity,
+device, address), each a Python call into torch, and cuts its outputs through torch's Python
+binding: on the H200's host that is most of the call's 20-40 µs. The Router reads them from
+each tensor's C++ object. ``eager()`` registers a *route* (the plan's key, the stream, the
+workspace's addresses, the launches) once a plan's launches on a stream are made, and asks
+the Router first on every later call; the Router returns None wherever ``eager()`` would
+not take the call the same way, and ``eager()`` (then the general path) takes it.
+
+The module is compiled once per content and torch version into the native-build cache
+(:mod:`graphborrow.core.native`) against the running torch's headers; about 10-30 s, so
+``python -m graphborrow build`` makes it ahead of time, and otherwise the first eager call
+does. Where it cannot be built (no C++ compiler, no torch or Python headers) :func:`module`
+returns None and ``eager()`` takes every call. ``GRAPHBORROW_DIRECT_LAUNCH=0`` turns it off
+with the direct launcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import platform
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from graphborrow.core import native
+
+__all__ = ["SOURCE", "build", "build_command", "module"]
+
+SOURCE = Path(__file__).with_name("eager_call.cpp")
+NAME = "graphborrow_eager_call"
+EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+
+
+def build_command(cxx: str, output: Path) -> list[str]:
+    """The compile command: torch's headers as system headers (their warnings are not ours),
+    torch's libraries linked by name and found again at load time (rpath)."""
+    from torch.utils import cpp_extension
+
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    includes = [f"-isystem{p}" for p in cpp_extension.include_paths()]
+    libraries = cpp_extension.library_paths()
+    return [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+            f"-I{sysconfig.get_paths()['include']}", "-o", str(output), str(SOURCE),
+            *[f"-L{p}" for p in libraries], *[f"-Wl,-rpath,{p}" for p in libraries],
+            "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", "-ldl"]
+
+
+def build() -> Path:
+    """Compile ``eager_call.cpp`` for this torch unless an intact build exists; return its path.
+
+    Raises:
+        RuntimeError: no C++ compiler, no Python or torch headers, or the compile failed (its message).
+    """
+    include = sysconfig.get_paths()["include"]
+    tag = native.content_tag(SOURCE.read_bytes(), f"{sys.implementation.cache_tag}{EXT_SUFFIX}".encode(),
+                             platform.machine().encode(), include.encode(), torch.__version__.encode(),
+                             str(Path(torch.__file__).parent).encode())
+    target = native.cache_dir() / f"{NAME}-{tag}{EXT_SUFFIX}"
+    if native.is_intact(target):
+        return target
+    cxx = native.cxx_compiler("the compiled eager path")
+    if not (Path(include) / "Python.h").exists():
+        raise RuntimeError(f"building the compiled eager path needs Python's headers (no Python.h in {include}); "
+                           "install the python3-dev package of this interpreter")
+    native.prepare(target.parent, "the compiled eager path's build cache")
+    with native.temporary_dir(target.parent) as tmp:
+        built = tmp / target.name
+        command = build_command(cxx, built)
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"building the compiled eager path failed ({' '.join(command)}):\n{result.stderr}")
+        return native.publish(built, target)
+
+
+@functools.cache
+def module():
+    """The compiled module (built on first use), or None where it cannot be built or loaded."""
+    try:
+        path = build()
+        spec = importlib.util.spec_from_file_location(NAME, path)
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+    except (RuntimeError, ImportError, OSError):
+        return None
+    return loaded

@@ -40,6 +40,11 @@ graph pool the entries share: one private pool per device, or, with an enabled
 other captured graph's temporaries. :meth:`GraphSteps.held_bytes` reports the outputs'
 bytes; the private pool's segments show in ``torch.cuda.memory_snapshot``.
 
+**Inside a capture** ``graph=True`` is refused (ValueError, naming the fix): an entry's graph
+launched into the caller's capture would become part of the caller's graph and read
+workspace memory that the entries' pool gives to another entry once this one is dropped.
+Inside a capture, call without ``graph=True``: the step is captured into the caller's graph.
+
 **Clearing**: :func:`clear_verify_graphs` drops every entry (``torch.cuda.empty_cache()``
 then returns the private pool's memory); the cache keeps at most ``max_entries`` (8),
 dropping the least recently used. Missing coins are drawn inside the graph from the
@@ -57,7 +62,7 @@ from .modes import VerifyResult
 from .scope import run_borrowing
 from .step import VerifyStep
 from .triton import direct, fused
-from .triton.launch import current_stream, direct_disabled
+from .triton.launch import capturing_now, current_stream, direct_disabled
 from .verify import resolve_impl
 
 __all__ = ["GRAPH_STEPS", "GraphSteps", "clear_verify_graphs"]
@@ -92,8 +97,10 @@ class _Entry:
 
     def launch(self) -> None:
         if self.executable is None:
+            if capturing_now():
+                raise ValueError(INSIDE_A_CAPTURE)
             self.graph.replay()
-        else:
+        else:  # (the direct launch refuses a capturing stream itself, naming INSIDE_A_CAPTURE's fix)
             _GRAPH_LAUNCH(self.executable, current_stream(self.device), self.device)
 
 
@@ -112,6 +119,12 @@ def _direct_executable(graph, step: VerifyStep):
 
 
 _GRAPH_LAUNCH = None  # direct.module().graph_launch, once an entry uses it
+# Why graph=True is refused while the current stream captures a graph: an entry's graph would
+# become part of the caller's, reading workspace memory the entry's pool may hand to another
+# entry once it is dropped (the direct launcher raises the same, from direct.c)
+INSIDE_A_CAPTURE = ("eagle_verify(graph=True) was called while the current stream captures a CUDA graph; its entries "
+                    "are graphs of their own, which cannot go inside another: inside a capture call eagle_verify "
+                    "without graph=True (validate=False), and the step is captured into your graph")
 
 
 class _LastCall:
@@ -199,6 +212,8 @@ class GraphSteps:
 
     def _capture(self, key, logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final, generator,
                  borrow, threshold_single, threshold_acc, impl, validate) -> VerifyResult:
+        if torch.cuda.is_available() and capturing_now():
+            raise ValueError(INSIDE_A_CAPTURE)
         step = VerifyStep.of(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final, generator,
                              threshold_single, threshold_acc)
         if impl not in ("auto", "fused") or resolve_impl(impl, step.logits) != "fused" or not step.logits.is_cuda:

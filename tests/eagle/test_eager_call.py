@@ -322,3 +322,48 @@ def test_the_build_command_makes_both_launchers(compiled):
     assert done.returncode == 0, done.stderr
     assert f"direct launcher: {direct.build().name}" in done.stdout
     assert f"compiled eager path: {eager_call.build().name}" in done.stdout
+
+
+def test_a_call_keeps_its_route_while_routes_change_under_it(compiled):
+    """A launch calls back into Python, where another thread may clear the router or add
+    routes: the call goes on with the route it found (its second launch is still made, with
+    the same arguments), and the route's objects live until the call ends."""
+    case = Case(compiled)
+    second, other = Recorder(), Recorder()
+
+    def first(*args):
+        case.router.clear()
+        for depth in range(10, 48):  # (routes enough to reuse freed memory; none of this tree's depth)
+            case.router.add(BS, D, V, depth, -1, torch.float32, (NUMBER, ABSENT, ABSENT), (None,) * 3, 0,
+                            case.defaults, torch.zeros(BS, D), torch.zeros(BS), STEPS, WORDS, AT_INDEX, AT_LENGTH,
+                            [(other, (), ()), (other, (), ())], TUNABLES, None)
+        case.launch(*args)
+
+    views = torch.zeros(BS, D), torch.zeros(BS)  # (held by the route alone once the test lets go of them)
+    case.router.clear()
+    case.router.add(BS, D, V, case.tree.tree_depth, -1, torch.float32, (NUMBER, ABSENT, ABSENT), (None,) * 3, 0,
+                    case.defaults, *views, STEPS, WORDS, AT_INDEX, AT_LENGTH, [(first, (), ()), (second, (), ())],
+                    TUNABLES, None)
+    del views
+    result = case.call(coins=None, coins_final=None)
+    assert isinstance(result, VerifyResult) and len(case.router) == 38
+    assert case.launch.calls == second.calls and len(second.calls) == 1 and other.calls == []
+    assert case.call() is None  # (its route is gone now)
+
+
+def test_the_router_keeps_as_many_routes_as_the_plan_cache(compiled):
+    """At most 256 routes (fused.STEP_PLANS keeps as many plans): the oldest goes first."""
+    case = Case(compiled)
+    for depth in range(10, 10 + 256):
+        case.router.add(BS, D, V, depth, -1, torch.float32, (NUMBER, ABSENT, ABSENT), (None,) * 3, 0, case.defaults,
+                        case.coins_view, case.coins_final_view, STEPS, WORDS, AT_INDEX, AT_LENGTH, [], TUNABLES, None)
+    assert len(case.router) == 256
+    assert case.call() is None  # the first route, the case's own, went first
+    assert case.call(tree=_other_tree(tree_depth=10 + 255)) is not None and case.launch.calls == []
+
+
+def test_a_router_that_was_not_initialised_says_so(compiled):
+    router = compiled.Router.__new__(compiled.Router)
+    for use in (lambda: router.call(*[None] * 12), router.clear, lambda: len(router)):
+        with pytest.raises(RuntimeError, match="was not initialised"):
+            use()

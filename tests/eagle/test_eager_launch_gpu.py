@@ -408,3 +408,34 @@ def test_a_stream_capturing_a_graph_is_not_routed():
         routed = ROUTES.router.call(*args)
     torch.cuda.synchronize()
     assert routed is not None and same(routed, expected)
+
+
+def test_graph_true_inside_a_capture_is_refused_by_name():
+    """graph=True while the current stream captures a graph is refused with its fix, whether
+    the call would capture a new entry, launch an entry's executable directly or replay one
+    that draws its coins; the same call without graph=True is captured into the caller's graph
+    and replays the reference's tokens."""
+    bs, d = 4, 8
+    tree, logits, coins, coins_final = gpu_case(41, bs, d, (4, 3), 128256, False)
+    kw = dict(impl="fused", validate=False)
+    expected = reference(logits, tree, 1.0, None, None, coins, coins_final)
+    clear_verify_graphs()
+    for given in (dict(coins=coins, coins_final=coins_final), {}):  # a direct launch, then replay()
+        for entry_exists in (False, True):
+            if entry_exists:
+                for _ in range(2):  # (captures the entry, then replays it)
+                    eagle_verify(logits, None, tree, 1.0, graph=True, **given, **kw)
+                torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with pytest.raises(ValueError, match="captures a CUDA graph.*call eagle_verify without graph=True"):
+                with torch.cuda.graph(graph):
+                    eagle_verify(logits, None, tree, 1.0, graph=True, **given, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = eagle_verify(logits, None, tree, 1.0, coins=coins, coins_final=coins_final, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same(captured, expected)
+    assert same(eagle_verify(logits, None, tree, 1.0, graph=True, coins=coins, coins_final=coins_final, **kw),
+                expected)  # the entries still replay outside a capture
+    clear_verify_graphs()

@@ -28,6 +28,7 @@ static struct {
     CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                               CUstream, void **, void **);
     CUresult (*graph_launch)(CUgraphExec, CUstream);
+    CUresult (*stream_is_capturing)(CUstream, int *);
     CUresult (*ctx_get_current)(CUcontext *);
     CUresult (*ctx_set_current)(CUcontext);
     CUresult (*device_get)(CUdevice *, int);
@@ -49,6 +50,7 @@ static int load_driver(void) {
     struct { void **slot; const char *name; } symbols[] = {
         {(void **)&cu.launch_kernel, "cuLaunchKernel"},
         {(void **)&cu.graph_launch, "cuGraphLaunch"},
+        {(void **)&cu.stream_is_capturing, "cuStreamIsCapturing"},
         {(void **)&cu.ctx_get_current, "cuCtxGetCurrent"},
         {(void **)&cu.ctx_set_current, "cuCtxSetCurrent"},
         {(void **)&cu.device_get, "cuDeviceGet"},
@@ -372,7 +374,20 @@ static PyObject *graph_launch(PyObject *module, PyObject *const *args, Py_ssize_
     }
     if (!load_driver() || !ensure_context((int)device))
         return NULL;
-    CUresult code = cu.graph_launch((CUgraphExec)(uintptr_t)executable, (CUstream)(uintptr_t)stream);
+    /* a graph launched into a capture becomes part of the captured graph: refused (graphs.py's
+     * INSIDE_A_CAPTURE says why and what to do instead) */
+    int capturing = 0;
+    CUresult code = cu.stream_is_capturing((CUstream)(uintptr_t)stream, &capturing);
+    if (code != 0)
+        return cuda_error(code, "cuStreamIsCapturing");
+    if (capturing != 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "eagle_verify(graph=True) was called while the current stream captures a CUDA graph; its "
+                        "entries are graphs of their own, which cannot go inside another: inside a capture call "
+                        "eagle_verify without graph=True (validate=False), and the step is captured into your graph");
+        return NULL;
+    }
+    code = cu.graph_launch((CUgraphExec)(uintptr_t)executable, (CUstream)(uintptr_t)stream);
     if (code != 0)
         return cuda_error(code, "cuGraphLaunch");
     Py_RETURN_NONE;

@@ -4,7 +4,7 @@ operations as its checks allow.
 A serving engine calls verification eagerly, once per step, after its target model's
 graph replays; at small batches the call's host time is what the user waits for. Once a
 step's plan is compiled and its workspace made for the current stream (:mod:`.fused`, by
-the plan's first call), :func:`eager` checks the arguments directly (no
+the plan's first call), :func:`short_path` checks the arguments directly (no
 :class:`~graphborrow.eagle.step.VerifyStep`), takes the outputs from the caller (``out=``)
 or one allocation, and launches the compiled kernel through a
 :class:`~graphborrow.eagle.triton.direct.KernelLaunch` whose other arguments were packed
@@ -12,11 +12,12 @@ once per plan and stream (Triton's C launcher where the direct module does not a
 Anything else returns None and takes the general path, which checks again and names any
 problem.
 
-Once a plan has launched here on a stream, the same call is made in C++ first: a route to
-the plan's launches goes to :data:`ROUTES`' compiled :mod:`.eager_call` router, which reads
-the tensors' attributes without Python and declines (returns None) wherever this function
-would not take the call the same way; this function is then what it mirrors, and what runs
-where the router cannot be built.
+Once :func:`short_path` (that check and launch, in Python) has launched a plan on a stream,
+:func:`eager` makes the same call in C++ first: a route to the plan's launches goes to
+:data:`ROUTES`' compiled :mod:`.eager_call` router, which reads the tensors' attributes
+without Python and declines (returns None) wherever :func:`short_path` would not take the
+call the same way. :func:`short_path` is what the router mirrors, and what runs where it
+cannot be built.
 """
 
 from __future__ import annotations

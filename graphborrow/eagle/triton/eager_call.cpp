@@ -24,6 +24,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -33,6 +34,7 @@ enum Form { ABSENT = 0, NUMBER = 1, PER_REQUEST = 2, ONE_VALUE = 3 };
 constexpr int64_t ALIGN = 16;  // bytes: the pointer alignment the compiled kernel was specialised on
 constexpr int64_t INT32_MAX_ = 2147483647;
 constexpr int PER_CALL = 18;   // per-call kernel arguments (eager.py's EAGER_CALL_ARGS)
+constexpr size_t MAX_ROUTES = 256;  // as many as the plan cache keeps (fused.STEP_PLANS): the oldest goes first
 
 // ---------------------------------------------------------------------------------
 // Whether a stream is capturing a graph: cuStreamIsCapturing, from the driver library torch loaded
@@ -136,31 +138,41 @@ struct Route {
   std::vector<Launch> launches;
   PyObject *tunables;  // the plan's tunables() when it was made
   PyObject *keep;      // what holds the workspace and kernels alive
+  bool owns = false;   // the references above are the route's own (taken once it is complete)
+
+  ~Route() {  // (with the GIL held: routes are dropped by add, clear and the router's end)
+    if (!owns) return;
+    Py_XDECREF(coins_view);
+    Py_XDECREF(coins_final_view);
+    Py_XDECREF(tunables);
+    Py_XDECREF(keep);
+    for (Launch &l : launches) {
+      Py_XDECREF(l.call);
+      Py_XDECREF(l.head);
+      Py_XDECREF(l.tail);
+    }
+  }
 };
+
+// Routes are shared: a call holds its route while it calls back into Python (drawing coins,
+// launching), where another thread may add or clear routes
+using Routes = std::vector<std::shared_ptr<Route>>;
 
 struct Router {
   PyObject_HEAD
-  std::vector<Route> *routes;
+  Routes *routes;
   PyObject *tunables_fn, *hooks_fn, *draw_into, *result_type;
 };
 
-void release(Route &r) {
-  Py_XDECREF(r.coins_view);
-  Py_XDECREF(r.coins_final_view);
-  Py_XDECREF(r.tunables);
-  Py_XDECREF(r.keep);
-  for (Launch &l : r.launches) {
-    Py_XDECREF(l.call);
-    Py_XDECREF(l.head);
-    Py_XDECREF(l.tail);
-  }
+// false and a Python error for a Router whose __init__ never ran (Router.__new__ alone)
+bool initialised(Router *self) {
+  if (self->routes != nullptr) return true;
+  PyErr_SetString(PyExc_RuntimeError, "Router(tunables, hooks, draw_into, result_type) was not initialised");
+  return false;
 }
 
 void Router_dealloc(Router *self) {
-  if (self->routes) {
-    for (Route &r : *self->routes) release(r);
-    delete self->routes;
-  }
+  delete self->routes;
   Py_XDECREF(self->tunables_fn);
   Py_XDECREF(self->hooks_fn);
   Py_XDECREF(self->draw_into);
@@ -182,7 +194,7 @@ int Router_init(Router *self, PyObject *args, PyObject *kwargs) {
   Py_XSETREF(self->hooks_fn, hooks_fn);
   Py_XSETREF(self->draw_into, draw_into);
   Py_XSETREF(self->result_type, result_type);
-  if (self->routes == nullptr) self->routes = new std::vector<Route>();
+  if (self->routes == nullptr) self->routes = new Routes();
   return 0;
 }
 
@@ -200,7 +212,9 @@ c10::ScalarType dtype_of(PyObject *obj) {
 //     steps, words, at_index, at_length, launches, tunables, keep): register one route (replacing one of the
 //     same key and stream)
 PyObject *Router_add(Router *self, PyObject *args) {
-  Route r{};
+  if (!initialised(self)) return nullptr;
+  auto made = std::make_shared<Route>();
+  Route &r = *made;
   PyObject *logits_dtype, *forms, *dtypes, *defaults, *launches;
   unsigned long long stream;
   if (!PyArg_ParseTuple(args, "LLLLiOOOKOOOLLLLOOO", &r.bs, &r.d, &r.vocab, &r.depth, &r.device, &logits_dtype,
@@ -241,28 +255,31 @@ PyObject *Router_add(Router *self, PyObject *args) {
     Py_INCREF(l.head);
     Py_INCREF(l.tail);
   }
-  std::vector<Route> &routes = *self->routes;
-  for (Route &old : routes) {
-    if (old.bs == r.bs && old.d == r.d && old.vocab == r.vocab && old.depth == r.depth && old.device == r.device &&
-        old.logits_dtype == r.logits_dtype && old.stream == r.stream && old.forms[0] == r.forms[0] &&
-        old.forms[1] == r.forms[1] && old.forms[2] == r.forms[2] && old.dtypes[0] == r.dtypes[0] &&
-        old.dtypes[1] == r.dtypes[1] && old.dtypes[2] == r.dtypes[2]) {
-      release(old);
-      old = r;
+  r.owns = true;
+  for (std::shared_ptr<Route> &old : *self->routes) {
+    const Route &o = *old;
+    if (o.bs == r.bs && o.d == r.d && o.vocab == r.vocab && o.depth == r.depth && o.device == r.device &&
+        o.logits_dtype == r.logits_dtype && o.stream == r.stream && o.forms[0] == r.forms[0] &&
+        o.forms[1] == r.forms[1] && o.forms[2] == r.forms[2] && o.dtypes[0] == r.dtypes[0] &&
+        o.dtypes[1] == r.dtypes[1] && o.dtypes[2] == r.dtypes[2]) {
+      old = made;  // (the old route goes once no call holds it)
       Py_RETURN_NONE;
     }
   }
-  routes.push_back(r);
+  if (self->routes->size() >= MAX_ROUTES) self->routes->erase(self->routes->begin());
+  self->routes->push_back(made);
   Py_RETURN_NONE;
 }
 
 PyObject *Router_clear(Router *self, PyObject *) {
-  for (Route &r : *self->routes) release(r);
+  if (!initialised(self)) return nullptr;
   self->routes->clear();
   Py_RETURN_NONE;
 }
 
-Py_ssize_t Router_len(Router *self) { return static_cast<Py_ssize_t>(self->routes->size()); }
+Py_ssize_t Router_len(Router *self) {
+  return initialised(self) ? static_cast<Py_ssize_t>(self->routes->size()) : -1;
+}
 
 // One output tensor: `sizes` int32 entries of `buffer` from word `offset`, sharing its storage
 // without being tracked as its view (what unsafe_split_with_sizes gives eager()'s outputs)
@@ -308,6 +325,7 @@ PyObject *call_route(Router *self, PyObject *const *args, Py_ssize_t nargs) {
   }
   PyObject *logits_obj = args[0], *candidates_obj = args[1], *tree = args[2];
   PyObject *coins_obj = args[6], *coins_final_obj = args[7], *generator = args[8], *out = args[11];
+  if (!initialised(self)) return nullptr;
   if (self->routes->empty()) Py_RETURN_NONE;
   PyObject *owned[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
   struct Drop {
@@ -412,17 +430,19 @@ PyObject *call_route(Router *self, PyObject *const *args, Py_ssize_t nargs) {
   for (int i = n; i < 3; i++) dtypes[i] = c10::ScalarType::Undefined;
   // (a route of device -1, CPU tensors, has no stream: the CPU tests' routes; eager() makes CUDA ones only)
   void *stream = device >= 0 ? current_stream(device) : nullptr;  // (throws where torch has no CUDA: Router_call)
-  const Route *route = nullptr;
-  for (const Route &r : *self->routes) {
+  std::shared_ptr<Route> held;  // (kept for the whole call: see Routes)
+  for (const std::shared_ptr<Route> &candidate : *self->routes) {
+    const Route &r = *candidate;
     if (r.bs == bs && r.d == d && r.vocab == logits->size(1) && r.depth == depth && r.device == device &&
         r.logits_dtype == ldt && r.stream == stream && r.forms[0] == params[0].form &&
         r.forms[1] == params[1].form && r.forms[2] == params[2].form && r.dtypes[0] == dtypes[0] &&
         r.dtypes[1] == dtypes[1] && r.dtypes[2] == dtypes[2]) {
-      route = &r;
+      held = candidate;
       break;
     }
   }
-  if (route == nullptr) Py_RETURN_NONE;
+  if (!held) Py_RETURN_NONE;
+  const Route *route = held.get();
   PyObject *now = PyObject_CallNoArgs(self->tunables_fn);
   if (now == nullptr) return nullptr;
   int same = PyObject_RichCompareBool(now, route->tunables, Py_EQ);

@@ -439,3 +439,30 @@ def test_graph_true_inside_a_capture_is_refused_by_name():
     assert same(eagle_verify(logits, None, tree, 1.0, graph=True, coins=coins, coins_final=coins_final, **kw),
                 expected)  # the entries still replay outside a capture
     clear_verify_graphs()
+
+
+def test_the_standalone_renorms_launch_packed_and_give_tritons_launchers_values(monkeypatch):
+    """top_k_renorm / top_p_renorm launch their nine kernels through direct.KernelLaunch (the
+    source, and for the apply kernel the pivots and the output, per call): the reference's
+    values and those of Triton's own C launcher (GRAPHBORROW_DIRECT_LAUNCH=0), at 8 and 64
+    rows, numbers and per-row tensors."""
+    from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
+    from graphborrow.eagle.triton import select
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for rows in (8, 64):
+        probs = torch.softmax(3.0 * torch.randn(rows, 128256, device="cuda", generator=g), dim=-1)
+        ks = torch.tensor([1, 50, 128256, 7] * (rows // 4), device="cuda")
+        cases = [(fv.top_p_renorm, 0.9, top_p_renorm_probs(probs, 0.9)),
+                 (fv.top_k_renorm, 50, top_k_renorm_probs(probs, 50)),
+                 (fv.top_k_renorm, ks, top_k_renorm_probs(probs, ks))]
+        for renorm, value, expected in cases:
+            got = {}
+            for setting in ("1", "0"):
+                monkeypatch.setenv("GRAPHBORROW_DIRECT_LAUNCH", setting)
+                select.clear_plans()
+                got[setting] = [renorm(probs, value, validate=False) for _ in range(3)]  # (compiles, then direct)
+                (plan,) = select._RENORM_PLANS.plans.values()
+                assert set(packed_launches(plan)) == {setting == "1"} and len(packed_launches(plan)) == 9
+            assert all(torch.equal(out, expected) for out in got["1"] + got["0"]), (rows, renorm.__name__, value)
+    select.clear_plans()

@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from .launch import Launcher, PlanCache, aligned, bound_call, capturing_now, current_stream
+from .direct import kernel_launch
+from .launch import Launcher, PlanCache, aligned, bound_call, capturing_now, current_stream, direct_disabled
 from .probs import INTERPRETED, TRITON_AVAILABLE, any_true, compile_options, per_request_value
 from .workspace import Layout
 
@@ -242,14 +243,27 @@ class _RenormPlan:
         return launches
 
     def direct_launches(self, entry: _RenormWorkspace, device: int) -> list:
-        """``entry``'s direct launches, made once: every argument but the source (the first)
-        and, for the last kernel, the output (the third) is fixed by the plan and workspace."""
+        """``entry``'s direct launches, made once, ``(call, leading, trailing)`` each: the
+        search's launched as ``call(*leading, src, *trailing)``, the apply kernel's (the last)
+        as ``call(*leading, src, pivots, dst, *trailing)``. Every other argument is fixed by
+        the plan and workspace: packed once into a
+        :class:`~graphborrow.eagle.triton.direct.KernelLaunch` where the direct module
+        applies, else passed to the compiled kernel's C launcher with its grid, stream and
+        handles before them."""
         if entry.launches is None:
             stream = current_stream(device)
+            compiled = self.launcher.compiled
             entry.launches = []
-            for kernel, (_, grid, args, _) in zip(self.launcher.compiled, self.launches(0, 0, entry.pointers)):
-                call, leading = bound_call(kernel)
-                entry.launches.append((call, (*grid, stream, *leading), args[1:]))
+            for i, (kernel, (_, grid, args, _)) in enumerate(zip(compiled, self.launches(0, 0, entry.pointers))):
+                per_call = 3 if i == len(compiled) - 1 else 1  # (the apply kernel: source, pivots, output)
+                packed = None
+                if not direct_disabled():
+                    packed = kernel_launch(kernel, device, tuple(grid), stream, per_call, tuple(args[per_call:]))
+                if packed is not None:
+                    entry.launches.append((packed.launch, (), ()))
+                else:
+                    call, leading = bound_call(kernel)
+                    entry.launches.append((call, (*grid, stream, *leading), tuple(args[per_call:])))
         return entry.launches
 
 
@@ -304,7 +318,7 @@ def _renorm(probs, top_k, top_p, validate):
         *search, (apply, head, tail) = plan.direct_launches(entry, device)
         for call, lead, rest in search:
             call(*lead, src, *rest)
-        apply(*head, src, tail[0], dst, *tail[2:])
+        apply(*head, src, entry.pointers.pivots, dst, *tail)
     else:
         launcher.run(plan.launches(probs, out, entry.views))
     return out

@@ -1,5 +1,5 @@
 """The compiled eager short path (graphborrow/eagle/triton/eager_call.cpp): built here against
-this torch, taking exactly the calls eager() takes and declining the rest.
+this torch, taking exactly the calls eager.short_path() takes and declining the rest.
 
 On the CPU a route has device -1 and no stream; its launch is a recorder standing in for the
 kernel (whose launches run on a GPU: test_eager_launch_gpu.py checks the routed calls there
@@ -228,7 +228,7 @@ DECLINED = {
 
 @pytest.mark.parametrize("change", DECLINED.values(), ids=DECLINED.keys())
 def test_what_eager_would_not_take_the_same_way_is_declined(compiled, change):
-    """None (eager() then takes the call, or the general path names the problem) and nothing
+    """None (short_path() then takes the call, or the general path names the problem) and nothing
     launched, drawn or allocated."""
     case = Case(compiled)
     before = case.workspace.clone()

@@ -1,12 +1,12 @@
 // The eager short path compiled: eagle_verify(..., validate=False) checked and launched in C++.
 //
-// eager.py's eager() is the short path written in Python; it spends most of a call's host
-// time reading tensor attributes through Python (shape, dtype, contiguity, device, address:
-// about sixty reads) and cutting the outputs. A Router holds one Route per (plan, stream)
-// that eager() has launched once, and does the same call here: the same checks in the same
-// order, read from each tensor's C++ object; the outputs cut from one allocation without
-// the Python binding; the plan's launches called with the per-call arguments. Anything
-// outside the common case returns None, and eager() (then the general path) takes the call.
+// eager.py's short_path() is the short path written in Python; it spends most of a call's
+// host time reading tensor attributes through Python (shape, dtype, contiguity, device,
+// address: about sixty reads) and cutting the outputs. A Router holds one Route per (plan,
+// stream) that short_path() has launched once, and does the same call here: the same checks,
+// read from each tensor's C++ object; the outputs cut from one allocation without the Python
+// binding; the plan's launches called with the per-call arguments. Anything outside the
+// common case returns None, and short_path() (then the general path) takes the call.
 //
 // Built against the running torch's headers (eager_call.py); no CUDA header: the current
 // stream comes from c10, and whether it is capturing from the driver library, opened here.
@@ -63,7 +63,7 @@ void *current_stream(int device) {
 }
 
 // ---------------------------------------------------------------------------------
-// Reading arguments as eager() does
+// Reading arguments as short_path() does
 
 // The at::Tensor of exactly torch.Tensor (no subclass: not even Parameter, which torch's own
 // THPVariable_CheckExact lets through), else nullptr
@@ -71,7 +71,7 @@ const at::Tensor *plain_tensor(PyObject *obj) {
   return Py_TYPE(obj) == reinterpret_cast<PyTypeObject *>(THPVariableClass) ? &THPVariable_Unpack(obj) : nullptr;
 }
 
-// A number as eager() accepts one: exactly float or int (bool is neither); false on anything else
+// A number as short_path() accepts one: exactly float or int (bool is neither); false on anything else
 bool number(PyObject *obj, double *value) {
   if (PyFloat_CheckExact(obj)) {
     *value = PyFloat_AS_DOUBLE(obj);
@@ -123,7 +123,7 @@ struct Launch {
 };
 
 struct Route {
-  // the plan's key, as eager() looks it up (tunables checked apart)
+  // the plan's key, as short_path() looks it up (tunables checked apart)
   int64_t bs, d, vocab, depth;
   int device;
   c10::ScalarType logits_dtype;
@@ -282,7 +282,7 @@ Py_ssize_t Router_len(Router *self) {
 }
 
 // One output tensor: `sizes` int32 entries of `buffer` from word `offset`, sharing its storage
-// without being tracked as its view (what unsafe_split_with_sizes gives eager()'s outputs)
+// without being tracked as its view (what unsafe_split_with_sizes gives short_path()'s outputs)
 PyObject *output_piece(const at::Tensor &buffer, int64_t offset, c10::IntArrayRef sizes,
                        c10::IntArrayRef strides) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(),
@@ -317,10 +317,10 @@ PyObject *draw(Router *self, PyObject *view, PyObject *generator) {
 }
 
 // call(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final, generator,
-//      threshold_single, threshold_acc, out): eager()'s call, or None
+//      threshold_single, threshold_acc, out): short_path()'s call, or None
 PyObject *call_route(Router *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 12) {
-    PyErr_SetString(PyExc_TypeError, "call takes eager()'s 12 arguments");
+    PyErr_SetString(PyExc_TypeError, "call takes short_path()'s 12 arguments");
     return nullptr;
   }
   PyObject *logits_obj = args[0], *candidates_obj = args[1], *tree = args[2];
@@ -428,7 +428,7 @@ PyObject *call_route(Router *self, PyObject *const *args, Py_ssize_t nargs) {
   for (Param &p : params)
     if (p.tensor) dtypes[n++] = p.tensor->scalar_type();
   for (int i = n; i < 3; i++) dtypes[i] = c10::ScalarType::Undefined;
-  // (a route of device -1, CPU tensors, has no stream: the CPU tests' routes; eager() makes CUDA ones only)
+  // (a route of device -1, CPU tensors, has no stream: the CPU tests' routes; short_path() adds CUDA ones only)
   void *stream = device >= 0 ? current_stream(device) : nullptr;  // (throws where torch has no CUDA: Router_call)
   std::shared_ptr<Route> held;  // (kept for the whole call: see Routes)
   for (const std::shared_ptr<Route> &candidate : *self->routes) {
@@ -539,7 +539,7 @@ PyObject *call_route(Router *self, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 // A C++ exception (a check torch refuses, say is_contiguous() of a sparse tensor, or an allocation
-// that fails) declines the call: eager() then makes it and raises torch's error in Python.
+// that fails) declines the call: short_path() then makes it and raises torch's error in Python.
 PyObject *Router_call(Router *self, PyObject *const *args, Py_ssize_t nargs) {
   try {
     return call_route(self, args, nargs);

@@ -1,20 +1,21 @@
 """The eager short path compiled: a C++ :class:`Router` (``eager_call.cpp``) that makes
-:func:`~graphborrow.eagle.triton.eager.eager`'s call without reading tensors through Python.
+:func:`~graphborrow.eagle.triton.eager.short_path`'s call without reading tensors through Python.
 
-``eager()`` in Python reads about sixty tensor attributes per call (shape, dtype, contiguity,
-device, address), each a Python call into torch, and cuts its outputs through torch's Python
-binding: on the H200's host that is most of the call's 20-40 µs. The Router reads them from
-each tensor's C++ object. ``eager()`` registers a *route* (the plan's key, the stream, the
-workspace's addresses, the launches) once a plan's launches on a stream are made, and asks
-the Router first on every later call; the Router returns None wherever ``eager()`` would
-not take the call the same way, and ``eager()`` (then the general path) takes it.
+``short_path()`` reads about sixty tensor attributes per call (shape, dtype, contiguity,
+device, address), each a Python call into torch, and cuts its outputs through torch's
+Python binding: on the H200's host that is most of the call's 20-40 µs. The Router reads
+them from each tensor's C++ object. ``short_path()`` registers a *route* (the plan's key,
+the stream, the workspace's addresses, the launches) once it has launched a plan on a
+stream, and :func:`~graphborrow.eagle.triton.eager.eager` asks the Router first on every
+later call; the Router returns None wherever ``short_path()`` would not take the call the
+same way, and ``short_path()`` (then the general path) takes it.
 
 The module is compiled once per content and torch version into the native-build cache
 (:mod:`graphborrow.core.native`) against the running torch's headers; about 10-30 s, so
 ``python -m graphborrow build`` makes it ahead of time, and otherwise the first eager call
 does. Where it cannot be built (no C++ compiler, no torch or Python headers) :func:`module`
-returns None and ``eager()`` takes every call. ``GRAPHBORROW_DIRECT_LAUNCH=0`` turns it off
-with the direct launcher.
+returns None and ``short_path()`` takes every call. ``GRAPHBORROW_DIRECT_LAUNCH=0`` turns it
+off with the direct launcher.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The cache of native builds: the C arena and the compiled allocator model, built once per content.
+"""The cache of native builds: the C arena, the compiled allocator model and the fused kernels'
+launchers, built once per content.
 
 A build is named by a tag, a hash of everything it is built from (:func:`content_tag`), so a
 build can never be stale: change a source, a compiler flag or the interpreter and the old
@@ -13,17 +14,21 @@ complete, verified build or build their own copy and race harmlessly on the rena
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import platform
 import shutil
+import subprocess
+import sys
 import sysconfig
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-__all__ = ["cache_dir", "compiler", "content_tag", "cxx_compiler", "digest_path", "is_intact", "prepare", "problem",
-           "publish", "temporary_dir"]
+__all__ = ["build_extension", "cache_dir", "compiler", "content_tag", "cxx_compiler", "digest_path", "is_intact",
+           "load_extension", "prepare", "problem", "publish", "temporary_dir"]
 
 CACHE_ENV = "GRAPHBORROW_CACHE_DIR"
 TEMPORARY_PREFIX = ".build-"  # every temporary a build leaves while it runs starts with this
@@ -55,13 +60,8 @@ def compiler(what: str) -> str:
     Raises:
         RuntimeError: none of them is found.
     """
-    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(cc) is not None:
-        return cc
-    for fallback in ("cc", "gcc", "clang"):
-        if shutil.which(fallback):
-            return fallback
-    raise RuntimeError(f"no C compiler found to build {what}; install gcc (or set CC)")
+    return _program(os.environ.get("CC") or sysconfig.get_config_var("CC"), ("cc", "gcc", "clang"),
+                    f"no C compiler found to build {what}; install gcc (or set CC)")
 
 
 def cxx_compiler(what: str) -> str:
@@ -71,13 +71,69 @@ def cxx_compiler(what: str) -> str:
     Raises:
         RuntimeError: none of them is found.
     """
-    cxx = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()[0]
-    if shutil.which(cxx) is not None:
-        return cxx
-    for fallback in ("c++", "g++", "clang++"):
+    return _program(os.environ.get("CXX") or sysconfig.get_config_var("CXX"), ("c++", "g++", "clang++"),
+                    f"no C++ compiler found to build {what}; install g++ (or set CXX)")
+
+
+def _program(setting: str | None, fallbacks: tuple, missing: str) -> str:
+    """The program ``setting`` names (flags after it are not part of its name), else the first
+    of ``fallbacks`` on the PATH; RuntimeError(``missing``) when none is found."""
+    name = (setting or fallbacks[0]).split()[0]
+    if shutil.which(name) is not None:
+        return name
+    for fallback in fallbacks:
         if shutil.which(fallback):
             return fallback
-    raise RuntimeError(f"no C++ compiler found to build {what}; install g++ (or set CXX)")
+    raise RuntimeError(missing)
+
+
+def build_extension(what: str, name: str, source: Path, find_compiler: Callable[[str], str],
+                    command: Callable[[str, Path, str], list], *tag_parts: bytes) -> Path:
+    """A Python extension module compiled from one source file into the cache, unless an intact
+    build of it exists (the fused kernels' direct launcher and compiled eager path).
+
+    Args:
+        what: what is being built, for the messages (e.g. ``"the direct launcher"``).
+        name: the module's name (its ``PyInit_`` name); the file is ``<name>-<tag><EXT_SUFFIX>``.
+        source: the source file.
+        find_compiler: :func:`compiler` or :func:`cxx_compiler`.
+        command: ``command(compiler, output, python_include)``, the compile command.
+        tag_parts: what else the build depends on (beside the source, the interpreter, the
+            machine and Python's headers).
+
+    Returns:
+        The built file's path.
+
+    Raises:
+        RuntimeError: no compiler, no Python headers, or the compile failed (its message).
+    """
+    include = sysconfig.get_paths()["include"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    tag = content_tag(source.read_bytes(), f"{sys.implementation.cache_tag}{suffix}".encode(),
+                      platform.machine().encode(), include.encode(), *tag_parts)
+    target = cache_dir() / f"{name}-{tag}{suffix}"
+    if is_intact(target):
+        return target
+    program = find_compiler(what)
+    if not (Path(include) / "Python.h").exists():
+        raise RuntimeError(f"building {what} needs Python's headers (no Python.h in {include}); install the "
+                           "python3-dev package of this interpreter")
+    prepare(target.parent, f"{what}'s build cache")
+    with temporary_dir(target.parent) as tmp:
+        built = tmp / target.name
+        compile_command = command(program, built, include)
+        result = subprocess.run(compile_command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"building {what} failed ({' '.join(compile_command)}):\n{result.stderr}")
+        return publish(built, target)
+
+
+def load_extension(name: str, path: Path):
+    """The extension module ``name`` loaded from ``path`` (a file :func:`build_extension` made)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
 
 
 def content_tag(*parts: bytes) -> str:

@@ -18,11 +18,6 @@ the callers keep Triton's launcher and ``CUDAGraph.replay``.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import platform
-import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 from graphborrow.core import native
@@ -31,7 +26,6 @@ __all__ = ["SOURCE", "TYPE_KINDS", "build", "graph_launch", "kernel_launch", "ki
 
 SOURCE = Path(__file__).with_name("direct.c")
 NAME = "graphborrow_direct"
-EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 # Triton's argument types -> the module's kind characters (pointers are "P", constexprs "x")
 TYPE_KINDS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "B", "u8": "B", "u16": "H",
               "u32": "I", "u64": "L", "fp16": "e", "bf16": "r", "fp32": "f", "f32": "f", "fp64": "d"}
@@ -44,24 +38,11 @@ def build() -> Path:
     Raises:
         RuntimeError: no C compiler, no Python headers, or the compile failed (its message).
     """
-    include = sysconfig.get_paths()["include"]
-    tag = native.content_tag(SOURCE.read_bytes(), f"{sys.implementation.cache_tag}{EXT_SUFFIX}".encode(),
-                             platform.machine().encode(), include.encode())
-    target = native.cache_dir() / f"{NAME}-{tag}{EXT_SUFFIX}"
-    if native.is_intact(target):
-        return target
-    cc = native.compiler("the direct launcher")
-    if not (Path(include) / "Python.h").exists():
-        raise RuntimeError(f"building the direct launcher needs Python's headers (no Python.h in {include}); "
-                           "install the python3-dev package of this interpreter")
-    native.prepare(target.parent, "the direct launcher's build cache")
-    with native.temporary_dir(target.parent) as tmp:
-        built = tmp / target.name
-        command = [cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", str(built), str(SOURCE), "-ldl"]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"building the direct launcher failed ({' '.join(command)}):\n{result.stderr}")
-        return native.publish(built, target)
+    return native.build_extension("the direct launcher", NAME, SOURCE, native.compiler, _command)
+
+
+def _command(cc: str, output: Path, include: str) -> list[str]:
+    return [cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", str(output), str(SOURCE), "-ldl"]
 
 
 @functools.cache
@@ -71,10 +52,7 @@ def module():
         path = build()
     except RuntimeError:
         return None
-    spec = importlib.util.spec_from_file_location(NAME, path)
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
-    return loaded
+    return native.load_extension(NAME, path)
 
 
 def kinds_of(signature) -> str | None:

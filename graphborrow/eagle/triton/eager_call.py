@@ -21,11 +21,6 @@ off with the direct launcher.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import platform
-import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import torch
@@ -36,10 +31,9 @@ __all__ = ["SOURCE", "build", "build_command", "module"]
 
 SOURCE = Path(__file__).with_name("eager_call.cpp")
 NAME = "graphborrow_eager_call"
-EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 
-def build_command(cxx: str, output: Path) -> list[str]:
+def build_command(cxx: str, output: Path, include: str) -> list[str]:
     """The compile command: torch's headers as system headers (their warnings are not ours),
     torch's libraries linked by name and found again at load time (rpath)."""
     from torch.utils import cpp_extension
@@ -48,7 +42,7 @@ def build_command(cxx: str, output: Path) -> list[str]:
     includes = [f"-isystem{p}" for p in cpp_extension.include_paths()]
     libraries = cpp_extension.library_paths()
     return [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
-            f"-I{sysconfig.get_paths()['include']}", "-o", str(output), str(SOURCE),
+            f"-I{include}", "-o", str(output), str(SOURCE),
             *[f"-L{p}" for p in libraries], *[f"-Wl,-rpath,{p}" for p in libraries],
             "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", "-ldl"]
 
@@ -59,35 +53,14 @@ def build() -> Path:
     Raises:
         RuntimeError: no C++ compiler, no Python or torch headers, or the compile failed (its message).
     """
-    include = sysconfig.get_paths()["include"]
-    tag = native.content_tag(SOURCE.read_bytes(), f"{sys.implementation.cache_tag}{EXT_SUFFIX}".encode(),
-                             platform.machine().encode(), include.encode(), torch.__version__.encode(),
-                             str(Path(torch.__file__).parent).encode())
-    target = native.cache_dir() / f"{NAME}-{tag}{EXT_SUFFIX}"
-    if native.is_intact(target):
-        return target
-    cxx = native.cxx_compiler("the compiled eager path")
-    if not (Path(include) / "Python.h").exists():
-        raise RuntimeError(f"building the compiled eager path needs Python's headers (no Python.h in {include}); "
-                           "install the python3-dev package of this interpreter")
-    native.prepare(target.parent, "the compiled eager path's build cache")
-    with native.temporary_dir(target.parent) as tmp:
-        built = tmp / target.name
-        command = build_command(cxx, built)
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"building the compiled eager path failed ({' '.join(command)}):\n{result.stderr}")
-        return native.publish(built, target)
+    return native.build_extension("the compiled eager path", NAME, SOURCE, native.cxx_compiler, build_command,
+                                  torch.__version__.encode(), str(Path(torch.__file__).parent).encode())
 
 
 @functools.cache
 def module():
     """The compiled module (built on first use), or None where it cannot be built or loaded."""
     try:
-        path = build()
-        spec = importlib.util.spec_from_file_location(NAME, path)
-        loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
+        return native.load_extension(NAME, build())
     except (RuntimeError, ImportError, OSError):
         return None
-    return loaded

@@ -12,7 +12,10 @@ replay's event time is printed beside the untraced one (the records' cost), and 
 tokens are checked equal to the untraced step's. ``--package TREE`` measures another
 tree's graphborrow; with ``--no-trace`` (the only way for a tree without the trace) just
 softmax and the replayed step, so two trees can be compared in turns.
-``--target-programs N`` sets the programs the vocabulary split aims at (``select.TARGET_PROGRAMS``).
+``--target-programs N`` sets the programs the vocabulary split aims at (``select.TARGET_PROGRAMS``),
+``--residual-items N`` the items the residual split aims at (``fused.RESIDUAL_ITEMS``) and
+``--one-round-rows N`` the most rows split for one round of programs (``fused.ONE_ROUND_ROWS``;
+0: none, every step aims at ``select.TARGET_PROGRAMS``).
 """
 
 from __future__ import annotations
@@ -103,11 +106,19 @@ def main(argv=None):
     ap.add_argument("--package", help="measure another tree's graphborrow")
     ap.add_argument("--no-trace", action="store_true", help="softmax and the replayed step only")
     ap.add_argument("--target-programs", type=int, help="programs the vocabulary split aims at")
+    ap.add_argument("--residual-items", type=int, help="items the residual split aims at")
+    ap.add_argument("--one-round-rows", type=int, help="most rows split for one round of programs")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("step_timeline.py needs a CUDA GPU (the trace reads the GPU's clock)")
     if args.target_programs:
         select.TARGET_PROGRAMS = args.target_programs
+    from graphborrow.eagle.triton import fused
+
+    if args.residual_items:
+        fused.RESIDUAL_ITEMS = args.residual_items
+    if args.one_round_rows is not None:
+        fused.ONE_ROUND_ROWS = args.one_round_rows
     rows = []
     for bs, d in points(args.points):
         row = point(bs, d, args.iters, trace=not args.no_trace)

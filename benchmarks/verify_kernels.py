@@ -40,7 +40,9 @@ validate=False)``, as a serving engine makes it:
 - ``upstream``: the same-run figures of ../shared/reference/upstream_kernel_h200.md
   (softmax + sgl-kernel eager and replayed; not rebuilt here).
 
-``--profile`` adds, at a few points, device time per kernel and the host-time profile:
+``--profile`` adds, at a few points, device time per kernel and the host-time profile
+(after every timing: once torch.profiler has started, every later launch in the process is
+slower, the softmax yardstick's most):
 launches and allocations per call, the host time with every launch through Triton's JIT
 front end (``jit_host_us``), and the Python functions the call spends its time in
 (cProfile). Then: the standalone top-p renorm of 32 x V (and both standalone renorms at
@@ -415,13 +417,33 @@ def run_point(bs, d, args, rows):
             row, got = fused_row(common, step, renorm, args, tree, logits, coins, coins_final)
             if ref is not None:
                 row["agrees_eagle_verify"] = not any(differing_requests(ref, got, bs, d))
-            if args.profile and (bs, d) in PROFILE_POINTS:
-                row["per_kernel_us"], row["launches_per_call"] = kernel_breakdown(step)
             row["ok"] = True
         except Exception as exc:  # noqa: BLE001
             row = {**common, "impl": "fused" + tag, "ok": False, "error": f"{type(exc).__name__}: {exc}",
                    "traceback": traceback.format_exc(limit=6)}
         rows.append(row)
+
+
+def kernel_rows(args, rows):
+    """Device time per kernel at PROFILE_POINTS, into their fused rows. Run after every
+    timing: once torch.profiler has started (CUPTI), every later launch in the process
+    costs more, the two-launch softmax yardstick most (75 against 57 us at 4 x 4, docs/kernels.md)."""
+    for row in rows:
+        point = (row["bs"], row["draft_tokens"])
+        if row.get("impl") not in ("fused", "fused_renorm") or not row.get("ok") or point not in PROFILE_POINTS:
+            continue
+        bs, d = point
+        tree, logits, coins, coins_final = make_case(bs, d, args.vocab, seed=bs * 100 + d,
+                                                     temperature=args.temperature)
+        kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False,
+                  **(RENORM if row["impl"] == "fused_renorm" else {}))
+        try:
+            row["per_kernel_us"], row["launches_per_call"] = kernel_breakdown(
+                lambda: eagle_verify(logits, None, tree, args.temperature, **kw))
+            print(f"per kernel, {row['impl']} bs={bs} D={d} ({row['launches_per_call']:.0f} launches): "
+                  + ", ".join(f"{k[:40]} {v:.1f}" for k, v in row["per_kernel_us"].items()))
+        except Exception as exc:  # noqa: BLE001
+            row["per_kernel_error"] = f"{type(exc).__name__}: {exc}"
 
 
 def host_floor(args):
@@ -530,11 +552,21 @@ def renorm_row(args):
               "top_k50_fused_us": event_us(lambda: fs.top_k_renorm(probs, 50, validate=False), args.iters),
               "top_k50_agrees": torch.equal(fs.top_k_renorm(probs, 50), top_k_renorm_probs(probs, 50))}
     record["meets_goal"] = min(fused, record["fused_graph_us"]) <= goal  # device time: eager may wait on the host
-    if args.profile:
-        record["per_kernel_us"] = kernel_breakdown(top_p)[0]
-        record["host_profile"] = host_profile(top_p, args.iters)
     record["standalone"] = standalone_renorm_rows(args)
     return record
+
+
+def renorm_profile(args, record):
+    """The standalone top-p renorm's per-kernel and host profile, into ``record`` (after every timing)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    probs = torch.softmax(2.0 * torch.randn(32, args.vocab, device="cuda", generator=g), dim=-1)  # renorm_row's
+
+    def top_p():
+        return fs.top_p_renorm(probs, 0.9, validate=False)
+
+    top_p()
+    record["per_kernel_us"] = kernel_breakdown(top_p)[0]
+    record["host_profile"] = host_profile(top_p, args.iters)
 
 
 def standalone_renorm_rows(args):
@@ -639,10 +671,6 @@ def print_tables(rows):
               f"{fr.get('device_us', math.nan):>8.0f} {fr.get('graph_us', math.nan):>8.0f} "
               f"{str(f.get('agrees')):>5} {us.get('differing_token_requests', '-')!s:>3} "
               f"({us.get('expected_token_flips', math.nan):.3f})  {', '.join(missed) or '-'}")
-    for r in rows:
-        if r.get("per_kernel_us"):
-            print(f"per kernel, {r['impl']} bs={r['bs']} D={r['draft_tokens']} ({r['launches_per_call']:.0f} "
-                  "launches): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in r["per_kernel_us"].items()))
     return verdicts
 
 
@@ -722,11 +750,10 @@ def main(argv=None):
     if args.only != "host":
         record["compile_s"] = compile_times(args)
         print("Triton compile (first call) seconds:", {k: round(v, 2) for k, v in record["compile_s"].items()})
-    if args.only in ("all", "host") and (args.profile or args.only == "host"):
+    profiles = args.only in ("all", "host") and (args.profile or args.only == "host")
+    if profiles:
         record["host_floor"] = host_floor(args)
         print("host floor:", {k: round(v, 1) for k, v in record["host_floor"].items()})
-        record["host_profile"] = host_rows(args)
-        print_host(record["host_profile"])
     if args.only == "all":
         sweep(args, record, started)
         out = out or Path("data/verify_kernels_h200.json")
@@ -741,6 +768,13 @@ def main(argv=None):
         except Exception as exc:  # noqa: BLE001
             record["top_p_renorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                       "traceback": traceback.format_exc(limit=4)}
+    if profiles:  # the profiler last: once started, it slows every later launch in the process
+        record["host_profile"] = host_rows(args)
+        print_host(record["host_profile"])
+        if args.only == "all":
+            kernel_rows(args, record.get("rows", []))
+    if args.profile and isinstance(record.get("top_p_renorm"), dict) and "fused_us" in record["top_p_renorm"]:
+        renorm_profile(args, record["top_p_renorm"])
     if args.before is not None:
         record["before"] = json.loads(args.before.read_text())
     if out is not None:

@@ -305,6 +305,28 @@ def test_sums_trailing_the_maxima_give_the_same_tokens(lag_bytes, lag, monkeypat
         assert not any(bool(entry.views.sync.any()) for entry in plan.cached.values())
 
 
+@pytest.mark.parametrize("vocab", [128256, 152064, 32000, 900])
+def test_a_small_plain_step_splits_its_rows_for_one_round_of_programs(vocab):
+    """Up to ONE_ROUND_ROWS rows the plain step's maxima and sums fit one round of
+    ONE_ROUND_PROGRAMS programs (one item each), in as many slices as that allows; with
+    top-k / top-p, and above it, the split aims at select.TARGET_PROGRAMS as before. Every
+    slice whole tiles, none empty."""
+    from graphborrow.eagle.triton import select as fs
+
+    tiles = -(-vocab // fs.BLOCK)
+    for rows in range(1, 2 * fv.ONE_ROUND_ROWS + 1):
+        for renorm in (False, True):
+            splits, chunk = fv.row_layout(rows, vocab, renorm)
+            assert chunk % fs.BLOCK == 0 and (splits - 1) * chunk < vocab <= splits * chunk
+            if rows <= fv.ONE_ROUND_ROWS and not renorm:
+                assert rows * splits <= fv.ONE_ROUND_PROGRAMS
+                finer = -(-tiles // (chunk // fs.BLOCK - 1)) if chunk > fs.BLOCK else None
+                assert finer is None or rows * finer > fv.ONE_ROUND_PROGRAMS or finer > fs.SPLIT_MAX
+            else:
+                assert (splits, chunk) == fs.split_layout(rows, vocab)
+    assert fv.row_layout(16, 128256) == (32, 4096) and fv.row_layout(32, 128256) == (16, 8192)
+
+
 def test_eagle_verify_reference_and_fused_agree_bitwise():
     """eagle_verify's two implementations: the reference modes compute the kernels' formula
     (target_probs_reference), so for the same coins they emit the same predicts,

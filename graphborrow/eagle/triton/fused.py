@@ -145,6 +145,17 @@ SPLIT_MAX_REGISTERS = {MAX_SUM: 64, BRACKET: 80, PASS: 80, GATHER: 80, KEPT: 64,
 # The logits (fp32 at most) the sums may trail the maxima by: a row's sums then re-read its
 # slices from L2 instead of memory (the H200's L2 holds 50 MiB; half of it leaves room for the rest).
 SUM_LAG_BYTES = 24 << 20
+# A step of at most ONE_ROUND_ROWS rows splits its rows for one round of the plain step's
+# resident programs (four per H200 SM): each program then takes one maximum and one sum of
+# two or four tiles instead of two of one or two: fewer tickets, arrivals and waits on the
+# path that sets a small step's time (2.4-3.8 us of 31-38 replayed at 4 x 4, 4 x 8 and 1 x 16
+# on the H200, data/verify_one_round_h200.json).
+# Larger steps aim at select.TARGET_PROGRAMS items, enough for the programs to balance.
+ONE_ROUND_ROWS = 32
+ONE_ROUND_PROGRAMS = 528
+# Items the residual split aims at (bs requests, a few slices each; two and four times as
+# many slices measured within the noise, data/verify_tiles_in_flight_residual_split_h200.txt).
+RESIDUAL_ITEMS = 1056
 INTERPRETED_PROGRAMS = 3  # the interpreter runs programs one after another: program 0 does every item
 INT32_MAX = 2**31 - 1
 
@@ -305,11 +316,11 @@ class StepPlan:
         self.forms, self.in_place = forms, in_place
         self.copies = any(f == PER_REQUEST and not direct for f, direct in zip(forms, in_place))  # into slots first
         self.rows = rows = bs * d
-        self.splits, self.chunk = split_layout(rows, vocab)
-        self.rsplits, self.rchunk = split_layout(bs, vocab)
+        self.has_k, self.has_p = forms[1] != ABSENT, forms[2] != ABSENT
+        self.splits, self.chunk = row_layout(rows, vocab, self.has_k or self.has_p)
+        self.rsplits, self.rchunk = residual_layout(bs, vocab)
         bits = sum_bits(vocab)
         self.scale, self.unscale = 2.0 ** bits, 2.0 ** -bits
-        self.has_k, self.has_p = forms[1] != ABSENT, forms[2] != ABSENT
         self.renorm = self.has_k or self.has_p
         self.nsel = int(self.has_k) + int(self.has_p)
         self.passes = _select.SELECT_PASSES
@@ -487,9 +498,9 @@ def step_slots(bs: int, d: int, vocab: int, has_k: bool, has_p: bool) -> list:
     request's candidates (what the walk reads), and ``norms`` [rows, 2], each row's (m, s)
     (what the residual reads). It grows with bs * D * D, never with V."""
     rows = bs * d
-    splits, _ = split_layout(rows, vocab)
-    rsplits, _ = split_layout(bs, vocab)
     renorm = has_k or has_p
+    splits, _ = row_layout(rows, vocab, renorm)
+    rsplits, _ = residual_layout(bs, vocab)
     slots = [("temps", torch.float32, (bs,)), ("top_k", torch.int32, (bs if has_k else 0,)),
              ("top_p", torch.float32, (bs if has_p else 0,)), ("coins", torch.float32, (bs, d)),
              ("coins_final", torch.float32, (bs,)), ("part_max", torch.float32, (rows, splits)),
@@ -514,10 +525,22 @@ def fused_workspace_bytes(bs: int, d: int, vocab: int, top_k: bool = False, top_
     return Layout(step_slots(bs, d, vocab, top_k, top_p)).nbytes
 
 
+def row_layout(rows: int, vocab: int, renorm: bool = False) -> tuple[int, int]:
+    """(slices per row, entries per slice) of a step's row items: one round of programs for a
+    small plain step (``ONE_ROUND_ROWS``), else aimed at ``select.TARGET_PROGRAMS``."""
+    one_round = rows <= ONE_ROUND_ROWS and not renorm
+    return split_layout(rows, vocab, ONE_ROUND_PROGRAMS // rows if one_round else None)
+
+
+def residual_layout(bs: int, vocab: int) -> tuple[int, int]:
+    """(slices per request, entries per slice) of the residual items."""
+    return split_layout(bs, vocab, -(-RESIDUAL_ITEMS // max(bs, 1)))
+
+
 def tunables() -> tuple:
     """The sizes a plan is made with as they are now (tests shrink them): part of every plan's key."""
     return _select.tunables() + (STEP_MAX_REGISTERS, tuple(SPLIT_MAX_REGISTERS.items()), PROGRAMS_PER_SM, SPLIT_ROWS,
-                                 SUM_LAG_BYTES)
+                                 SUM_LAG_BYTES, ONE_ROUND_ROWS, ONE_ROUND_PROGRAMS, RESIDUAL_ITEMS)
 
 
 STEP_PLANS = PlanCache(StepPlan)  # every plan made, by key (the eager short path looks its plan up here)

@@ -81,12 +81,14 @@ class SelectWorkspace(NamedTuple):
     counters: object
 
 
-def split_layout(rows: int, vocab: int) -> tuple[int, int]:
-    """(slices per row, entries per slice) for the [rows, slices] kernels: enough programs
-    to fill the GPU, every slice a whole number of tiles and none empty."""
+def split_layout(rows: int, vocab: int, want: int | None = None) -> tuple[int, int]:
+    """(slices per row, entries per slice) for the [rows, slices] kernels: ``want`` slices
+    per row or fewer (by default enough for ``TARGET_PROGRAMS`` items, to fill the GPU),
+    every slice a whole number of tiles and none empty."""
     tiles = max(1, -(-vocab // BLOCK))
-    want = max(1, -(-TARGET_PROGRAMS // max(rows, 1)))
-    splits = int(min(SPLIT_MAX, tiles, want))
+    if want is None:
+        want = -(-TARGET_PROGRAMS // max(rows, 1))
+    splits = int(min(SPLIT_MAX, tiles, max(1, want)))
     per = -(-tiles // splits)
     return -(-tiles // per), per * BLOCK
 

@@ -530,13 +530,18 @@ def chunked_rows(args):
 RENORM_ROWS = (8, 32, 128)  # the standalone renorms' row counts (32: the earlier record's point)
 
 
+def renorm_probs(rows, vocab, seed):
+    """The standalone renorms' input: softmax of N(0, 2^2) logits, [rows, vocab] on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.softmax(2.0 * torch.randn(rows, vocab, device="cuda", generator=g), dim=-1)
+
+
 def renorm_row(args):
     """The standalone top-p 0.9 (and top-k 50) renorm of 32 x V against the reference and the
     flashinfer-class goal, then both renorms at every ``RENORM_ROWS`` count: eager (device
     time, host time, host time issued back to back) against replayed by hand."""
     rows, vocab = 32, args.vocab
-    g = torch.Generator(device="cuda").manual_seed(0)
-    probs = torch.softmax(2.0 * torch.randn(rows, vocab, device="cuda", generator=g), dim=-1)
+    probs = renorm_probs(rows, vocab, seed=0)
 
     def top_p():
         return fs.top_p_renorm(probs, 0.9, validate=False)
@@ -558,8 +563,7 @@ def renorm_row(args):
 
 def renorm_profile(args, record):
     """The standalone top-p renorm's per-kernel and host profile, into ``record`` (after every timing)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    probs = torch.softmax(2.0 * torch.randn(32, args.vocab, device="cuda", generator=g), dim=-1)  # renorm_row's
+    probs = renorm_probs(32, args.vocab, seed=0)  # renorm_row's
 
     def top_p():
         return fs.top_p_renorm(probs, 0.9, validate=False)
@@ -574,8 +578,7 @@ def standalone_renorm_rows(args):
     "renorm steps launched eagerly at <= 1.5x their replayed time", for the renorm alone."""
     out = []
     for rows in RENORM_ROWS:
-        g = torch.Generator(device="cuda").manual_seed(rows)
-        probs = torch.softmax(2.0 * torch.randn(rows, args.vocab, device="cuda", generator=g), dim=-1)
+        probs = renorm_probs(rows, args.vocab, seed=rows)
         for name, fn, value, reference in (("top_p", fs.top_p_renorm, 0.9, top_p_renorm_probs),
                                            ("top_k", fs.top_k_renorm, 50, top_k_renorm_probs)):
             def call(fn=fn, value=value):

@@ -10,7 +10,13 @@ cannot share with torch, so there agreement is up to the last float64 bit (a tok
 flips only when a coin lands within about 1e-16 of a boundary).
 
 ``m`` needs no division per entry in a kernel: correctly rounded division by t > 0 is
-monotone, so ``max(x / t) == max(x) / t``.
+monotone, so ``max(x / t) == max(x) / t``. ``e`` needs none either in the streaming loops
+(:func:`exp_y_minus_m`): from ``w = RN(1 / t)``, a product and two multiply-add corrections
+give ``RN(x / t)`` (Markstein's theorem: the first correction makes the quotient faithful,
+the second, from an exact remainder, rounds it correctly). That holds while nothing
+overflows or underflows; a row whose t or m is out of the range that guarantees it
+(:func:`multiply_ok`) divides, and the entries of an allowed row outside it get an ``e``
+equal to the division's anyway (module notes at :func:`exp_y_minus_m`).
 
 Importing this module on a machine without CUDA selects Triton's interpreter
 (``TRITON_INTERPRET=1``), which must happen before anything imports triton.
@@ -35,7 +41,8 @@ try:
 except ImportError:  # the torch formulation and the workspace (on the simulated device) still work
     triton = None
 
-__all__ = ["INTERPRETED", "SUM_CHUNK_ENTRIES", "TRITON_AVAILABLE", "sum_bits", "target_probs_reference"]
+__all__ = ["FMA_ROUNDS_ONCE", "INTERPRETED", "SUM_CHUNK_ENTRIES", "TRITON_AVAILABLE", "sum_bits",
+           "target_probs_reference"]
 
 TRITON_AVAILABLE = triton is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -127,6 +134,20 @@ if TRITON_AVAILABLE and INTERPRETED:
     _patch_interpreter_exp()
 
 
+def _fma_rounds_once() -> bool:
+    """Compiled code's fma rounds once; Triton's interpreter's does from the release whose
+    C ``fma_fp32`` it calls (3.9), while earlier ones round twice, which could flip
+    :func:`exp_y_minus_m`'s last bit, so there rows divide."""
+    if not (TRITON_AVAILABLE and INTERPRETED):
+        return TRITON_AVAILABLE
+    from triton._C.libtriton import interpreter
+
+    return hasattr(interpreter, "fma_fp32")
+
+
+FMA_ROUNDS_ONCE = _fma_rounds_once()
+
+
 def compile_options() -> dict:
     """No denormal flushing in libdevice and no fused multiply-add: torch's kernels use neither."""
     if INTERPRETED:
@@ -138,6 +159,10 @@ def compile_options() -> dict:
 # The same formula as Triton helpers (PRECISE: compiled for CUDA, else the interpreter)
 
 if TRITON_AVAILABLE:
+    # multiply_ok's bounds: powers of two, so they compare exactly
+    T_LOW, T_HIGH = tl.constexpr(2.0**-20), tl.constexpr(2.0**20)
+    M_LOW, M_HIGH = tl.constexpr(2.0**-30), tl.constexpr(2.0**20)
+    FMA_ONCE = tl.constexpr(FMA_ROUNDS_ONCE)
 
     @triton.jit
     def exp_f32(x, PRECISE: tl.constexpr):
@@ -165,15 +190,49 @@ if TRITON_AVAILABLE:
         return big, total
 
     @triton.jit
-    def fixed_point_e(x, t, big, scale, PRECISE: tl.constexpr):
+    def multiply_ok(t, big):
+        """Whether a row's entries may take :func:`exp_y_minus_m`'s multiplications:
+        t in [2**-20, 2**20] and |m| in [2**-30, 2**20] (False for a NaN), and an fma
+        that rounds once (``FMA_ROUNDS_ONCE``)."""
+        a = tl.abs(big)
+        return (t >= T_LOW) & (t <= T_HIGH) & (a >= M_LOW) & (a <= M_HIGH) & FMA_ONCE
+
+    @triton.jit
+    def exp_y_minus_m(x, t, inv_t, big, fast, PRECISE: tl.constexpr):
+        """e = exp(RN(x / t) - m), bitwise; ``inv_t = RN(1 / t)``, ``fast = multiply_ok(t, m)``.
+
+        Fast, the quotient is a product and two corrections (module docstring), exact from
+        |x| = 2**-100 while x * inv_t stays finite. Below, |x / t| < 2**-80 is under a
+        quarter of m's last place, so ``RN(q - m) == -m`` with any such q. Where |x / t|
+        reaches 2**128 (and at -inf) the product overflows and the corrections give NaN or
+        -inf, while the exact y - m is below -2**100: ``max(., -200)`` turns both into an e
+        of 0, which is what expf gives from -104 down, so the clamp changes no other e.
+        (x <= max(x) keeps x / t below 2**20; a NaN x, refused by validation, gives 0 here
+        and NaN by division.)
+        """
+        if fast:
+            q = x * inv_t
+            q = tl.fma(tl.fma(-q, t, x), inv_t, q)
+            q = tl.fma(tl.fma(-q, t, x), inv_t, q)
+            z = tl.maximum(q - big, -200.0)
+        else:
+            z = tl.math.div_rn(x, t) - big
+        return exp_f32(z, PRECISE)
+
+    @triton.jit
+    def fixed_point_e(x, t, inv_t, big, fast, scale, PRECISE: tl.constexpr):
         """int64(e * 2**K) of logits x: one row's terms of S."""
-        e = exp_f32(tl.math.div_rn(x, t) - big, PRECISE)
-        return (e * scale).to(tl.int64)
+        return (exp_y_minus_m(x, t, inv_t, big, fast, PRECISE) * scale).to(tl.int64)
 
     @triton.jit
     def prob(x, t, big, total, PRECISE: tl.constexpr):
         """p = exp(x / t - m) / s."""
         return tl.math.div_rn(exp_f32(tl.math.div_rn(x, t) - big, PRECISE), total)
+
+    @triton.jit
+    def prob_by_product(x, t, inv_t, big, total, fast, PRECISE: tl.constexpr):
+        """:func:`prob` with :func:`exp_y_minus_m`'s quotient (the same bits)."""
+        return tl.math.div_rn(exp_y_minus_m(x, t, inv_t, big, fast, PRECISE), total)
 
     @triton.jit
     def renormed(p, pk, sk, pp, sp, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr):

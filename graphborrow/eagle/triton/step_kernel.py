@@ -16,7 +16,7 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .probs import fixed_point_e, prob, renormed, row_max_y, row_norm
+    from .probs import fixed_point_e, multiply_ok, prob, prob_by_product, renormed, row_max_y, row_norm
     from .select import arrive, gather_item, init_item, kept_item, pass_item, resolve_item
 
 __all__ = ["ABSENT", "NUMBER", "ONE_VALUE", "PER_REQUEST", "SYNC_HEAD", "TRACE_FIELDS", "WALK_FIELDS"]
@@ -117,6 +117,8 @@ if TRITON_AVAILABLE:
         """Fixed-point sum of e over one (row, slice), the row's maxima all in."""
         t = tl.load(temps + row // d, cache_modifier=".cg")
         big = row_max_y(part_max, row, splits, t, SPLIT_BLOCK)
+        inv_t = tl.math.div_rn(1.0, t)
+        fast = multiply_ok(t, big)
         base = logits + row.to(tl.int64) * vocab
         lo = c * chunk
         hi = tl.minimum(lo + chunk, vocab)
@@ -125,7 +127,7 @@ if TRITON_AVAILABLE:
         for start in range(lo, hi, BLOCK):
             idx = start + offs
             x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
-            acc += fixed_point_e(x, t, big, scale, PRECISE)
+            acc += fixed_point_e(x, t, inv_t, big, fast, scale, PRECISE)
         tl.store(part_sum + row.to(tl.int64) * splits + c, tl.sum(acc, axis=0))
         return arrive(arrivals, row, splits)
 
@@ -470,13 +472,15 @@ if TRITON_AVAILABLE:
         tl.store(state + 3, tl.where(accepted == steps - 1, 0, tried))
 
     @triton.jit
-    def _residual_tile(base, idx, hi, start, t, big, total, pk, sk, pp, sp, dropped, D_BLOCK: tl.constexpr,
-                       BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, PRECISE: tl.constexpr):
+    def _residual_tile(base, idx, hi, start, t, inv_t, big, fast, total, pk, sk, pp, sp, dropped,
+                       D_BLOCK: tl.constexpr, BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr,
+                       PRECISE: tl.constexpr):
         """One tile of the final row's probabilities with the rejected children's tokens
         (``dropped``, -1 padded) zeroed: relu(p - p) = 0 where upstream subtracts the draft."""
         valid = idx < hi
         x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
-        r = tl.where(valid, renormed(prob(x, t, big, total, PRECISE), pk, sk, pp, sp, HAS_TOPK, HAS_TOPP), 0.0)
+        p = prob_by_product(x, t, inv_t, big, total, fast, PRECISE)
+        r = tl.where(valid, renormed(p, pk, sk, pp, sp, HAS_TOPK, HAS_TOPP), 0.0)
         here = (dropped >= start) & (dropped < start + BLOCK)
         if tl.sum(here.to(tl.int32), axis=0) > 0:  # few tiles hold one
             k = tl.arange(0, D_BLOCK)
@@ -498,6 +502,8 @@ if TRITON_AVAILABLE:
         t = tl.load(temps + b, cache_modifier=".cg")
         big = tl.load(norms + row.to(tl.int64) * 2, cache_modifier=".cg")
         total = tl.load(norms + row.to(tl.int64) * 2 + 1, cache_modifier=".cg")
+        inv_t = tl.math.div_rn(1.0, t)
+        fast = multiply_ok(t, big)
         pk, sk, pp, sp = _pivots_of(pivots, row, HAS_TOPK, HAS_TOPP)
         k = tl.arange(0, D_BLOCK)
         dropped = tl.load(state + WALK_FIELDS_C + k, mask=k < tl.load(state + 3, cache_modifier=".cg"), other=-1,
@@ -510,8 +516,8 @@ if TRITON_AVAILABLE:
         last_pos = tl.full([BLOCK], -1, tl.int32)
         for start in range(lo, hi, BLOCK):
             idx = start + offs
-            r = _residual_tile(base, idx, hi, start, t, big, total, pk, sk, pp, sp, dropped, D_BLOCK, BLOCK,
-                               HAS_TOPK, HAS_TOPP, PRECISE)
+            r = _residual_tile(base, idx, hi, start, t, inv_t, big, fast, total, pk, sk, pp, sp, dropped, D_BLOCK,
+                               BLOCK, HAS_TOPK, HAS_TOPP, PRECISE)
             mass += r.to(tl.float64)
             last_pos = tl.maximum(last_pos, tl.where(r > 0, idx, -1))
         tl.store(res_sum + b * rsplits + c, tl.sum(mass, axis=0))
@@ -532,8 +538,8 @@ if TRITON_AVAILABLE:
                 pos = first * rchunk
                 while (pos < vocab) & (token == -1):
                     sidx = pos + offs
-                    sr = _residual_tile(base, sidx, vocab, pos, t, big, total, pk, sk, pp, sp, dropped, D_BLOCK, BLOCK,
-                                        HAS_TOPK, HAS_TOPP, PRECISE)
+                    sr = _residual_tile(base, sidx, vocab, pos, t, inv_t, big, fast, total, pk, sk, pp, sp, dropped,
+                                        D_BLOCK, BLOCK, HAS_TOPK, HAS_TOPP, PRECISE)
                     cdf = cum + tl.cumsum(sr.to(tl.float64), axis=0)
                     at = tl.min(tl.where((cdf > u) & (sidx < vocab), sidx, vocab), axis=0)
                     token = tl.where(at < vocab, at, -1)

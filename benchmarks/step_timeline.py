@@ -33,7 +33,7 @@ from timing import captured, event_us, timed_us  # noqa: E402
 
 from graphborrow.eagle import eagle_verify  # noqa: E402
 from graphborrow.eagle.step import VerifyStep  # noqa: E402
-from graphborrow.eagle.triton import select  # noqa: E402
+from graphborrow.eagle.triton import fused, select  # noqa: E402
 
 VOCAB, T = 128256, 0.7
 SMALL = "1x4,4x4,16x4,1x8,4x8,16x8,1x16,4x16"
@@ -113,8 +113,6 @@ def main(argv=None):
         raise SystemExit("step_timeline.py needs a CUDA GPU (the trace reads the GPU's clock)")
     if args.target_programs:
         select.TARGET_PROGRAMS = args.target_programs
-    from graphborrow.eagle.triton import fused
-
     if args.residual_items:
         fused.RESIDUAL_ITEMS = args.residual_items
     if args.one_round_rows is not None:

@@ -311,8 +311,6 @@ def test_a_small_plain_step_splits_its_rows_for_one_round_of_programs(vocab):
     ONE_ROUND_PROGRAMS programs (one item each), in as many slices as that allows; with
     top-k / top-p, and above it, the split aims at select.TARGET_PROGRAMS as before. Every
     slice whole tiles, none empty."""
-    from graphborrow.eagle.triton import select as fs
-
     tiles = -(-vocab // fs.BLOCK)
     for rows in range(1, 2 * fv.ONE_ROUND_ROWS + 1):
         for renorm in (False, True):

@@ -149,3 +149,30 @@ def test_ctrl_c_cancels_without_orphans_and_keeps_finished_points(tmp_path):
     wait_for(lambda: not alive(kernel_pid), timeout=5, what="the stalled point's kernel to exit")
     assert json.loads((out / "tiny" / "batch_size=1" / "point.json").read_text())["status"] == "ok"
     assert not (out / "tiny" / "batch_size=3").exists()
+
+
+def test_embedded_cluster_leaves_8787_alone_and_logs_only_critical(tmp_path):
+    """Another cluster's dashboard on 8787 must not make ours warn, and a worker's shutdown
+    traceback (a heartbeat cut by Ctrl-C) must not reach the terminal: both once broke the
+    Ctrl-C test above under load."""
+    import logging
+    import socket
+    import warnings
+
+    from graphborrow.run.sweep.cluster import dask_client
+
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 8787))
+        holder.listen()
+    except OSError:
+        pass  # someone else holds it already: the same situation
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with dask_client(workers=1) as client:
+                levels = client.run(lambda: logging.getLogger("distributed").getEffectiveLevel())
+    finally:
+        holder.close()
+    assert not [w for w in caught if "already in use" in str(w.message)]
+    assert list(levels.values()) == [logging.CRITICAL]

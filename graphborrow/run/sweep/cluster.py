@@ -103,6 +103,22 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def _quiet_worker_logs():
+    """A worker plugin that keeps Dask's logs to CRITICAL in the embedded cluster's workers
+    (``silence_logs`` reaches only their nannies): a worker cut off mid-heartbeat by Ctrl-C
+    logs a traceback at ERROR, and every failure a user needs comes back as a failed point
+    with its reason (:func:`describe_failure`). Restarted workers get it too."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class QuietLogs(WorkerPlugin):
+        name = "graphborrow-quiet-logs"
+
+        def setup(self, worker):
+            logging.getLogger("distributed").setLevel(logging.CRITICAL)
+
+    return QuietLogs()
+
+
 @contextmanager
 def dask_client(scheduler: str | None = None, workers: int = 1, *, gpu: bool = False) -> Iterator:
     """A connected ``distributed.Client``: to ``scheduler``, or to a local cluster it starts.
@@ -168,13 +184,16 @@ def dask_client(scheduler: str | None = None, workers: int = 1, *, gpu: bool = F
                                  f"one per GPU; use --workers {count} or fewer")
     import dask
 
+    # No dashboard, and the scheduler's HTTP server (health routes, started even without one) on
+    # any free port: the default 8787 warns when another cluster holds it.
     with _workers_ignore_ctrl_c(), dask.config.set({"distributed.scheduler.worker-saturation": 1.0}):
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                               dashboard_address=None, silence_logs=logging.ERROR,
-                               resources={"GPU": 1} if gpu else None)
+                               dashboard_address=None, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+                               silence_logs=logging.CRITICAL, resources={"GPU": 1} if gpu else None)
     try:
         client = Client(cluster)
         try:
+            client.register_plugin(_quiet_worker_logs())
             client.graphborrow_pin_gpu = gpu
             yield client
         finally:

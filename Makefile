@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-test setup-docs run demo lab test test-deep test-core test-notebooks test-nbval test-gpu test-kernels-deep browser docs bench bench-kernels compile-kernels bench-sweep bench-scaling gpu-wheels model-pools model-pools-sim fuzz-sim fuzz-sim-dry fuzz-sim-replay record-wrapped replay-corpus strip clean deep mutation mutation-capacity
+.PHONY: setup setup-test setup-docs run demo lab test test-deep test-core test-notebooks test-nbval test-gpu test-kernels-deep browser docs bench bench-kernels compile-kernels bench-sweep bench-scaling gpu-wheels model-pools model-pools-sim fuzz-sim fuzz-sim-dry fuzz-sim-replay record-wrapped replay-corpus strip clean deep mutation mutation-capacity mutation-sampling
 
 # What `make run` needs and nothing more: torch (CPU build), the package, papermill, Dask and the
 # explorer's widgets (extra `run`). Test tools, transformers, triton and JupyterLab come with the
@@ -199,6 +199,16 @@ mutation-capacity: setup-test
 	rm -rf mutants
 	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 'graphborrow.planning.capacity.*' 'graphborrow.planning.planner.*' 'graphborrow.eagle.plan.*'
 	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py data/mutation_capacity.json 'graphborrow.planning.capacity.*' 'graphborrow.planning.planner.*' 'graphborrow.eagle.plan.*'
+
+# Mutation testing of the verification's sampling rules: the target probabilities' formula, top-k /
+# top-p, the tree walk and acceptance theory (not in CI; about 20 minutes on 2 cores). Fails like
+# mutation-capacity when a survivor is neither killed nor reviewed as harmless.
+SAMPLING_MUTANTS = 'graphborrow.eagle.probs.*' 'graphborrow.eagle.renorm.*' 'graphborrow.eagle.kernel.*' 'graphborrow.eagle.acceptance.*'
+mutation-sampling: setup-test
+	$(PY) -m pip install -q -e ".[mutation]"
+	rm -rf mutants
+	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children 2 $(SAMPLING_MUTANTS)
+	OMP_NUM_THREADS=1 $(PY) scripts/mutation_score.py --make mutation-sampling data/mutation_sampling.json $(SAMPLING_MUTANTS)
 
 # On a CUDA machine: traces whose ring buffer wrapped (long runs of the suite's serving workload, model
 # code and the corpus's random program, rings of 100 to 10 000 entries, cut at several points) into

@@ -1,9 +1,11 @@
-"""Write the mutation score of the last `mutmut run` over the capacity planner to a JSON file.
+"""Write the mutation score of the last `mutmut run` to a JSON file.
 
-    python scripts/mutation_score.py data/mutation_capacity.json [MUTANT_PATTERN ...]
+    python scripts/mutation_score.py [--make TARGET] data/mutation_capacity.json [MUTANT_PATTERN ...]
 
 With patterns (fnmatch over mutant names, e.g. 'graphborrow.planning.capacity.*'), only the mutants
 they match are counted: [tool.mutmut] also lists the rule modules that `make mutation` scores.
+``--make`` names the make target the record says it came from (mutation-capacity by default;
+mutation-sampling for the verification's sampling rules).
 
 Reads `mutmut results --all true` (run from the checkout that holds `mutants/`) and records
 the counts by status, the score (killed and timed out over all mutants that tests reach),
@@ -11,7 +13,7 @@ every survivor with its diff, split the way scripts/mutation_report.py splits th
 data/mutation.json (one mechanism): survivors a test should kill, and survivors reviewed
 and judged harmless (HARMLESS below, or a change of message wording only), each with why.
 Exits 1 when a survivor is left to kill or a mutant has no test, so `make
-mutation-capacity` fails until each is killed or reviewed.
+mutation-capacity` and `make mutation-sampling` fail until each is killed or reviewed.
 """
 
 from __future__ import annotations
@@ -87,6 +89,43 @@ HARMLESS: dict[str, str] = {
         "two-stream test checks"),
     "graphborrow.planning.planner.x_replay__mutmut_74": (
         "snapshot(None) instead of the pool's: the replay's allocator holds that one pool only"),
+    # make mutation-sampling: eagle/probs.py, renorm.py, kernel.py, acceptance.py
+    "graphborrow.eagle.probs.x_softmax_rows__mutmut_{29,35}": (
+        "rows per chunk of the int64 sum (at least 2, or counting a one-entry row as two entries): the "
+        "sum is exact in any chunking (test_summing_a_few_rows_at_a_time_changes_nothing); only the "
+        "32 MiB bound moves, for rows of more than 4M entries or of one"),
+    "graphborrow.eagle.renorm.x_top_p_renorm_probs__mutmut_16": "integer=None for integer=False: both falsy",
+    "graphborrow.eagle.renorm.x_renorm_rows__mutmut_{7,15,16,23,31,32}": (
+        "the name renorm_rows passes for messages: it checks nothing (on_invalid='unchecked'), so no "
+        "message is ever written with it"),
+    "graphborrow.eagle.renorm.x__keep_and_renormalise__mutmut_27": (
+        "invalid rows filled with 2.0 instead of 1.0 before renormalising: a constant row renormalises "
+        "to the same uniform row"),
+    "graphborrow.eagle.renorm.x__{mass_reaches__mutmut_9,mass_reaches__mutmut_13,"
+    "pivots_and_kept_sums__mutmut_100,pivots_and_kept_sums__mutmut_104}": (
+        "the float64 dtype of a row sum dropped while out= is a float64 tensor: torch then reduces in "
+        "the output's dtype, bit for bit the same sums (checked over 4 x 200000 float32 entries)"),
+    "graphborrow.eagle.renorm.x__show__mutmut_8": (
+        "value[1] for value[0] where every entry must equal it: all equal value[1] exactly when all "
+        "equal value[0], and one-entry tensors never get there"),
+    "graphborrow.eagle.acceptance.x_sample_copies__mutmut_1": (
+        "the default batch of copies: results do not depend on it (test_sampling_in_batches_is_one_batch_joined)"),
+    "graphborrow.eagle.kernel.x_tree_speculative_sampling_target_only__mutmut_3": (
+        "deterministic's default: accepted for upstream's signature, the result is deterministic either way"),
+    "graphborrow.eagle.kernel.xǁTreeTablesǁbuild__mutmut_11": (
+        "one more column of children for one- and two-node trees: padding (-1), masked by valid"),
+    "graphborrow.eagle.kernel.xǁTreeTablesǁbuild__mutmut_{20,21,36,37}": (
+        "a child index > 0 for >= 0: node 0 is the root, never anyone's child or sibling"),
+    "graphborrow.eagle.kernel.x_walk_tree__mutmut_11": (
+        "padding slots' p = 1 instead of 0: they follow a node's real children in the table, so they "
+        "enter the running sum after every real child is judged, and valid masks their acceptance"),
+    "graphborrow.eagle.kernel.x_walk_tree__mutmut_{74,122}": (
+        "-2 for the -1 that means none: only its sign is read (>= 0)"),
+    "graphborrow.eagle.kernel.x_walk_tree__mutmut_170": (
+        "the child index of a node with no accepted child clamped to 1 instead of 0: every use is "
+        "masked by step (no child accepted), and the walk has no pass for a one-node tree"),
+    "graphborrow.eagle.kernel.x_arange_like__mutmut_{6,8}": (
+        "the dtype of like (always an int64 index tensor) for int64: the same"),
 }
 
 
@@ -113,6 +152,9 @@ def review(name: str) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    given, target = list(argv), "mutation-capacity"
+    if argv[:1] == ["--make"] and len(argv) > 1:
+        target, argv = argv[1], argv[2:]
     if len(argv) < 1:
         print(__doc__)
         return 2
@@ -135,9 +177,9 @@ def main(argv=None) -> int:
     import torch
 
     result = {
-        "command": "make mutation-capacity  (OMP_NUM_THREADS=1 mutmut run --max-children 2 "
+        "command": f"make {target}  (OMP_NUM_THREADS=1 mutmut run --max-children 2 "
                    + " ".join(f"'{p}'" for p in patterns)
-                   + "; python scripts/mutation_score.py " + " ".join(argv) + ")  (config: pyproject.toml [tool.mutmut])",
+                   + "; python scripts/mutation_score.py " + " ".join(given) + ")  (config: pyproject.toml [tool.mutmut])",
         "mutmut": mutmut_package.__version__,
         "torch": torch.__version__,
         "device": "CPU",

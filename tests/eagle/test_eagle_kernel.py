@@ -281,3 +281,78 @@ def test_rejects_bad_arguments():
         sample_tree(predicts, torch.zeros(1, 3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                     tree.candidates, tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling,
                     coins_of(0.5), torch.tensor([0.5]), target, torch.zeros_like(target))
+
+
+def test_the_residual_is_summed_in_float64():
+    """A coin that lands between the float32 and the float64 running sums of a long row:
+    the token is the float64 sum's (a float32 cumsum drifts by many ulps over 60000 terms)."""
+    tree = tree_from_parents([[-1, 0]], [[0, 3]], tree_depth=2)  # accept node 1, then its bonus token
+    vocab = 60000
+    row = torch.rand(vocab, generator=torch.Generator().manual_seed(1))
+    cdf64 = np.cumsum(row.numpy().astype(np.float64))
+    cdf32 = torch.cumsum(row, 0).numpy()
+    for i in np.argsort(-np.abs(cdf64 - cdf32.astype(np.float64)))[:50]:
+        coin = F32((cdf64[i] + float(cdf32[i])) / 2 / cdf64[-1])
+        by64 = int(np.searchsorted(cdf64, np.float64(coin) * cdf64[-1], side="right"))
+        by32 = int(np.searchsorted(cdf32.astype(np.float64), np.float64(coin) * float(cdf32[-1]), side="right"))
+        if by64 != by32:
+            break
+    else:
+        raise AssertionError("no coin tells the two sums apart")
+    target = torch.zeros(1, 2, vocab)
+    target[0, 0, 3] = 1.0
+    target[0, 1] = row
+    predicts, _, n, _ = run(tree, target, torch.tensor([[0.5, 0.0]]), torch.tensor([float(coin)]))
+    assert n.tolist() == [1] and predicts.tolist() == [3, by64]
+
+
+def test_a_coin_of_one_takes_the_last_token_with_mass():
+    """u * sum reaches the whole sum (coin 1.0, or a coin just below it rounded up): the
+    last index with positive residual mass, not V - 1."""
+    tree = tree_from_parents(PARENTS, TOKENS, tree_depth=2)
+    target = rows(n0={3: 1.0}, n1={2: 0.5, 6: 0.5})
+    predicts, _, n, _ = run(tree, target, coins_of(0.1, 0.5), torch.tensor([1.0]))
+    assert n.tolist() == [1] and predicts.tolist() == [3, 6, 0, 0]
+
+
+def test_the_last_rejected_token_with_mass_may_be_the_first_sibling_and_token_0():
+    """Rows need not sum to 1: root row {0: 0.5}; its first child (token 0) is rejected
+    with mass, the second (token 5) without; the residual is empty, so the step emits 0."""
+    tree = tree_from_parents([[-1, 0, 0]], [[9, 0, 5]], tree_depth=2)
+    target = torch.zeros(1, 3, V)
+    target[0, 0, 0] = 0.5
+    predicts, _, n, _ = run(tree, target, torch.tensor([[0.9, 0.0, 0.0]]), torch.tensor([0.5]))
+    assert n.tolist() == [0] and predicts[0].item() == 0
+    expected = reference_kernel(tree.candidates, tree.retrive_index, tree.retrive_next_token,
+                                tree.retrive_next_sibling, torch.tensor([[0.9, 0.0, 0.0]]), torch.tensor([0.5]),
+                                target, torch.zeros_like(target), 2, 1.0, 1.0)
+    assert predicts.tolist() == expected[0].tolist()
+
+
+def test_no_mass_anywhere_emits_the_last_token_of_the_vocabulary():
+    tree = tree_from_parents([[-1, 0, 0]], [[9, 1, 5]], tree_depth=2)
+    target = torch.zeros(1, 3, V)  # nothing has mass: no child accepted, none rejected with mass
+    predicts, _, n, _ = run(tree, target, torch.tensor([[0.3, 0.0, 0.0]]), torch.tensor([0.5]))
+    assert n.tolist() == [0] and predicts[0].item() == V - 1
+
+
+def test_no_drafts_samples_the_root_row():
+    tree = tree_from_parents([[-1]], [[4]], tree_depth=1)
+    target = rows(n0={2: 0.25, 7: 0.75})[:, :1]
+    for coin, token in ((0.2, 2), (0.3, 7)):
+        predicts, accept_index, n, _ = run(tree, target, torch.zeros(1, 1), torch.tensor([coin]))
+        assert n.tolist() == [0] and accept_index.tolist() == [[0]] and predicts.tolist() == [token]
+
+
+def test_a_node_with_fewer_children_than_another_falls_back_to_its_own_rejected_token():
+    """The root has three children, node 1 two: node 1's table row is padded. Both of node
+    1's children are rejected with all of its mass, so the step emits its last one (8)."""
+    tree = tree_from_parents([[-1, 0, 0, 0, 1, 1]], [[0, 3, 4, 5, 7, 8]], tree_depth=3)
+    target = torch.zeros(1, 6, V)
+    target[0, 0, 3] = 1.0
+    target[0, 1, 7] = 0.5
+    target[0, 1, 8] = 0.5
+    coins = torch.tensor([[0.5, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    predicts, accept_index, n, _ = run(tree, target, coins, torch.tensor([0.5]))
+    assert n.tolist() == [1] and accept_index.tolist() == [[0, 1, -1]]
+    assert predicts[:2].tolist() == [3, 8]

@@ -179,3 +179,106 @@ def test_input_is_not_modified():
     top_p_renorm_probs(probs, 0.5)
     top_k_renorm_probs(probs, 10)
     assert torch.equal(probs, before)
+
+
+def test_messages_name_the_function_the_argument_and_what_came():
+    probs = t([[0.5, 0.5], [0.25, 0.75], [1.0, 0.0]])
+    with pytest.raises(ValueError, match=r"^top_k_renorm_probs expects a 2-D .* got \(2,\) of torch.float32; reshape"):
+        top_k_renorm_probs(torch.tensor([0.5, 0.5]), 1)
+    with pytest.raises(ValueError, match=r"^top_p_renorm_probs expects a 2-D .* got list; reshape"):
+        top_p_renorm_probs([[0.5, 0.5]], 0.5)
+    with pytest.raises(ValueError, match=r"^top_k_renorm_probs: the vocabulary dimension is empty"):
+        top_k_renorm_probs(torch.zeros(2, 0), 1)
+    with pytest.raises(ValueError, match=r"^top_p_renorm_probs: rows \[1\] are NaN"):
+        top_p_renorm_probs(t([[0.5, 0.5], [0.0, 0.0]]), 0.5)
+    with pytest.raises(ValueError, match=r"^top_k_renorm_probs: rows \[0\] are NaN"):
+        top_k_renorm_probs(t([[0.0, 0.0], [0.5, 0.5]]), 1)
+    with pytest.raises(ValueError, match=r"^top_k must be a number or a tensor, got str"):
+        top_k_renorm_probs(probs, "2")
+    with pytest.raises(ValueError, match=r"^top_p must be a number or a tensor, got bool"):
+        top_p_renorm_probs(probs, True)
+    with pytest.raises(ValueError, match=r"^top_k must hold integers, got dtype torch.float32"):
+        top_k_renorm_probs(probs, torch.tensor([1.0, 2.0, 1.0]))
+    # the bad value itself when every row has it, else the rows that do
+    with pytest.raises(ValueError, match=r"top_k must be >= 1 .*, got 0$"):
+        top_k_renorm_probs(probs, torch.tensor([0, 0, 0]))
+    with pytest.raises(ValueError, match=r"top_k must be >= 1 .*, got rows \[1\]$"):
+        top_k_renorm_probs(probs, torch.tensor([1, 0, 2]))
+    with pytest.raises(ValueError, match=r"top_k must be >= 1 .*, got rows \[1\]$"):
+        top_k_renorm_probs(probs[:2], torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\] .*, got rows \[0, 2\]$"):
+        top_p_renorm_probs(probs, torch.tensor([-1.0, 0.5, 0.0]))
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\] .*, got -0.5$"):
+        top_p_renorm_probs(probs[:1], torch.tensor([-0.5]))
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\] .*, got rows \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9\]$"):
+        top_p_renorm_probs(torch.full((25, 2), 0.5), torch.tensor([0.0] * 24 + [0.5]))  # 24 bad: ten shown
+
+
+def test_invalid_rows_are_listed_ten_at_most_and_negative_ones_named():
+    probs = torch.full((14, 3), 1 / 3)
+    probs[:11] = 0.0  # eleven empty rows
+    with pytest.raises(ValueError, match=r"rows \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, '\.\.\.'\] are NaN"):
+        top_k_renorm_probs(probs, 1)
+    probs[10] = 1 / 3  # ten
+    with pytest.raises(ValueError, match=r"rows \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9\] are NaN"):
+        top_k_renorm_probs(probs, 1)
+    negative = torch.full((13, 2), 0.5)
+    negative[1:13, 0] = -0.5  # twelve rows with a negative entry, one empty row before them
+    negative[0] = 0.0
+    with pytest.raises(ValueError, match=r"rows \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10\] hold negative values, .*apply "
+                                         r"torch.softmax first\); invalid rows in all: \[0, 1, .*, 9, '\.\.\.'\]"):
+        top_p_renorm_probs(negative, 0.5)
+
+
+def test_one_value_as_a_zero_dim_tensor():
+    probs = quantised_rows(5, 4, 9)
+    assert torch.equal(top_k_renorm_probs(probs, torch.tensor(2)), top_k_renorm_probs(probs, 2))
+    assert torch.equal(top_p_renorm_probs(probs, torch.tensor(0.4)), top_p_renorm_probs(probs, 0.4))
+
+
+def test_a_vocabulary_of_one():
+    assert torch.equal(top_k_renorm_probs(t([[0.25], [1.0]]), 1), t([[1.0], [1.0]]))
+    assert torch.equal(top_p_renorm_probs(t([[0.25], [1.0]]), 0.5), t([[1.0], [1.0]]))
+
+
+def test_k_and_p_keep_their_precision_over_half_rows():
+    """k is an integer and p a float32 whatever the rows' dtype: float16 cannot hold 2049,
+    and rounds 0.9 down to 0.8999."""
+    row = torch.arange(1000, 4000, dtype=torch.int16).view(torch.float16)  # 3000 distinct positive halves
+    probs = row[torch.randperm(3000, generator=torch.Generator().manual_seed(0))][None]
+    assert int((top_k_renorm_probs(probs, 2049) > 0).sum()) == 2049
+    assert int((top_k_renorm_probs(probs, torch.tensor([2049])) > 0).sum()) == 2049
+    pair = torch.tensor([[0.8999, 0.1001]], dtype=torch.float16)  # the first is float16(0.9)
+    assert float(pair[0, 0]) == float(torch.tensor(0.9, dtype=torch.float16))
+    for p in (0.9, torch.tensor([0.9])):
+        assert int((top_p_renorm_probs(pair, p) > 0).sum()) == 2, "0.8999 does not reach 0.9"
+
+
+def test_the_pivot_search_holds_about_its_budget():
+    for vocab in (1, 2, 1000, 128256, renorm.PIVOT_CHUNK_BYTES // renorm.PIVOT_BYTES_PER_ENTRY):
+        rows = pivot_chunk_rows(vocab)
+        assert rows * renorm.PIVOT_BYTES_PER_ENTRY * vocab <= renorm.PIVOT_CHUNK_BYTES
+        assert (rows + 1) * renorm.PIVOT_BYTES_PER_ENTRY * vocab > renorm.PIVOT_CHUNK_BYTES, "as many rows as fit"
+    assert pivot_chunk_rows(renorm.PIVOT_CHUNK_BYTES) == 1, "at least one row, however wide"
+
+
+def test_weights_above_one_are_renormalised_too():
+    """Rows need not be normalised (counts, unnormalised weights): the pivot search covers
+    every exponent bit, so k = 1 keeps 3.0 alone and not the 2.5 below it."""
+    assert torch.equal(top_k_renorm_probs(t([[3.0, 2.5, 0.5]]), 1), t([[1.0, 0.0, 0.0]]))
+    assert torch.equal(top_p_renorm_probs(t([[3.0, 2.5, 0.5]]), 0.5), t([[1.0, 0.0, 0.0]]))
+
+
+def test_chunks_of_fewer_rows_reuse_the_workspace_without_resizing(monkeypatch):
+    """The last chunk takes a view of the workspace's first rows: an output of another size
+    would make torch resize it (a warning, and memory beyond the recorded sequence)."""
+    import warnings
+
+    monkeypatch.setattr(renorm, "PIVOT_CHUNK_BYTES", 3 * renorm.PIVOT_BYTES_PER_ENTRY * 100)
+    probs = quantised_rows(6, 7, 100)  # chunks of 3, 3 and 1 rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = top_k_renorm_probs(probs, 2)
+        top_p_renorm_probs(probs, 0.5)
+    for i in range(7):
+        np.testing.assert_allclose(out[i].numpy(), reference_top_k(probs[i].numpy(), 2), rtol=1e-6)

@@ -136,55 +136,6 @@ def test_kernel_probabilities_are_target_probs_reference_bitwise(seed, d, vocab,
     assert not differ, f"{len(differ)} entries differ, first at {differ[:5]}"
 
 
-def test_target_probs_reference_is_a_softmax():
-    """Against float64 softmax of the same float32 exponents z = x / t - m: within a few
-    float32 ulps (exp, the fixed-point sum, two roundings), rows summing to 1."""
-    g = torch.Generator().manual_seed(5)
-    logits = 3.0 * torch.randn(6, 2000, generator=g)
-    logits[1, :1000] = -math.inf
-    temps = torch.tensor([0.5, 1.0, 1.0, 2.0, 0.9, 1.3])
-    probs = fv.target_probs_reference(logits, temps)
-    y = logits / temps.unsqueeze(1)
-    z = (y - y.amax(dim=1, keepdim=True)).double()
-    exact = torch.softmax(z, dim=-1)
-    live = exact > 1e-30
-    rel = ((probs.double() - exact).abs() / exact)[live]
-    assert rel.max() < 5 * 2**-24
-    assert torch.equal(probs[~live], torch.zeros_like(probs[~live]))
-    assert ((probs.double().sum(dim=1) - 1).abs() < 2000 * 2**-24).all()
-
-
-def test_summing_a_few_rows_at_a_time_changes_nothing(monkeypatch):
-    g = torch.Generator().manual_seed(7)
-    logits = 2.0 * torch.randn(9, 1000, generator=g)
-    whole = fv.target_probs_reference(logits, 1.1)
-    monkeypatch.setattr(formula, "SUM_CHUNK_ENTRIES", 2500)  # two rows per chunk, the last one alone
-    calls = []
-    real_sum = torch.sum
-    monkeypatch.setattr(torch, "sum", lambda *a, **k: calls.append(1) or real_sum(*a, **k))  # counts the chunks
-    assert torch.equal(fv.target_probs_reference(logits, 1.1), whole)
-    assert len(calls) == 5
-
-
-def test_the_sum_does_not_depend_on_the_order():
-    """The fixed-point sum is exact: permuting a row permutes its probabilities (a float32
-    or float64 running sum would round differently for some rows)."""
-    g = torch.Generator().manual_seed(6)
-    logits = 2.0 * torch.randn(64, 3000, generator=g)
-    perm = torch.randperm(3000, generator=g)
-    probs = fv.target_probs_reference(logits, 0.9)
-    assert torch.equal(fv.target_probs_reference(logits[:, perm], 0.9), probs[:, perm])
-    assert torch.equal(fv.target_probs_reference(logits.flip(1), 0.9), probs.flip(1))
-
-
-def test_sum_bits_keeps_the_sum_in_int64():
-    for vocab in (1, 1000, 128256, 151937, 2**20):
-        assert vocab * 2 ** fv.sum_bits(vocab) < 2**62
-    assert fv.sum_bits(128256) == 45
-    with pytest.raises(ValueError, match="vocab must be a positive int"):
-        fv.sum_bits(0)
-
-
 # ---------------------------------------------------------------------------------
 # The verification step
 

@@ -97,7 +97,7 @@ def test_sampling_in_batches_is_one_batch_joined():
 
 def test_path_probabilities_are_float64_products_per_request():
     """Each request reads its own rows; a node no link reaches is never accepted; the
-    products are float64 (float32 would round 0.1 * 0.3)."""
+    products are float64 (float32 would round 0.3 * 0.5 * 0.3 differently)."""
     from graphborrow.eagle.draft_tree import DraftTree
 
     tree = tree_from_parents([[-1, 0, 0, 1], [-1, 0, 1, 2]], [[0, 1, 2, 3], [0, 2, 1, 3]])

@@ -1,15 +1,25 @@
 """Shared fixtures: a backend per device kind, and a small graph ladder to borrow from.
 
-Also the Hypothesis profiles. ``GRAPHBORROW_HYPOTHESIS=ci`` (the default) runs each
-property test with its usual number of examples; ``GRAPHBORROW_HYPOTHESIS=deep`` (what
-``make deep`` sets) runs 50 times as many, including tests that ask for a number of
-their own, and scales :func:`deep_factor` for randomized stress loops. Property tests are
-marked ``property`` automatically, so ``pytest -m property`` selects them.
+Also the Hypothesis profiles, chosen by ``GRAPHBORROW_HYPOTHESIS``:
+
+- ``ci`` (the default, what ``make test`` runs): each property test draws the same examples
+  on every run (derandomised, no example database), so a failure in CI is reproduced by
+  running the same command again;
+- ``search`` (``make test-deep``): the same numbers of examples, drawn at random from the
+  seed ``--hypothesis-seed`` gives (the target prints it, and a failure prints the command
+  that replays it);
+- ``deep`` (``make deep``): 50 times as many examples, at random, including tests that ask
+  for a number of their own; :func:`deep_factor` scales randomized stress loops with it.
+
+Every test starts from the same random state (``torch``, ``random``), so tests that draw
+their inputs without a generator draw the same ones every run. Property tests are marked
+``property`` automatically, so ``pytest -m property`` selects them.
 """
 
 import gc
 import importlib.util
 import os
+import random
 from pathlib import Path
 
 import torch
@@ -40,23 +50,54 @@ def load_script(relative: str):
 HYPOTHESIS_ENV = "GRAPHBORROW_HYPOTHESIS"
 DEEP_FACTOR = 50
 CI_EXAMPLES = 100
-settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, print_blob=True)
+# Each profile starts from Hypothesis's own defaults, not from the settings loaded at import: on a
+# machine with CI set, Hypothesis loads its built-in derandomised profile first, which the search
+# would otherwise inherit (and draw the CI examples whatever its seed).
+_BASE = settings.get_profile("default")
+settings.register_profile("ci", _BASE, max_examples=CI_EXAMPLES, deadline=None, print_blob=True, derandomize=True,
+                          database=None)
+settings.register_profile("search", _BASE, max_examples=CI_EXAMPLES, deadline=None, print_blob=True,
+                          derandomize=False, database=None)
 settings.register_profile(
     "deep",
+    _BASE,
     max_examples=CI_EXAMPLES * DEEP_FACTOR,
     deadline=None,
     print_blob=True,
+    derandomize=False,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+PROFILES = ("ci", "search", "deep")
 PROFILE = os.environ.get(HYPOTHESIS_ENV, "ci")
-if PROFILE not in ("ci", "deep"):
-    raise pytest.UsageError(f"{HYPOTHESIS_ENV}={PROFILE!r}: choose 'ci' (the default) or 'deep'")
+if PROFILE not in PROFILES:
+    raise pytest.UsageError(f"{HYPOTHESIS_ENV}={PROFILE!r}: choose one of {PROFILES} ('ci' is the default)")
 settings.load_profile(PROFILE)
 
 
 def deep_factor() -> int:
     """How many times longer randomized tests run: 1, or 50 under the deep profile."""
     return DEEP_FACTOR if PROFILE == "deep" else 1
+
+
+@pytest.fixture(autouse=True)
+def _same_random_state():
+    """Every test starts from one random state, whatever ran before it on its worker."""
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After a failed random search, the command that replays it (the seed, the failed tests)."""
+    if PROFILE == "ci" or exitstatus == 0:
+        return
+    seed = config.getoption("hypothesis_seed", None)
+    failed = [report.nodeid for report in terminalreporter.stats.get("failed", [])]
+    if seed is None or not failed:
+        return
+    terminalreporter.write_line(
+        f"replay this search: {HYPOTHESIS_ENV}={PROFILE} python -m pytest -p no:cacheprovider "
+        f"--hypothesis-seed={seed} " + " ".join(sorted(set(failed))))
 
 
 def pytest_collection_modifyitems(config, items):

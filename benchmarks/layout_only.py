@@ -53,7 +53,7 @@ def record_once() -> None:
     from graphborrow.eagle import sequence
     from graphborrow.eagle.step import StepShape
 
-    for cached in (sequence._prepare_phases, sequence._standard_body):
+    for cached in (sequence.PREPARE, sequence.ROWS):
         cached.cache_clear()
     sequence.verify_sequence(StepShape(32, 8, 128256, False, False), "standard")
 

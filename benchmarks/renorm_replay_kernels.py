@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from timing import captured, event_us  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from graphborrow.eagle.triton import select  # noqa: E402
+from graphborrow.eagle.triton import fused_renorm  # noqa: E402
 
 
 def measure(rows: int) -> dict:
@@ -28,7 +28,7 @@ def measure(rows: int) -> dict:
     probs = torch.softmax(2.0 * torch.randn(rows, 128256, device="cuda", generator=g), dim=-1)
 
     def call():
-        return select.top_p_renorm(probs, 0.9, validate=False)
+        return fused_renorm.top_p_renorm(probs, 0.9, validate=False)
 
     call()
     graph = captured(call)

@@ -14,9 +14,6 @@ On a GPU, CUDA events around one call at a time (the GPU idle before it), median
   (:func:`graphborrow.eagle.triton.fused.step_counters`, zeroed once): the kernel alone;
 - ``graph_path_us``: ``eagle_verify(..., graph=True)``, whose entries own their counters, with
   its lookup on the host (``graph_path_host_us`` against ``replay_host_us``, ``replay()``'s own);
-- ``by_hand_direct_us``: the by-hand graph's executable launched directly
-  (:func:`graphborrow.eagle.triton.direct.graph_launch`, as the graph path's entries do when
-  the graph draws no random numbers) instead of ``replay()``; ``direct_host_us`` its host time;
 - ``softmax_t_us``: ``torch.softmax(logits / T)``, the yardstick of verify_kernels.py's goals.
 
 Each variant's tokens are checked equal to the eager call's. V = 128256, T = 0.7, the trees
@@ -32,10 +29,14 @@ import statistics
 import sys
 from pathlib import Path
 
-import verify_kernels as vk  # noqa: I001  (first: it puts the measured tree, --package or this one, on sys.path)
+import trees  # noqa: I001
+
+trees.put_on_path(sys.argv)  # the measured tree: --package, or this one
+
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+import verify_kernels as vk  # noqa: E402
 from step_timeline import points  # noqa: E402
 from timing import captured, event_us, host_us, pipelined_us  # noqa: E402
 
@@ -43,12 +44,6 @@ from graphborrow.eagle import eagle_verify  # noqa: E402
 from graphborrow.eagle.graphs import clear_verify_graphs  # noqa: E402
 from graphborrow.eagle.step import VerifyStep  # noqa: E402
 from graphborrow.eagle.triton import fused  # noqa: E402
-
-try:  # (an older version launches graphs with replay() only)
-    from graphborrow.eagle.triton.direct import graph_launch as direct_launch  # noqa: E402
-    from graphborrow.eagle.triton.launch import current_stream  # noqa: E402
-except ImportError:
-    direct_launch = None
 
 VOCAB, T = 128256, 0.7
 POINTS = "1x4,4x4,16x4,1x8,4x8,1x16,4x16,32x8"
@@ -84,23 +79,16 @@ def point(bs: int, d: int, iters: int, rounds: int) -> dict:
     by_hand = torch.cuda.CUDAGraph()
     with torch.cuda.graph(by_hand):
         by_hand_out = step()
-    plan_step = VerifyStep.of(logits, None, tree, T, None, None, coins, final)
-    counters = fused.step_counters(plan_step)
-    alone_out = fused.allocate_outputs(plan_step)
+    checked = VerifyStep.of(logits, None, tree, T, None, None, coins, final)
+    counters = fused.step_counters(checked)
+    alone_out = fused.allocate_outputs(checked)
     alone = torch.cuda.CUDAGraph()
     with torch.cuda.graph(alone):
-        fused.run_step(plan_step, alone_out, True, counters)
+        fused.run_step(checked, alone_out, True, counters)
     path_out = graph_path()
     variants = {"by_hand_us": by_hand.replay, "kernel_alone_us": alone.replay, "graph_path_us": graph_path,
                 "softmax_t_us": lambda: torch.softmax(logits / T, dim=-1)}
     hosts = {"graph_path_host_us": graph_path, "replay_host_us": by_hand.replay}
-    if direct_launch is not None and hasattr(by_hand, "raw_cuda_graph_exec"):
-        executable, device = by_hand.raw_cuda_graph_exec(), torch.cuda.current_device()
-
-        def by_hand_direct():
-            direct_launch(executable, current_stream(device), device)
-
-        variants["by_hand_direct_us"] = hosts["direct_host_us"] = by_hand_direct
     samples = {name: [] for name in (*variants, *hosts)}
     for _ in range(rounds):
         for name, fn in variants.items():

@@ -12,10 +12,11 @@ replay's event time is printed beside the untraced one (the records' cost), and 
 tokens are checked equal to the untraced step's. ``--package TREE`` measures another
 tree's graphborrow; with ``--no-trace`` (the only way for a tree without the trace) just
 softmax and the replayed step, so two trees can be compared in turns.
-``--target-programs N`` sets the programs the vocabulary split aims at (``select.TARGET_PROGRAMS``),
-``--residual-items N`` the items the residual split aims at (``fused.RESIDUAL_ITEMS``) and
-``--one-round-rows N`` the most rows split for one round of programs (``fused.ONE_ROUND_ROWS``;
-0: none, every step aims at ``select.TARGET_PROGRAMS``).
+``--target-programs N`` sets the programs the vocabulary split aims at
+(``launch_config.TARGET_PROGRAMS``), ``--residual-items N`` the items the residual split
+aims at (``launch_config.RESIDUAL_ITEMS``) and ``--one-round-rows N`` the most rows split for
+one round of programs (``launch_config.ONE_ROUND_ROWS``; 0: none, every step aims at
+``TARGET_PROGRAMS``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ import statistics
 import sys
 from pathlib import Path
 
-import verify_kernels as vk  # noqa: I001  (first: it puts the measured tree, --package or this one, on sys.path)
+import trees  # noqa: I001
+
+trees.put_on_path(sys.argv)  # the measured tree: --package, or this one
+
 import torch  # noqa: E402
+import verify_kernels as vk  # noqa: E402
 from timing import captured, event_us, timed_us  # noqa: E402
 
 from graphborrow.eagle import eagle_verify  # noqa: E402
 from graphborrow.eagle.step import VerifyStep  # noqa: E402
-from graphborrow.eagle.triton import fused, select  # noqa: E402
 
 VOCAB, T = 128256, 0.7
 SMALL = "1x4,4x4,16x4,1x8,4x8,16x8,1x16,4x16"
@@ -43,8 +47,8 @@ def points(text: str) -> list:
     out = []
     for part in text.split(","):
         bs, d = part.lower().split("x")
-        if int(d) not in vk.TREES:
-            raise SystemExit(f"D must be one of {sorted(vk.TREES)}, got {part}")
+        if int(d) not in vk.DRAFT_SHAPES:
+            raise SystemExit(f"D must be one of {sorted(vk.DRAFT_SHAPES)}, got {part}")
         out.append((int(bs), int(d)))
     return out
 
@@ -60,17 +64,17 @@ def point(bs: int, d: int, iters: int, trace: bool = True) -> dict:
            "replayed_vs_softmax": round(replayed_us / softmax_us, 3)}
     if not trace:
         return row
-    from graphborrow.eagle.triton.timeline import StepTimeline, run_traced, traced_plan
+    from graphborrow.eagle.triton.timeline import StepTimeline, run_traced, traced_config
 
     step = VerifyStep.of(logits, None, tree, T, coins=coins, coins_final=final)
-    plan = traced_plan(step)
-    out = run_traced(plan, step)  # compiles and sizes the grid
-    traced_graph = captured(lambda: run_traced(plan, step, out))
+    config = traced_config(step)
+    out = run_traced(config, step)  # compiles and sizes the grid
+    traced_graph = captured(lambda: run_traced(config, step, out))
     times, timelines = [], []
     for _ in range(iters):
-        plan.trace.zero_()
+        config.trace.zero_()
         times.append(timed_us(traced_graph.replay))
-        timelines.append(StepTimeline.of(plan.trace.cpu().numpy(), plan))
+        timelines.append(StepTimeline.of(config.trace.cpu().numpy(), config))
     same = all(torch.equal(a, b) for a, b in zip(out, plain))
     first = timelines[0]
 
@@ -79,7 +83,8 @@ def point(bs: int, d: int, iters: int, trace: bool = True) -> dict:
         return round(statistics.median(values) / 1e3, 2) if values else None
 
     return {
-        **row, "splits": plan.splits, "rsplits": plan.rsplits, "programs": first.programs, "items": plan.groups[0][1],
+        **row, "splits": config.splits, "rsplits": config.rsplits, "programs": first.programs,
+        "items": config.groups[0][1],
         "traced_replayed_us": round(statistics.median(times), 1), "same_tokens_traced": same,
         "milestones_us": {k: med([t.milestones[k] for t in timelines]) for k in first.milestones},
         "items_us": {k: med([t.items[k] for t in timelines]) for k in first.items},
@@ -111,12 +116,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("step_timeline.py needs a CUDA GPU (the trace reads the GPU's clock)")
+    if args.target_programs or args.residual_items or args.one_round_rows is not None:
+        from graphborrow.eagle.triton import launch_config  # (this version's sizes)
     if args.target_programs:
-        select.TARGET_PROGRAMS = args.target_programs
+        launch_config.TARGET_PROGRAMS = args.target_programs
     if args.residual_items:
-        fused.RESIDUAL_ITEMS = args.residual_items
+        launch_config.RESIDUAL_ITEMS = args.residual_items
     if args.one_round_rows is not None:
-        fused.ONE_ROUND_ROWS = args.one_round_rows
+        launch_config.ONE_ROUND_ROWS = args.one_round_rows
     rows = []
     for bs, d in points(args.points):
         row = point(bs, d, args.iters, trace=not args.no_trace)

@@ -3,7 +3,7 @@
     TRITON_INTERPRET=0 python scripts/compile_kernels.py [--json out.json]
 
 Triton ships ptxas, so its compiler runs without a device: this drives the host code of
-graphborrow.eagle.triton.fused / select with CPU tensors in place of CUDA ones, turning
+graphborrow.eagle.triton.fused / fused_renorm with CPU tensors in place of CUDA ones, turning
 every kernel launch into a compile-only warmup (a stand-in driver reports an sm_90 target),
 so each variant the step uses is compiled with the argument types it really gets. It
 catches what the interpreter cannot (code that does not compile for CUDA) and reports
@@ -83,10 +83,11 @@ def main(argv=None) -> int:
     from graphborrow.eagle.draft_tree import build_draft_tree
     from graphborrow.eagle.step import VerifyStep
     from graphborrow.eagle.triton import fused as fv
-    from graphborrow.eagle.triton import select as fs
-    from graphborrow.eagle.triton.timeline import run_traced, traced_plan
+    from graphborrow.eagle.triton import fused_renorm
+    from graphborrow.eagle.triton.runtime import INTERPRETED
+    from graphborrow.eagle.triton.timeline import run_traced, traced_config
 
-    assert not fv.INTERPRETED
+    assert not INTERPRETED
     started = time.monotonic()
     bs, d, vocab = 4, 8, 128256
     tree = build_draft_tree(4, 3, d, bs, vocab, generator=torch.Generator().manual_seed(0))
@@ -105,11 +106,11 @@ def main(argv=None) -> int:
     step = VerifyStep(torch.zeros(d, vocab), one.candidates, one, 1.0, 50, 0.9, torch.zeros(1, d), torch.zeros(1)).check()
     fv.run_step(step, fv.allocate_outputs(step))
     plain = VerifyStep(torch.zeros(bs * d, vocab), tree.candidates, tree, 1.0, None, None, coins, final).check()
-    run_traced(traced_plan(plain), plain)  # the step that records its clock times
+    run_traced(traced_config(plain), plain)  # the step that records its clock times
     fv.fused_token_probs(torch.zeros(bs * d, vocab), 1.0, d, torch.zeros(bs * d, 4, dtype=torch.int64))
     probs = torch.zeros(32, vocab)
-    fs.top_p_renorm(probs, 0.9, validate=False)
-    fs.top_k_renorm(probs, 50, validate=False)
+    fused_renorm.top_p_renorm(probs, 0.9, validate=False)
+    fused_renorm.top_k_renorm(probs, 50, validate=False)
     for row in compiled:
         print(f"{row['kernel']:<22} registers {row.get('registers')!s:>4} local bytes {row.get('local_bytes')!s:>5} "
               f"shared {row['shared']:>6} warps {row['warps']}")

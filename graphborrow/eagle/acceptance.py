@@ -19,7 +19,7 @@ import math
 import torch
 
 from .draft_tree import DraftTree, repeat_tree
-from .modes import VerifyResult
+from .step import VerifyResult
 from .verify import eagle_verify
 
 __all__ = ["children_of", "chi_square", "emitted_tokens", "expected_emitted_tokens", "path_probabilities",
@@ -31,7 +31,8 @@ def path_probabilities(tree: DraftTree, probs: torch.Tensor, request: int = 0) -
     target probabilities of the candidates on its path (the root: 1).
 
     Args:
-        tree: the draft tree (parents before children, as :func:`build_draft_tree` numbers them).
+        tree: the draft tree (parents before children, as
+            :func:`~graphborrow.eagle.draft_tree.build_draft_tree` numbers them).
         probs: ``[D, V]`` target probabilities of that request, row n = the distribution after node n.
         request: which request of the tree.
 

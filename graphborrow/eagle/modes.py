@@ -1,37 +1,62 @@
-"""The reference verification step's modes, as bodies over a prepared step.
+"""The reference verification step (pure PyTorch, any device) and its three modes.
 
-Every mode runs in three phases: :func:`~graphborrow.eagle.step.prepare` (parameters,
-coins, tree tables), the mode's work (:func:`standard_rows` over groups of requests, or
-:func:`lean_rows`), then the release of what ``prepare`` made. Each phase's
-allocations depend on the step's shape alone; the capacity planner records them phase
-by phase and composes a mode's sequence from them (:mod:`.sequence`). Target rows come
-from :func:`~graphborrow.eagle.probs.target_probs`, the formula the fused kernels share
-bit for bit.
+- ``"standard"`` materialises the [bs*D, V] target probabilities and a draft scratch of
+  the same size, as serving engines do;
+- ``"lean"`` never does: it walks the tree on the candidates' probabilities, computed one
+  tree position ([bs, V]) at a time, and rebuilds one residual row per request;
+- ``"chunked"`` runs the standard step on groups of requests (as many per group as the
+  capacity planner finds fitting the borrow pool, chosen by ``eagle_verify``), so borrowing
+  covers batches that would not fit whole.
+
+All three emit identical tokens for identical coins: every row's probabilities come from
+the formula of :func:`~graphborrow.eagle.probs.target_probs`, which the fused kernels
+share bit for bit. Every mode runs in three phases: :func:`~graphborrow.eagle.step.prepare`
+(parameters, coins, tree tables), the mode's work (:func:`standard_rows` over groups of
+requests, or :func:`lean_rows`), then the release of what ``prepare`` made. Each phase's
+allocations depend on the step's shape alone; the capacity planner records them phase by
+phase (:mod:`.sequence`).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
 from .kernel import arange_like, sample_final_token, subtract_draft, walk_tree
 from .probs import target_probs
-from .step import DeviceParams, VerifyStep, prepare
+from .scope import run_borrowing
+from .step import DeviceParams, VerifyResult, VerifyStep, check_outputs, prepare
 
-__all__ = ["MODES", "VerifyResult", "lean_rows", "run_reference", "standard_rows", "target_probs"]
+__all__ = ["MODES", "allocate_outputs", "lean_rows", "run_into", "run_reference", "standard_rows", "verify"]
 
 MODES = ("standard", "lean", "chunked")
 
 
-class VerifyResult(NamedTuple):
-    """``predicts`` [bs*D] int32: the emitted token at each accepted node's slot;
-    ``accept_index`` [bs, S] int32: accepted nodes' slots (-1 past the path);
-    ``accept_length`` [bs] int32: tokens emitted per request (accepted drafts + 1)."""
+def verify(step: VerifyStep, borrow=None, out=None, mode: str = "standard", per_chunk: int | None = None
+           ) -> VerifyResult:
+    """The reference step for a checked (and, if asked, validated) ``step``: new outputs
+    unless ``out`` gives them (:func:`~graphborrow.eagle.step.check_outputs`), then
+    :func:`run_into`. ``per_chunk``: requests per group (chunked mode; default the whole batch)."""
+    out = allocate_outputs(step) if out is None else VerifyResult(*check_outputs(out, step))
+    run_into(step, out, borrow, mode, per_chunk or max(step.batch_size, 1))
+    return out
 
-    predicts: torch.Tensor
-    accept_index: torch.Tensor
-    accept_length: torch.Tensor
+
+def allocate_outputs(step: VerifyStep) -> VerifyResult:
+    """The step's three outputs, uninitialised (:func:`run_into` writes every entry)."""
+    bs, c = step.batch_size, step.candidates
+    return VerifyResult(c.new_empty(bs * step.draft_tokens, dtype=torch.int32),
+                        c.new_empty((bs, step.tree_depth), dtype=torch.int32), c.new_empty(bs, dtype=torch.int32))
+
+
+def run_into(step: VerifyStep, out: VerifyResult, borrow, mode: str, per_chunk: int) -> None:
+    """Every entry of ``out`` rewritten by the step, its temporaries inside ``borrow``'s scope
+    (when enabled); reads nothing on the host, so a CUDA graph can capture it."""
+    out.predicts.zero_()
+    out.accept_index.fill_(-1)
+    out.accept_length.zero_()
+    if step.batch_size:
+        run_borrowing(borrow, run_reference, step, mode, per_chunk, out)
+        out.accept_length.add_(1)
 
 
 def run_reference(step: VerifyStep, mode: str, per_chunk: int, out: VerifyResult) -> None:

@@ -13,15 +13,15 @@ from the state now, completes without running out of borrowed memory.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from graphborrow.core.sizes import MB
 from graphborrow.device.cuda import CudaBackend
 from graphborrow.planning.planner import PoolImage
 
 from .modes import MODES
-from .sequence import plan_fused_step, plan_step, requests_per_chunk
-from .step import StepShape
-from .verify import IMPLS, fused_available
+from .sequence import ChunkPlan, plan_fused_step, plan_step, requests_per_chunk
+from .step import StepShape, choose_impl
 
 __all__ = ["VerifyPlan", "describe_plan", "plan_verify", "MAX_STEP_BYTES"]
 
@@ -35,16 +35,16 @@ class VerifyPlan:
     ``fits``: the step completes in the borrowed runs. ``requests_per_chunk``: the whole
     batch for standard and lean; chunked mode's group size (the most that fits, or 1
     with ``fits`` False when not even one request does). ``peak_bytes``: most bytes
-    (512-byte-rounded blocks) the step holds at once when it runs, wherever it runs.
-    ``carved_bytes``: bytes the arena carved from the runs for new segments in the
-    replay (the pool's precarve included). ``allocations``: how many of the step's
-    requests the replay served. ``reason``: why it does not fit, in words: which tensor,
-    its size class, the largest run and the room left.
+    (512-byte-rounded blocks) the step holds at once when it runs, wherever it runs (of
+    a step that does not fit, recorded when first read). ``carved_bytes``: bytes the
+    arena carved from the runs for new segments in the replay (the pool's precarve
+    included). ``allocations``: how many of the step's requests the replay served: the
+    replay ends at the first one the pool cannot serve. ``reason``: why it does not fit,
+    in words: which tensor, its size class, the largest run and the room left.
     """
 
     fits: bool
     requests_per_chunk: int
-    peak_bytes: int
     reason: str
     mode: str
     batch_size: int
@@ -56,6 +56,11 @@ class VerifyPlan:
     allocations: int = 0
     largest_run: int = 0
     impl: str = "reference"
+    found: Optional[ChunkPlan] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        return 0 if self.found is None else self.found.peak_bytes
 
 
 def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str = "standard",
@@ -101,11 +106,11 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
     for name, value in (("top_k", top_k), ("top_p", top_p)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} says whether that renorm runs: pass True or False, got {value!r}")
-    impl = _planned_impl(impl, state)
+    impl = choose_impl(impl, isinstance(getattr(state, "backend", None), CudaBackend))
     image = state if isinstance(state, PoolImage) else PoolImage.of(state)
     shape = StepShape(batch_size, draft_tokens, vocab, top_k, top_p)
     if batch_size == 0:
-        return VerifyPlan(True, 0, 0, "", mode, 0, draft_tokens, vocab, top_k, top_p, largest_run=image.largest_run,
+        return VerifyPlan(True, 0, "", mode, 0, draft_tokens, vocab, top_k, top_p, largest_run=image.largest_run,
                           impl=impl)
     if impl == "fused":
         found = plan_fused_step(image, shape, mode)
@@ -114,18 +119,8 @@ def plan_verify(state, batch_size: int, draft_tokens: int, vocab: int, mode: str
     else:
         found = plan_step(image, shape, mode)
     r = found.replay
-    return VerifyPlan(r.fits, found.requests_per_chunk, found.peak_bytes, r.reason, mode, batch_size, draft_tokens,
-                      vocab, top_k, top_p, r.carved_bytes, r.allocations, image.largest_run, impl)
-
-
-def _planned_impl(impl: str, state) -> str:
-    """The implementation ``eagle_verify(impl=impl)`` would run on ``state``'s device."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl != "auto":
-        return impl
-    backend = getattr(state, "backend", None)
-    return "fused" if isinstance(backend, CudaBackend) and fused_available() else "reference"
+    return VerifyPlan(r.fits, found.requests_per_chunk, r.reason, mode, batch_size, draft_tokens, vocab, top_k, top_p,
+                      r.carved_bytes, r.allocations, image.largest_run, impl, found)
 
 
 def describe_plan(plan: VerifyPlan) -> str:

@@ -16,10 +16,10 @@ the same function everywhere it runs: on CUDA, torch's float32 ``exp`` and Trito
 ``libdevice.exp`` are both the CUDA math library's ``expf`` (no fast math, no flush to
 zero, kernels compiled without fused multiply-add); in Triton's interpreter (the CPU
 tests) the kernels' ``exp`` is torch's CPU ``exp``. So the reference verification
-(:mod:`.modes`, which calls :func:`softmax_rows`) and the fused kernels (:mod:`.fused`)
-agree bit for bit, and a kernel may sum a row in any order, over any number of slices.
-A plain ``torch.softmax`` sums in float32 in an order of its own, which no kernel that
-splits a row can reproduce.
+(:mod:`.modes`, which calls :func:`softmax_rows`) and the fused kernels
+(:mod:`graphborrow.eagle.triton.fused`) agree bit for bit, and a kernel may sum a row in any
+order, over any number of slices. A plain ``torch.softmax`` sums in float32 in an order of
+its own, which no kernel that splits a row can reproduce.
 
 The fixed-point sum drops each term's bits below 2**-K (K = 45 for a 128256-token
 vocabulary): s is within V * 2**-K (about 2**-28) of the exact sum of the e's, finer

@@ -7,10 +7,15 @@ mode's sequence is their concatenation, e.g. chunked with 128 requests in groups
 ``prepare(128) + body(48) * 2 + body(32) + release(128)``. That is exactly what
 :func:`~graphborrow.eagle.modes.run_reference` executes, phase for phase.
 
-The fused step (:mod:`.fused`) has one sequence whatever the mode: its coins and its
-workspace, recorded by running :func:`~graphborrow.eagle.triton.fused.run_step` with
+The fused step (:mod:`graphborrow.eagle.triton.fused`) has one sequence whatever the mode:
+its coins and its workspace, recorded by running :func:`~graphborrow.eagle.triton.fused.run_step` with
 ``launch=False`` (the allocations without a kernel) on the same device
 (:func:`fused_sequence`).
+
+A plan feeds the phases to the replay one by one, and a phase not recorded yet is
+recorded while the replay listens: the first request the pool cannot serve ends both. So a
+step that cannot fit is refused after its requests up to that one, in a time that does not
+grow with the batch (recording a whole step walks its rows a few at a time).
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ import torch
 
 from graphborrow.core.sizes import SMALL_SIZE, round_size
 from graphborrow.planning import planner
-from graphborrow.planning.stored import stored_sequences
+from graphborrow.planning.stored import PhaseStore
 
 from .draft_tree import DraftTree
-from .modes import MODES, VerifyResult, lean_rows, standard_rows
-from .step import StepShape, VerifyStep, prepare
+from .modes import MODES, lean_rows, standard_rows
+from .step import StepShape, VerifyResult, VerifyStep, prepare
 
 __all__ = ["ChunkPlan", "describe_tensor", "fused_sequence", "plan_fused_step", "plan_step", "requests_per_chunk",
            "verify_bytes", "verify_sequence"]
@@ -44,7 +49,7 @@ class ChunkPlan:
     requests_per_chunk: int
     shape: StepShape
     mode: str
-    peak_bytes: int  # most bytes (512-byte-rounded blocks) the step holds at once when it runs
+    fused: bool = False
 
     @property
     def fits(self) -> bool:
@@ -53,6 +58,19 @@ class ChunkPlan:
     @property
     def reason(self) -> str:
         return self.replay.reason
+
+    @functools.cached_property
+    def peak_bytes(self) -> int:
+        """Most bytes (512-byte-rounded blocks) the step holds at once when it runs, wherever it runs.
+
+        Of a step that does not fit, the replay saw only the requests up to the one it could not
+        serve: the rest is recorded when this is first read (a time that grows with the batch).
+        """
+        if self.requests_per_chunk == 0:
+            return 0
+        if self.fused:
+            return fused_sequence(self.shape).peak_bytes
+        return verify_sequence(self.shape, self.mode, self.requests_per_chunk).peak_bytes
 
 
 def verify_sequence(shape: StepShape, mode: str, per_chunk: Optional[int] = None) -> planner.AllocationSequence:
@@ -68,20 +86,33 @@ def verify_sequence(shape: StepShape, mode: str, per_chunk: Optional[int] = None
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    bs, d = shape.batch_size, shape.draft_tokens
+    bs = shape.batch_size
     if bs == 0:
         return planner.AllocationSequence()
-    prefix, release = _prepare_phases(bs, d, shape.top_k, shape.top_p)
-    if mode == "lean":
-        return prefix + _rows_body(shape, "lean") + release
-    per = bs if mode == "standard" or per_chunk is None else int(per_chunk)
+    per = _group(shape, mode, per_chunk)
+    prefix, release = PREPARE(*_prepare_key(shape))
+    sequence = prefix
+    for rows, times in _bodies(shape, mode, per):
+        sequence = sequence + ROWS(*rows)[0] * times
+    return sequence + release
+
+
+def _group(shape: StepShape, mode: str, per_chunk: Optional[int]) -> int:
+    """Requests per group: the whole batch but in chunked mode given ``per_chunk``."""
+    bs = shape.batch_size
+    per = bs if mode != "chunked" or per_chunk is None else int(per_chunk)
     if not 1 <= per <= bs:
         raise ValueError(f"per_chunk must be in [1, {bs}], got {per_chunk!r}")
-    groups, rest = divmod(bs, per)
-    body = _rows_body(shape._replace(batch_size=per), "standard") * groups
-    if rest:
-        body = body + _rows_body(shape._replace(batch_size=rest), "standard")
-    return prefix + body + release
+    return per
+
+
+def _bodies(shape: StepShape, mode: str, per: int) -> list[tuple[tuple, int]]:
+    """The mode's work as ``((shape, body mode), times)``: lean once, the others group by group."""
+    if mode == "lean":
+        return [((shape, "lean"), 1)]
+    groups, rest = divmod(shape.batch_size, per)
+    bodies = [((shape._replace(batch_size=per), "standard"), groups)]
+    return bodies + [((shape._replace(batch_size=rest), "standard"), 1)] if rest else bodies
 
 
 def verify_bytes(batch_size: int, draft_tokens: int, vocab: int, mode: str, top_k: bool = False,
@@ -89,7 +120,7 @@ def verify_bytes(batch_size: int, draft_tokens: int, vocab: int, mode: str, top_
     """Most bytes (allocator blocks) the step holds at once, from its recorded sequence.
 
     A size, not a verdict: whether a step fits depends on the pool's layout as much as on
-    this number (see :func:`graphborrow.planning.capacity.plan_verify`). ``chunk_rows`` sizes
+    this number (see :func:`graphborrow.eagle.plan.plan_verify`). ``chunk_rows`` sizes
     chunked mode's groups (default: one request per group).
 
     Args:
@@ -118,7 +149,7 @@ def verify_bytes(batch_size: int, draft_tokens: int, vocab: int, mode: str, top_
 
 
 def plan_step(image: planner.PoolImage, shape: StepShape, mode: str, per_chunk: Optional[int] = None) -> ChunkPlan:
-    """Replay the step's sequence against ``image``.
+    """Replay the step's sequence against ``image``, up to the first request that does not fit.
 
     Args:
         image: the borrow pool as the planner sees it.
@@ -127,12 +158,38 @@ def plan_step(image: planner.PoolImage, shape: StepShape, mode: str, per_chunk: 
         per_chunk: chunked mode's requests per group (default: the whole batch).
 
     Returns:
-        A :class:`ChunkPlan`: the replay's verdict, the group size and the step's peak bytes.
+        A :class:`ChunkPlan`: the replay's verdict and the group size.
     """
-    per = shape.batch_size if mode != "chunked" or per_chunk is None else per_chunk
-    sequence = verify_sequence(shape, mode, per)
-    result = planner.replay(sequence, image, describe_tensor(shape, per))
-    return ChunkPlan(result, per, shape, mode, sequence.peak_bytes)
+    return _plan(image, shape, mode, _group(shape, mode, per_chunk))[0]
+
+
+def _plan(image: planner.PoolImage, shape: StepShape, mode: str, per: int) -> tuple[ChunkPlan, Optional[str]]:
+    """The plan, and the part of the step where its replay ended: "prepare", "rows", "release" or None."""
+    ended = None
+    with planner.replaying(image, describe_tensor(shape, per)) as replay:
+        if _feed(replay, PREPARE, _prepare_key(shape)):
+            ended = "prepare"
+        for rows, times in _bodies(shape, mode, per):
+            if not ended and _feed(replay, ROWS, rows, times):
+                ended = "rows"
+        if not ended and not replay.feed(PREPARE(*_prepare_key(shape))[1]):
+            ended = "release"
+    return ChunkPlan(replay.result(), per, shape, mode), ended
+
+
+def _feed(replay: planner.Replayer, store: PhaseStore, args: tuple, times: int = 1) -> bool:
+    """Feed the first phase of ``store``'s ``args`` to ``replay`` ``times`` times, recording it now,
+    while the replay listens, when it is not known yet. True when the replay has ended."""
+    if replay.done:
+        return True
+    try:
+        phases, heard = store.get(args, replay.serve)
+    except planner.RecordingStopped:  # the replay ended inside the phase: nothing of it was kept
+        return True
+    for _ in range(times - heard):
+        if not replay.feed(phases[0]):
+            break
+    return replay.done
 
 
 def plan_fused_step(image: planner.PoolImage, shape: StepShape, mode: str = "standard") -> ChunkPlan:
@@ -146,17 +203,19 @@ def plan_fused_step(image: planner.PoolImage, shape: StepShape, mode: str = "sta
     Returns:
         A :class:`ChunkPlan` for the whole batch.
     """
-    sequence = fused_sequence(shape)
-    result = planner.replay(sequence, image, describe_tensor(shape, shape.batch_size))
-    return ChunkPlan(result, shape.batch_size, shape, mode, sequence.peak_bytes)
+    with planner.replaying(image, describe_tensor(shape, shape.batch_size)) as replay:
+        if shape.batch_size:
+            _feed(replay, FUSED, (shape,))
+    return ChunkPlan(replay.result(), shape.batch_size, shape, mode, fused=True)
 
 
 def requests_per_chunk(state, shape: StepShape) -> ChunkPlan:
     """The most requests per group whose chunked step fits ``state``'s borrow pool now.
 
-    Every group size from the whole batch down is tried in turn (the answer is not
-    monotone: a 1-10 MiB matrix needs a 20 MiB segment where a 12 MiB one needs 12).
-    When none fits, the returned plan (for one request per group) says why.
+    Every group size from the largest the pool could hold down is tried in turn (the answer
+    is not monotone: a 1-10 MiB matrix needs a 20 MiB segment where a 12 MiB one needs 12);
+    a step whose ``prepare`` does not fit fits in no group size. When none fits, the returned
+    plan (for one request per group) says why.
 
     Args:
         state: a :class:`~graphborrow.core.borrow.BorrowState` or a
@@ -168,14 +227,26 @@ def requests_per_chunk(state, shape: StepShape) -> ChunkPlan:
     """
     image = state if isinstance(state, planner.PoolImage) else planner.PoolImage.of(state)
     if shape.batch_size == 0:
-        return ChunkPlan(planner.Replay(True, 0, 0, 0, None), 0, shape, "chunked", 0)
-    room = _free_space(image)
-    for per in range(shape.batch_size, 1, -1):
-        if _could_fit(room, shape, per):
-            found = plan_step(image, shape, "chunked", per)
-            if found.fits or image.disabled is not None:
-                return found
+        return ChunkPlan(planner.Replay(True, 0, 0, 0, None), 0, shape, "chunked")
+    for per in range(_largest_could_fit(_free_space(image), shape), 1, -1):
+        found, ended = _plan(image, shape, "chunked", per)
+        if found.fits or image.disabled is not None:
+            return found
+        if ended == "prepare":  # the same for every group size
+            break
     return plan_step(image, shape, "chunked", 1)
+
+
+def _largest_could_fit(room: tuple[int, int], shape: StepShape) -> int:
+    """The largest group size (0 to the batch) meeting :func:`_could_fit`, which smaller groups meet too."""
+    low, high = 0, shape.batch_size
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _could_fit(room, shape, middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _free_space(image: planner.PoolImage) -> tuple[int, int]:
@@ -251,47 +322,63 @@ def _key(shape: StepShape) -> list:
             str(shape.logits_dtype)]
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
-def _prepare_phases(bs: int, d: int, top_k: bool, top_p: bool):
-    """``prepare``'s allocations, and the frees that release them at the step's end (recorded once
-    per shape and kept on disk: :mod:`graphborrow.planning.stored`)."""
-    key = [int(bs), int(d), bool(top_k), bool(top_p)]
-    return stored_sequences("verify-prepare", key, lambda: _record_prepare(bs, d, top_k, top_p))
+def _prepare_key(shape: StepShape) -> tuple:
+    return (shape.batch_size, shape.draft_tokens, shape.top_k, shape.top_p)
 
 
-def _record_prepare(bs: int, d: int, top_k: bool, top_p: bool):
+def _record_prepare(bs: int, d: int, top_k: bool, top_p: bool, listener=None):
+    """``prepare``'s allocations, and the frees that release them at the step's end."""
     with planner.recording() as rec:
         step = _dummy_step(StepShape(bs, d, 1, top_k, top_p))
-        with rec.phase() as made:
+        with rec.phase(listener) as made:
             params = prepare(step)
         with rec.phase() as released:
             del params
     return planner.AllocationSequence(tuple(made)), planner.AllocationSequence(tuple(released))
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
-def _rows_body(shape: StepShape, mode: str) -> planner.AllocationSequence:
+def _record_rows(shape: StepShape, mode: str, listener=None) -> tuple[planner.AllocationSequence]:
     """One group's rows in ``mode``: :func:`~graphborrow.eagle.modes.standard_rows` or
-    :func:`~graphborrow.eagle.modes.lean_rows`, outputs and parameters made outside the phase
-    (recorded once per shape and kept on disk)."""
-    return stored_sequences("verify-rows", [*_key(shape), mode], lambda: (_record_rows(shape, mode),))[0]
-
-
-def _record_rows(shape: StepShape, mode: str) -> planner.AllocationSequence:
+    :func:`~graphborrow.eagle.modes.lean_rows`, outputs and parameters made outside the phase."""
     with planner.recording() as rec:
         step = _dummy_step(shape)
         out = _outputs(step)
         params = prepare(step)
-        with rec.phase() as body:
+        with rec.phase(listener) as body:
             if mode == "lean":
                 lean_rows(step, params, out)
             else:
                 standard_rows(step, params, 0, shape.batch_size, out)
         del params, out
-    return planner.AllocationSequence(tuple(body))
+    return (planner.AllocationSequence(tuple(body)),)
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
+def _record_fused(shape: StepShape, listener=None) -> tuple[planner.AllocationSequence]:
+    from .triton import fused
+
+    with planner.recording() as rec:
+        step = _dummy_step(shape)
+        out = _outputs(step)
+        with rec.phase(listener) as body:
+            fused.run_step(step, out, launch=False)
+        del out
+    return (planner.AllocationSequence(tuple(body)),)
+
+
+def _triton_version() -> str:
+    """Triton's version: its interpreter runs the fused step's code (imported only when planned)."""
+    from .triton import fused  # noqa: F401  (imports triton, selecting its interpreter without CUDA)
+
+    return getattr(sys.modules.get("triton"), "__version__", "")
+
+
+# Each phase is recorded once per shape and kept (in memory and on disk: graphborrow.planning.stored)
+PREPARE = PhaseStore("verify-prepare", _record_prepare, lambda bs, d, top_k, top_p: [int(bs), int(d), bool(top_k),
+                                                                                   bool(top_p)], CACHE_SIZE)
+ROWS = PhaseStore("verify-rows", _record_rows, lambda shape, mode: [*_key(shape), mode], CACHE_SIZE)
+FUSED = PhaseStore("verify-fused", _record_fused, lambda shape: [*_key(shape), _triton_version()], CACHE_SIZE)
+
+
 def fused_sequence(shape: StepShape) -> planner.AllocationSequence:
     """The fused step's allocation sequence: :func:`~graphborrow.eagle.triton.fused.run_step` with
     ``launch=False``, recorded on the layout-only device (outputs made before, as
@@ -301,23 +388,8 @@ def fused_sequence(shape: StepShape) -> planner.AllocationSequence:
         shape: the step's :class:`~graphborrow.eagle.step.StepShape`.
 
     Returns:
-        The :class:`~graphborrow.planning.planner.AllocationSequence` (cached per shape).
+        The :class:`~graphborrow.planning.planner.AllocationSequence` (kept per shape).
     """
-    from .triton import (
-        fused,  # imports triton (selecting its interpreter without CUDA): only when planned
-    )
-
     if shape.batch_size == 0:
         return planner.AllocationSequence()
-
-    def record():
-        with planner.recording() as rec:
-            step = _dummy_step(shape)
-            out = _outputs(step)
-            with rec.phase() as body:
-                fused.run_step(step, out, launch=False)
-            del out
-        return (planner.AllocationSequence(tuple(body)),)
-
-    triton = getattr(sys.modules.get("triton"), "__version__", "")  # its interpreter runs the step's code
-    return stored_sequences("verify-fused", [*_key(shape), triton], record)[0]
+    return FUSED(shape)[0]

@@ -1,11 +1,14 @@
-"""One verification step as a record: its inputs, checked once, and its device-side state.
+"""One verification step as a record: its inputs checked once, its result, and which implementation runs it.
 
 :class:`VerifyStep` holds what every implementation of the step reads (the reference
-modes in :mod:`graphborrow.eagle.verify`, a fused CUDA kernel elsewhere): logits, the
-draft tree, per-request sampling parameters, coins and thresholds. :meth:`VerifyStep.check`
-reads shapes only; :meth:`VerifyStep.validate` reads values (see :mod:`.validate`).
+modes of :mod:`.modes`, the fused kernel of :mod:`graphborrow.eagle.triton.fused`): logits,
+the draft tree, per-request sampling parameters, coins and thresholds.
+:meth:`VerifyStep.check` reads shapes only; :meth:`VerifyStep.validate` reads values (see
+:mod:`.validate`). Every implementation returns a :class:`VerifyResult`, and
+:func:`choose_impl` is the one rule for which of them runs, asked by ``eagle_verify`` and
+by the capacity planner alike.
 
-:func:`prepare` turns the record into :class:`DeviceParams`, the step's first
+:func:`prepare` turns the record into :class:`DeviceParams`, the reference step's first
 temporaries: per-request parameters as [bs] tensors, coins and the tree tables. They are
 always fresh tensors of the same sizes, whatever form the caller gave (a number or a
 tensor, coins given or drawn), so a step's allocations depend on its shape alone.
@@ -14,9 +17,13 @@ tensor, coins given or drawn), so a step's allocations depend on its shape alone
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 from typing import Any, NamedTuple, Optional
 
 import torch
+
+from graphborrow.sim.tensor import is_sim_tensor
 
 from .draft_tree import DraftTree
 from .kernel import TreeTables
@@ -31,7 +38,64 @@ from .validate import (
 
 TREE_TABLES = ("tree.retrive_index", "tree.retrive_next_token", "tree.retrive_next_sibling")
 
-__all__ = ["DeviceParams", "StepShape", "VerifyStep", "check_outputs", "draw", "draw_into", "prepare"]
+__all__ = ["IMPLS", "DeviceParams", "StepShape", "VerifyResult", "VerifyStep", "check_outputs", "choose_impl", "draw",
+           "draw_into", "fused_available", "prepare", "real_cuda"]
+
+IMPLS = ("auto", "reference", "fused")
+
+
+class VerifyResult(NamedTuple):
+    """``predicts`` [bs*D] int32: the emitted token at each accepted node's slot;
+    ``accept_index`` [bs, S] int32: accepted nodes' slots (-1 past the path);
+    ``accept_length`` [bs] int32: tokens emitted per request (accepted drafts + 1)."""
+
+    predicts: torch.Tensor
+    accept_index: torch.Tensor
+    accept_length: torch.Tensor
+
+
+def choose_impl(impl: str, real_cuda: bool) -> str:
+    """The implementation ``eagle_verify(impl=impl)`` runs: ``"reference"`` or ``"fused"``.
+
+    ``"auto"`` takes the fused kernels on a real CUDA device where Triton is installed, and
+    the reference elsewhere (CPU, the simulated device); ``"reference"`` and ``"fused"`` are
+    what they say (whether the fused kernels can launch there is the caller's check).
+
+    Args:
+        impl: ``"auto"``, ``"reference"`` or ``"fused"``.
+        real_cuda: whether the step's tensors are on a real CUDA device (for a borrow state:
+            whether its backend is one).
+
+    Returns:
+        ``"reference"`` or ``"fused"``.
+
+    Raises:
+        ValueError: an unknown ``impl``.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "fused" if real_cuda and fused_available() else "reference"
+    return impl
+
+
+def real_cuda(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives on a real CUDA device: what :func:`choose_impl` asks of a step's logits.
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        True on a CUDA device, False on the CPU and on the simulated device (whose tensors
+        report ``is_cuda`` to code written for a GPU).
+    """
+    return tensor.is_cuda and (type(tensor) is torch.Tensor or not is_sim_tensor(tensor))
+
+
+@functools.cache
+def fused_available() -> bool:
+    """Whether the fused kernels can be imported: triton is installed (found without importing it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 class StepShape(NamedTuple):
@@ -243,7 +307,32 @@ def check_outputs(out, step: VerifyStep) -> tuple:
             raise ValueError(f"out {name} must be on the logits' device ({step.logits.device}), got {t.device}")
         if not t.is_contiguous():
             raise ValueError(f"out {name} must be contiguous; call .contiguous() first")
+    # the kernels read the inputs while they write the outputs: a shared byte would be silently wrong
+    outputs = [(f"out {n}", _span(t)) for n, t in zip(("predicts", "accept_index", "accept_length"), out)]
+    inputs = [(n, _span(t)) for n, t in (("logits", step.logits), ("candidates", step.candidates),
+                                          ("coins", step.coins), ("coins_final", step.coins_final),
+                                          ("temperatures", step.temperatures), ("top_ks", step.top_ks),
+                                          ("top_ps", step.top_ps), ("retrive_index", step.tree[1]),
+                                          ("retrive_next_token", step.tree[2]),
+                                          ("retrive_next_sibling", step.tree[3]))
+              if isinstance(t, torch.Tensor)]
+    for i, (name, (device, lo, hi)) in enumerate(outputs):
+        for other, (other_device, other_lo, other_hi) in outputs[:i] + inputs:
+            if device == other_device and lo < other_hi and other_lo < hi:
+                raise ValueError(f"{name} shares memory with {other}: the step would overwrite what it reads; "
+                                 "give out= buffers of their own (torch.empty_like, or call without out=)")
     return tuple(out)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(device index, first byte, end)`` of the bytes ``t`` spans; an empty tensor spans none."""
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return t.get_device(), start, start + t.numel() * t.element_size()
+    if t.numel() == 0:
+        return t.get_device(), start, start
+    last = sum((n - 1) * abs(k) for n, k in zip(t.shape, t.stride()))
+    return t.get_device(), start, start + (last + 1) * t.element_size()
 
 
 def _per_request(value, bs, like, dtype) -> torch.Tensor:

@@ -1,24 +1,12 @@
-"""The whole non-greedy verification step, in three modes and two implementations.
+"""``eagle_verify``: the whole non-greedy verification step, routed to the reference or the fused kernels.
 
-Modes of the reference implementation (pure PyTorch, any device):
-
-- ``"standard"`` materialises the [bs*D, V] target probabilities and a draft scratch
-  of the same size, as serving engines do;
-- ``"lean"`` never does: it walks the tree on the candidates' probabilities, computed
-  one tree position ([bs, V]) at a time, and rebuilds one residual row per request;
-- ``"chunked"`` runs the standard step on groups of requests, as many per group as the
-  capacity planner finds fitting the borrow pool, so borrowing covers batches that
-  would not fit whole.
-
-All three emit identical tokens for identical coins: every probability comes from the
-same per-row arithmetic (:mod:`.probs`), whatever rows share a call.
-
-Implementations: ``impl="fused"`` runs the step as a few Triton launches that read the
-logits directly (:mod:`.fused`; no [bs*D, V] matrix, so every mode is the same step
-there); ``"reference"`` runs the modes above; ``"auto"`` (the default) takes the fused
-path for tensors on a real CUDA device when Triton is installed, the reference
-elsewhere (CPU, the simulated device). Both compute the target probabilities by the same
-formula, so for the same coins they emit bitwise the same tokens.
+Two implementations run a checked :class:`~graphborrow.eagle.step.VerifyStep`: the reference
+(:mod:`.modes`, pure PyTorch on any device, in three modes) and the fused Triton kernel
+(:mod:`graphborrow.eagle.triton.fused`, one launch that reads the logits directly).
+:func:`~graphborrow.eagle.step.choose_impl` says which one runs. ``graph=True`` layers
+:mod:`.graphs` on either: the step captured in a CUDA graph on its first call and replayed
+after. Both implementations compute every probability by the same formula, so for the same
+coins they emit bitwise the same tokens.
 
 Outputs are allocated before the borrow scope; every temporary is created and released
 inside it. Value checks (:mod:`.validate`) run before it and can be skipped.
@@ -26,27 +14,18 @@ inside it. Value checks (:mod:`.validate`) run before it and can be skipped.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-
 import torch
 
 from graphborrow.core.errors import BorrowCapacityError
 from graphborrow.sim.tensor import is_sim_tensor
 
+from . import modes
 from .draft_tree import DraftTree
-from .modes import MODES, VerifyResult, run_reference
-from .scope import run_borrowing
+from .modes import MODES
 from .sequence import requests_per_chunk
-from .step import VerifyStep, check_outputs
+from .step import IMPLS, VerifyResult, VerifyStep, choose_impl, real_cuda
 
-__all__ = ["IMPLS", "eagle_verify", "fused_available", "resolve_impl"]
-
-IMPLS = ("auto", "reference", "fused")
-FUSED_MODULE = "graphborrow.eagle.triton.fused"
-EAGER_MODULE = "graphborrow.eagle.triton.eager"
-GRAPHS_MODULE = "graphborrow.eagle.graphs"
+__all__ = ["eagle_verify"]
 
 
 def eagle_verify(
@@ -90,20 +69,20 @@ def eagle_verify(
             test (1.0: exact sampling).
         borrow: a borrow state; when enabled, every temporary lives inside
             ``borrow.borrow("EAGLE verify")``.
-        mode: ``"standard"``, ``"lean"`` or ``"chunked"`` (see the module docstring).
+        mode: the reference's ``"standard"``, ``"lean"`` or ``"chunked"`` (:mod:`.modes`); the
+            fused step holds no [rows, V] matrix and runs every mode as one group.
         chunk_rows: chunked mode's group size in rows (a multiple of D) instead of the
-            planner's; without a borrow, chunked mode runs one group. The fused path holds
-            no [rows, V] matrix and runs every mode as one group.
+            planner's; without a borrow, chunked mode runs one group.
         impl: ``"reference"`` (pure PyTorch), ``"fused"`` (the Triton kernels: CUDA tensors,
             or CPU tensors in Triton's interpreter; an error without Triton or on the
             simulated device) or ``"auto"`` (fused for real CUDA tensors where Triton is
-            installed, else the reference). See :func:`resolve_impl`.
+            installed, else the reference): :func:`~graphborrow.eagle.step.choose_impl`.
         validate: run the value checks (tree shape, parameter ranges, logits rows a
             sampler can draw from); they read on the host, so a step captured in a CUDA
             graph passes False and checks its inputs where they are made.
-        graph: replay the fused step from a CUDA graph captured on the first call with
-            these tensors (same addresses, shapes, dtypes) and parameters; the result's
-            tensors are that graph's outputs, rewritten by its next replay. See
+        graph: replay the step from a CUDA graph captured on the first call with these
+            tensors (same addresses, shapes, dtypes) and parameters; the result's tensors
+            are that graph's outputs, rewritten by its next replay. See
             :mod:`graphborrow.eagle.graphs` for what invalidates an entry, the memory it
             holds and how to clear it.
         out: ``(predicts [bs*D], accept_index [bs, S], accept_length [bs])``, int32 and
@@ -113,7 +92,7 @@ def eagle_verify(
             Not with ``graph=True``, whose entries own their outputs.
 
     Returns:
-        A :class:`VerifyResult` (of ``out``'s tensors when given).
+        A :class:`~graphborrow.eagle.step.VerifyResult` (of ``out``'s tensors when given).
 
     Raises:
         ValueError: a bad argument, named.
@@ -124,46 +103,37 @@ def eagle_verify(
         if out is not None:
             raise ValueError("graph=True returns its captured step's own outputs (rewritten by each replay), so it "
                              "takes no out=; copy what you keep from the result, or call without graph=True")
-        return _graph_steps().verify(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final,
-                                     generator, borrow, threshold_single, threshold_acc, impl, validate)
-    if (not validate and borrow is None and impl != "reference" and type(logits) is torch.Tensor and logits.is_cuda
-            and mode in MODES and impl in IMPLS and fused_available()):  # the eager serving call: its short path
-        result = _import(EAGER_MODULE).eager(logits, candidates, tree, temperatures, top_ks, top_ps, coins,
-                                             coins_final, generator, threshold_single, threshold_acc, out)
-        if result is not None:
-            return result
+        call = (logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final, generator, borrow,
+                threshold_single, threshold_acc, mode, chunk_rows, impl)
+        graphs = _graphs()
+        found = graphs.GRAPH_STEPS.last(call)  # the serving loop's common case: the same objects again
+        if found is not None:
+            return found.replay(validate)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     step = VerifyStep.of(logits, candidates, tree, temperatures, top_ks, top_ps, coins, coins_final, generator,
                          threshold_single, threshold_acc)
-    fused = _fused_module(resolve_impl(impl, step.logits))
-    if fused is not None:
+    impl = choose_impl(impl, real_cuda(step.logits))
+    fused = None
+    if impl == "fused":
+        if is_sim_tensor(step.logits):
+            raise ValueError("impl='fused' launches Triton kernels, which the simulated device cannot run; use "
+                             "impl='reference' (or 'auto') there, and plan the fused step with "
+                             "graphborrow.eagle.plan.plan_verify(..., impl='fused')")
+        fused = _fused()
+        fused.check_launchable(step.logits)
         step.require_contiguous()
     if validate:
         step.validate()
+    borrowing = borrow if borrow is not None and bool(borrow.enabled) else None
+    per_chunk = None if fused is not None or mode != "chunked" else _chunk_requests(step, borrowing, chunk_rows)
+    if graph:
+        return graphs.GRAPH_STEPS.verify(call, step, impl, mode, per_chunk, borrowing, validate)
     if fused is not None:
-        return fused.verify(step, borrow, out=out)  # (it checks out=)
-    if out is not None:
-        out = VerifyResult(*check_outputs(out, step))
-    borrowing = borrow is not None and bool(borrow.enabled)
-    per_chunk = step.batch_size
-    if mode == "chunked":
-        per_chunk = _chunk_requests(step, borrow if borrowing else None, chunk_rows)
-    bs = step.batch_size
-    if out is None:
-        out = VerifyResult(step.candidates.new_zeros(bs * step.draft_tokens, dtype=torch.int32),
-                           step.candidates.new_full((bs, step.tree_depth), -1, dtype=torch.int32),
-                           step.candidates.new_zeros(bs, dtype=torch.int32))
-    else:
-        out.predicts.zero_()
-        out.accept_index.fill_(-1)
-        out.accept_length.zero_()
-    if bs:
-        run_borrowing(borrow, run_reference, step, mode, per_chunk, out)
-        out.accept_length.add_(1)
-    return out
+        return fused.verify(step, borrow, out=out)
+    return modes.verify(step, borrow, out, mode, per_chunk)
 
 
 def _chunk_requests(step: VerifyStep, borrow, chunk_rows) -> int:
@@ -183,70 +153,25 @@ def _chunk_requests(step: VerifyStep, borrow, chunk_rows) -> int:
     return found.requests_per_chunk
 
 
-# ---------------------------------------------------------------------------------
-# The fused implementation
+_FUSED = _GRAPHS = None  # the modules below, once imported
 
 
-def resolve_impl(impl: str, logits: torch.Tensor) -> str:
-    """The implementation a step on ``logits`` runs: "reference" or "fused".
+def _fused():
+    """The fused kernels' module, imported on first use (it imports triton, which selects its
+    interpreter on a machine without CUDA)."""
+    global _FUSED
+    if _FUSED is None:
+        from .triton import fused
 
-    ``"auto"`` takes the fused kernels for tensors on a real CUDA device when Triton is
-    installed; CPU tensors and the simulated device's take the reference. The capacity
-    planner asks the same question, so it plans the path that will run.
-
-    Args:
-        impl: ``"auto"``, ``"reference"`` or ``"fused"``.
-        logits: the step's logits; only their device is read.
-
-    Returns:
-        ``"reference"`` or ``"fused"``.
-
-    Raises:
-        ValueError: an unknown ``impl``, or ``"fused"`` on the simulated device or
-            without Triton.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "reference":
-        return impl
-    simulated = type(logits) is not torch.Tensor and is_sim_tensor(logits)
-    if impl == "auto" and logits.is_cuda and fused_available():
-        return "reference" if simulated else "fused"  # (a real CUDA tensor: CUDA is available)
-    if impl == "fused":
-        if simulated:
-            raise ValueError("impl='fused' launches Triton kernels, which the simulated device cannot run; use "
-                             "impl='reference' (or 'auto') there, and plan the fused step with "
-                             "graphborrow.planning.capacity.plan_verify(..., impl='fused')")
-        if not fused_available():
-            raise ValueError("impl='fused' needs the Triton verification kernels (graphborrow.eagle.triton.fused), and "
-                             "triton is not installed; pip install 'graphborrow[kernels]', or use impl='reference'")
-        return impl
-    on_gpu = logits.is_cuda and not simulated and torch.cuda.is_available()
-    return "fused" if on_gpu and fused_available() else "reference"
+        _FUSED = fused
+    return _FUSED
 
 
-@functools.cache
-def fused_available() -> bool:
-    """Whether the fused kernels can be imported (triton is installed).
+def _graphs():
+    """The graph path's module, imported on first use (with the fused kernels')."""
+    global _GRAPHS
+    if _GRAPHS is None:
+        from . import graphs
 
-    Returns:
-        True when triton is installed (found without importing it).
-    """
-    return importlib.util.find_spec("triton") is not None
-
-
-def _fused_module(impl: str):
-    """The fused kernels' module for a resolved ``impl``, or None to run the reference."""
-    return _import(FUSED_MODULE) if impl == "fused" else None
-
-
-@functools.cache
-def _import(name: str):
-    """A module imported on first use (the kernels' module imports triton, which selects its
-    interpreter on a machine without CUDA; the graph cache, torch.cuda graphs)."""
-    return importlib.import_module(name)
-
-
-def _graph_steps():
-    """The process's cache of captured verification steps (:mod:`graphborrow.eagle.graphs`)."""
-    return _import(GRAPHS_MODULE).GRAPH_STEPS
+        _GRAPHS = graphs
+    return _GRAPHS

@@ -1,6 +1,6 @@
-"""The eager fused step on a real GPU: what one call launches and allocates, the short
-path and the direct launch against Triton's JIT front end, the persistent kernel's work
-queue at any grid and on two streams, and the capture-once graph path.
+"""The eager fused step on a real GPU: what one call launches and allocates, the persistent
+kernel's work queue at any grid and on two streams, out=, and the capture-once graph path
+over either implementation.
 
 Run on a CUDA machine: ``pytest -m gpu tests/eagle/test_eager_launch_gpu.py -rA``. The
 oracle for tokens is the reference verification over ``target_probs_reference`` (as in
@@ -19,9 +19,7 @@ from graphborrow.device import get_backend
 from graphborrow.eagle import eagle_verify
 from graphborrow.eagle.graphs import GRAPH_STEPS, clear_verify_graphs
 from graphborrow.eagle.step import VerifyStep
-from graphborrow.eagle.triton import direct, eager_call
-from graphborrow.eagle.triton.eager import ROUTES, eager, short_path
-from graphborrow.eagle.triton import fused as fv
+from graphborrow.eagle.triton import launch_config as lc
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,13 +48,13 @@ def kernels_and_allocations(fn):
 @pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
 def test_one_call_launches_one_kernel_and_allocates_its_outputs(renorm):
     """One kernel (the persistent step) and one allocation (the outputs; the workspace is
-    the plan's, for this stream, made by the first call), parameters as numbers and as
+    the configuration's, for this stream, made by the first call), parameters as numbers and as
     tensors. With top-k and top-p a step of fewer than SPLIT_ROWS rows is one launch too;
     a larger one is one launch per kind of item: maxima and sums, per search its bracket,
     passes, gather, resolve and kept sums, then the residuals."""
     for bs, d in ((1, 8), (8, 8)):
         tree, logits, coins, coins_final = gpu_case(1, bs, d, (4, 3), 32000, False)
-        split = bool(renorm) and bs * d >= fv.SPLIT_ROWS
+        split = bool(renorm) and bs * d >= lc.SPLIT_ROWS
         for temperature in (0.8, torch.full((bs,), 0.8, device="cuda")):
             kernels, allocations = kernels_and_allocations(
                 lambda: eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final,
@@ -64,21 +62,22 @@ def test_one_call_launches_one_kernel_and_allocates_its_outputs(renorm):
             assert (kernels, allocations) == ((2 + 2 * 5) if split else 1, 1)
 
 
-def plan_of(logits, tree, temperature, coins, coins_final, renorm):
-    return fv.plan_for(VerifyStep.of(logits, None, tree, temperature, renorm.get("top_ks"), renorm.get("top_ps"),
-                                     coins, coins_final))
+def config_of(logits, tree, temperature, coins, coins_final, renorm):
+    return lc.step_config(VerifyStep.of(logits, None, tree, temperature, renorm.get("top_ks"), renorm.get("top_ps"),
+                                        coins, coins_final))
 
 
-def counters_at_zero(plan):
-    return all(not bool(entry.views.sync.any()) for entry in plan.cached.values())
+def counters_at_zero(config):
+    return all(not bool(entry.views.sync.any()) for entry in config.cached.values())
 
 
 @pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
-def test_the_short_path_launches_what_the_general_path_does(renorm):
-    """From a plan's second call on (its kernel compiled, its workspace made), the eager
-    public call takes eager.eager: the reference's tokens, for parameters as numbers and
-    per-request tensors alike; coins not given are drawn into the workspace. Every call
-    leaves the workspace's counters at zero."""
+def test_eager_calls_reuse_the_workspace_and_give_the_reference_tokens(renorm):
+    """From a configuration's second call on (its kernel compiled, its workspace made), the
+    eager call reuses the workspace and its cached arguments: the reference's tokens, for
+    parameters as numbers and per-request tensors alike; coins not given are drawn into the
+    workspace. Every call leaves the workspace's counters at zero. Logits 4 bytes off 16-byte
+    alignment are another specialisation of the kernel, and give the same tokens."""
     bs, d, vocab = 16, 8, 50257
     tree, logits, coins, coins_final = gpu_case(6, bs, d, (4, 3), vocab, False, 0.9)
     temps = torch.full((bs,), 0.9, device="cuda")
@@ -86,18 +85,19 @@ def test_the_short_path_launches_what_the_general_path_does(renorm):
                   top_ps=torch.full((bs,), renorm["top_ps"], device="cuda")) if renorm else {}
     expected = reference(logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
     for temperature, kw in ((0.9, renorm), (temps, params)):
-        first = eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, impl="fused",
-                             validate=False, **kw)
-        short = eager(logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"), coins, coins_final)
-        assert short is not None and same(first, expected) and same(short, expected)
-        assert same(eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final,
-                                 validate=False, **kw), expected)
-        drawn = eager(logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"))
-        assert drawn is not None and int(drawn.accept_length.min()) >= 1
+        calls = [eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, impl="fused",
+                              validate=False, **kw) for _ in range(3)]
+        assert all(same(got, expected) for got in calls)
+        drawn = eagle_verify(logits, None, tree, temperature, impl="fused", validate=False, **kw)
+        assert int(drawn.accept_length.min()) >= 1
         torch.cuda.synchronize()
-        assert counters_at_zero(plan_of(logits, tree, temperature, coins, coins_final, kw))
+        config = config_of(logits, tree, temperature, coins, coins_final, kw)
+        assert len(config.cached) == 1 and counters_at_zero(config)
     shifted = torch.empty(logits.numel() + 1, device="cuda")[1:].view_as(logits).copy_(logits)
-    assert eager(shifted, None, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final) is None
+    assert shifted.data_ptr() % 16 == 4
+    for _ in range(2):
+        assert same(eagle_verify(shifted, None, tree, 0.9, coins=coins, coins_final=coins_final, impl="fused",
+                                 validate=False, **renorm), expected)
 
 
 @pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
@@ -110,18 +110,18 @@ def test_any_grid_gives_the_same_tokens_and_leaves_the_counters_at_zero(renorm):
     tree, logits, coins, coins_final = gpu_case(7, bs, d, (4, 5), vocab, False)
     kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, **renorm)
     eagle_verify(logits, None, tree, 1.0, **kw)
-    plan = plan_of(logits, tree, 1.0, coins, coins_final, renorm)
-    resident = list(plan.programs)
+    config = config_of(logits, tree, 1.0, coins, coins_final, renorm)
+    resident = list(config.programs)
     expected = reference(logits, tree, 1.0, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
     try:
         for programs in (1, 5, resident, 50 * max(resident)):
-            plan.set_programs(programs)
+            config.set_programs(programs)
             for _ in range(2):
                 assert same(eagle_verify(logits, None, tree, 1.0, **kw), expected), f"{programs} programs"
                 torch.cuda.synchronize()
-                assert counters_at_zero(plan), f"{programs} programs"
+                assert counters_at_zero(config), f"{programs} programs"
     finally:
-        plan.set_programs(resident)
+        config.set_programs(resident)
     results = []
     for seed in range(6):
         _, new_logits, new_coins, new_final = gpu_case(40 + seed, bs, d, (4, 5), vocab, False, tree=tree)
@@ -135,7 +135,7 @@ def test_any_grid_gives_the_same_tokens_and_leaves_the_counters_at_zero(renorm):
 
 
 def test_two_streams_get_two_workspaces():
-    """Calls on two streams at once (one plan) each use their stream's workspace: both give
+    """Calls on two streams at once (one configuration) each use their stream's workspace: both give
     the reference's tokens."""
     bs, d, vocab = 32, 8, 128256
     tree, logits, coins, coins_final = gpu_case(8, bs, d, (4, 3), vocab, False)
@@ -154,30 +154,8 @@ def test_two_streams_get_two_workspaces():
                 got[i].append(eagle_verify(lg, None, tree, 1.0, coins=c, coins_final=f, **kw))
     torch.cuda.synchronize()
     assert all(same(out, expected[i]) for i in range(2) for out in got[i])
-    plan = plan_of(logits, tree, 1.0, coins, coins_final, {})
-    assert len(plan.cached) >= 2 and counters_at_zero(plan)
-
-
-@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
-def test_direct_launches_give_the_jit_front_ends_tokens(renorm):
-    """The plan's first call goes through the JIT front end, later ones launch the compiled
-    kernels directly: the same tokens, the reference's. Logits 4 bytes off 16-byte alignment
-    take the JIT front end every time (a compiled kernel specialised on aligned pointers
-    must not see them), and still give the reference's tokens."""
-    bs, d, vocab = 16, 8, 50257
-    tree, logits, coins, coins_final = gpu_case(2, bs, d, (4, 3), vocab, False, 0.9)
-    expected = reference(logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
-    kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, **renorm)
-    fv.clear_plans()
-    first = eagle_verify(logits, None, tree, 0.9, **kw)
-    step = VerifyStep.of(logits, None, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
-    assert fv.plan_for(step).launcher.ready
-    direct = eagle_verify(logits, None, tree, 0.9, **kw)
-    assert same(first, expected) and same(direct, expected)
-    shifted = torch.empty(logits.numel() + 1, device="cuda")[1:].view_as(logits).copy_(logits)
-    assert shifted.data_ptr() % 16 == 4
-    for _ in range(2):
-        assert same(eagle_verify(shifted, None, tree, 0.9, **kw), expected)
+    config = config_of(logits, tree, 1.0, coins, coins_final, {})
+    assert len(config.cached) >= 2 and counters_at_zero(config)
 
 
 @pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
@@ -208,7 +186,7 @@ def test_the_graph_path_replays_what_an_eager_call_computes(renorm):
     assert same(graph_call(other), graph_call())
     graph_call(temperature=1.1)
     assert GRAPH_STEPS.captures == captures + 2 and len(GRAPH_STEPS.entries) == 3
-    assert GRAPH_STEPS.held_bytes() == 3 * 4 * (bs * d + bs * tree.tree_depth + bs + fv.sync_words(bs, d))
+    assert GRAPH_STEPS.held_bytes() == 3 * 4 * (bs * d + bs * tree.tree_depth + bs + lc.sync_words(bs, d))
     clear_verify_graphs()
     assert not GRAPH_STEPS.entries
 
@@ -271,46 +249,10 @@ def test_the_graph_path_borrows_from_the_graph_pool():
     state.retire()
 
 
-def packed_launches(plan) -> list:
-    """Whether each eager launch a plan's workspaces hold is a KernelLaunch's (else Triton's launcher)."""
-    return [isinstance(getattr(call, "__self__", None), direct.module().KernelLaunch)
-            for entry in plan.cached.values() for call, _, _ in (entry.launches or ())]
-
-
-@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
-def test_packed_launches_give_tritons_launchers_tokens(renorm, monkeypatch):
-    """Eager calls launch through direct.KernelLaunch, the kernel's trailing arguments packed
-    once: the reference's tokens, and the tokens of Triton's own C launcher
-    (GRAPHBORROW_DIRECT_LAUNCH=0), for parameters as numbers and as per-request tensors,
-    thresholds below 1 (the float arguments), float32 / bfloat16 / float16 logits, and the
-    split launches of a top-k + top-p step of 512 rows."""
-    for bs, d, dtype in ((1, 4, torch.float32), (16, 8, torch.bfloat16), (64, 8, torch.float16)):
-        tree, logits, coins, coins_final = gpu_case(11 + bs, bs, d, (4, 3), 128256, False, 0.9)
-        logits = logits.to(dtype)
-        tensors = dict(top_ks=torch.full((bs,), renorm["top_ks"], device="cuda"),
-                       top_ps=torch.full((bs,), renorm["top_ps"], device="cuda")) if renorm else {}
-        expected = reference(logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final,
-                             (0.7, 0.8))
-        for temperature, kw in ((0.9, renorm), (torch.full((bs,), 0.9, device="cuda"), tensors)):
-            kw = dict(kw, coins=coins, coins_final=coins_final, impl="fused", validate=False, threshold_single=0.7,
-                      threshold_acc=0.8)
-            got = {}
-            for setting in ("1", "0"):
-                monkeypatch.setenv("GRAPHBORROW_DIRECT_LAUNCH", setting)
-                fv.clear_plans()
-                eagle_verify(logits, None, tree, temperature, **kw)  # (compiles; the JIT front end)
-                got[setting] = [eagle_verify(logits, None, tree, temperature, **kw) for _ in range(3)]
-                plan = plan_of(logits, tree, temperature, coins, coins_final, kw)
-                assert set(packed_launches(plan)) == {setting == "1"}
-            case = f"bs {bs}, D {d}, {dtype}, temperature {type(temperature).__name__}"
-            assert all(same(out, expected) for out in got["1"] + got["0"]), case
-    fv.clear_plans()
-
-
 def test_callers_outputs_are_written_with_nothing_allocated():
-    """eagle_verify(out=...) on the eager short path: one kernel, no allocation at all, the
-    caller's tensors returned holding the reference's tokens (the previous result passed
-    back, as a serving loop would)."""
+    """eagle_verify(out=...) on the eager path: one kernel, no allocation at all, the caller's
+    tensors returned holding the reference's tokens (the previous result passed back, as a
+    serving loop would, and three tensors of the caller's own)."""
     bs, d = 8, 8
     tree, logits, coins, coins_final = gpu_case(12, bs, d, (4, 3), 128256, False)
     kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False)
@@ -322,105 +264,60 @@ def test_callers_outputs_are_written_with_nothing_allocated():
     got = eagle_verify(logits, None, tree, 1.0, out=out, **kw)
     assert all(a is b for a, b in zip(got, out)) and same(got, expected)
     separate = tuple(torch.full_like(t, 3) for t in out)
-    assert same(eager(logits, None, tree, 1.0, None, None, coins, coins_final, out=separate), expected)
+    assert same(eagle_verify(logits, None, tree, 1.0, out=separate, **kw), expected)
 
 
-def test_the_graph_path_launches_its_executable_directly(monkeypatch):
-    """An entry captured with both coins given launches its graph's executable itself (the
-    graph draws no random numbers); one that draws its coins keeps CUDAGraph.replay, which
-    advances the generator, so its replays draw new coins. Both replay the reference's
-    tokens; GRAPHBORROW_DIRECT_LAUNCH=0 keeps replay for every entry."""
+def test_an_entry_that_draws_its_coins_draws_new_ones_each_replay():
+    """An entry captured without coins draws them inside its graph from the default CUDA
+    generator, and CUDAGraph.replay advances the generator: its replays draw new coins (the
+    accept lengths vary), where an entry given coins replays the reference's tokens."""
+    clear_verify_graphs()
     bs, d, vocab = 16, 8, 128256
     tree, logits, coins, coins_final = gpu_case(13, bs, d, (4, 3), vocab, False, 0.9)
     expected = reference(logits, tree, 0.9, None, None, coins, coins_final)
-    for setting in ("1", "0"):
-        monkeypatch.setenv("GRAPHBORROW_DIRECT_LAUNCH", setting)
-        clear_verify_graphs()
-        kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False, graph=True)
-        results = [[t.clone() for t in eagle_verify(logits, None, tree, 0.9, **kw)] for _ in range(3)]
-        (entry,) = GRAPH_STEPS.entries.values()
-        assert (entry.executable is not None) == (setting == "1") and all(same(r, expected) for r in results)
-        drawn = [[t.clone() for t in eagle_verify(logits, None, tree, 0.9, impl="fused", validate=False, graph=True)]
-                 for _ in range(6)]
-        entry = list(GRAPH_STEPS.entries.values())[-1]
-        assert entry.executable is None
-        assert len({tuple(r[2].tolist()) for r in drawn}) > 1  # new coins each replay: accept lengths vary
+    kw = dict(impl="fused", validate=False, graph=True)
+    given = [[t.clone() for t in eagle_verify(logits, None, tree, 0.9, coins=coins, coins_final=coins_final, **kw)]
+             for _ in range(3)]
+    assert all(same(r, expected) for r in given)
+    drawn = [[t.clone() for t in eagle_verify(logits, None, tree, 0.9, **kw)] for _ in range(6)]
+    assert len(GRAPH_STEPS.entries) == 2 and len({tuple(r[2].tolist()) for r in drawn}) > 1
     clear_verify_graphs()
 
 
-@pytest.mark.parametrize("renorm", RENORMS, ids=["plain", "top-k+top-p"])
-def test_the_compiled_router_takes_the_common_call(renorm):
-    """Once the Python short path has launched a plan on a stream, the compiled router
-    (eager.ROUTES, built here against this torch) takes the same call: the Python short
-    path's results and the reference's tokens for float32 and bfloat16 logits, parameters as
-    numbers and as tensors, coins given and drawn, out= given; one kernel per launch of the
-    plan, one allocation (none with out=)."""
-    assert eager_call.module() is not None, eager_call.build()
-    for bs, d, dtype in ((1, 4, torch.float32), (16, 8, torch.bfloat16)):
-        tree, logits, coins, coins_final = gpu_case(21 + bs, bs, d, (4, 3), 128256, False, 0.9)
-        logits = logits.to(dtype)
-        tensors = dict(top_ks=torch.full((bs,), renorm["top_ks"], device="cuda"),
-                       top_ps=torch.full((bs,), renorm["top_ps"], device="cuda")) if renorm else {}
-        expected = reference(logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), coins, coins_final)
-        split = bool(renorm) and bs * d >= fv.SPLIT_ROWS
-        for temperature, kw in ((0.9, renorm), (torch.full((bs,), 0.9, device="cuda"), tensors)):
-            args = (logits, None, tree, temperature, kw.get("top_ks"), kw.get("top_ps"), coins, coins_final, None,
-                    1.0, 1.0)
-            for _ in range(2):  # (compiles, then the Python short path adds the route)
-                eagle_verify(logits, None, tree, temperature, coins=coins, coins_final=coins_final, impl="fused",
-                             validate=False, **kw)
-            routed = ROUTES.router.call(*args, None)
-            python = short_path(*args)
-            case = f"bs {bs}, D {d}, {dtype}, temperature {type(temperature).__name__}"
-            assert routed is not None and same(routed, expected) and same(python, expected), case
-            assert ROUTES.router.call(*args, python) is python and same(python, expected), case
-            drawn = ROUTES.router.call(*args[:6], None, None, None, 1.0, 1.0, None)
-            assert drawn is not None and int(drawn.accept_length.min()) >= 1, case
-            assert kernels_and_allocations(lambda: ROUTES.router.call(*args, None)) == (12 if split else 1, 1)
-            assert kernels_and_allocations(lambda: ROUTES.router.call(*args, python)) == (12 if split else 1, 0)
-
-
-def test_a_stream_capturing_a_graph_is_not_routed():
-    """A stream with a route that then captures a graph: the router declines inside the
-    capture (the call would otherwise put the stream's cached workspace into the graph), the
-    captured call takes the general path, and its graph replays the reference's tokens; on
-    that stream eager calls are routed again afterwards."""
-    bs, d = 4, 8
-    tree, logits, coins, coins_final = gpu_case(31, bs, d, (4, 3), 128256, False)
-    kw = dict(coins=coins, coins_final=coins_final, impl="fused", validate=False)
-    args = (logits, None, tree, 1.0, None, None, coins, coins_final, None, 1.0, 1.0, None)
-    expected = reference(logits, tree, 1.0, None, None, coins, coins_final)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            eagle_verify(logits, None, tree, 1.0, **kw)
-        assert ROUTES.router.call(*args) is not None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        declined = ROUTES.router.call(*args)
-        captured = eagle_verify(logits, None, tree, 1.0, **kw)
-    assert declined is None
-    graph.replay()
-    torch.cuda.synchronize()
-    assert same(captured, expected)
-    with torch.cuda.stream(stream):
-        routed = ROUTES.router.call(*args)
-    torch.cuda.synchronize()
-    assert routed is not None and same(routed, expected)
+@pytest.mark.parametrize("mode", ["standard", "lean"])
+def test_the_graph_path_replays_the_reference_implementation(mode):
+    """graph=True layered on impl="reference": the reference step (pure PyTorch, its
+    temporaries in the graph's pool) captured on the first call and replayed after, with new
+    logits and coins copied into the same buffers: the reference's tokens each time, and the
+    same tokens as the fused kernel's entry for the same buffers."""
+    clear_verify_graphs()
+    bs, d, vocab = 4, 8, 32000
+    tree, logits, coins, coins_final = gpu_case(14, bs, d, (4, 3), vocab, False, 0.9)
+    kw = dict(coins=coins, coins_final=coins_final, validate=False, graph=True, top_ks=40, top_ps=0.9)
+    for seed in (51, 52, 53):
+        _, new_logits, new_coins, new_final = gpu_case(seed, bs, d, (4, 3), vocab, False, 0.9, tree=tree)
+        logits.copy_(new_logits)
+        coins.copy_(new_coins)
+        coins_final.copy_(new_final)
+        expected = reference(new_logits, tree, 0.9, 40, 0.9, new_coins, new_final)
+        ref = [t.clone() for t in eagle_verify(logits, None, tree, 0.9, impl="reference", mode=mode, **kw)]
+        fused = [t.clone() for t in eagle_verify(logits, None, tree, 0.9, impl="fused", **kw)]
+        assert same(ref, expected) and same(fused, expected), f"seed {seed}"
+    assert GRAPH_STEPS.captures >= 2 and len(GRAPH_STEPS.entries) == 2  # one entry per implementation
+    clear_verify_graphs()
 
 
 def test_graph_true_inside_a_capture_is_refused_by_name():
     """graph=True while the current stream captures a graph is refused with its fix, whether
-    the call would capture a new entry, launch an entry's executable directly or replay one
-    that draws its coins; the same call without graph=True is captured into the caller's graph
-    and replays the reference's tokens."""
+    the call would capture a new entry or replay an existing one (given its coins or drawing
+    them); the same call without graph=True is captured into the caller's graph and replays
+    the reference's tokens."""
     bs, d = 4, 8
     tree, logits, coins, coins_final = gpu_case(41, bs, d, (4, 3), 128256, False)
     kw = dict(impl="fused", validate=False)
     expected = reference(logits, tree, 1.0, None, None, coins, coins_final)
     clear_verify_graphs()
-    for given in (dict(coins=coins, coins_final=coins_final), {}):  # a direct launch, then replay()
+    for given in (dict(coins=coins, coins_final=coins_final), {}):
         for entry_exists in (False, True):
             if entry_exists:
                 for _ in range(2):  # (captures the entry, then replays it)
@@ -441,28 +338,23 @@ def test_graph_true_inside_a_capture_is_refused_by_name():
     clear_verify_graphs()
 
 
-def test_the_standalone_renorms_launch_packed_and_give_tritons_launchers_values(monkeypatch):
-    """top_k_renorm / top_p_renorm launch their nine kernels through direct.KernelLaunch (the
-    source, and for the apply kernel the pivots and the output, per call): the reference's
-    values and those of Triton's own C launcher (GRAPHBORROW_DIRECT_LAUNCH=0), at 8 and 64
-    rows, numbers and per-row tensors."""
+def test_the_standalone_renorms_give_the_reference_values_call_after_call():
+    """top_k_renorm / top_p_renorm: nine launches through Triton's launcher, the workspace and
+    the launches' arguments reused from the second call on: the reference's values at 8 and
+    64 rows, for numbers and per-row tensors, call after call."""
     from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
-    from graphborrow.eagle.triton import select
+    from graphborrow.eagle.triton import fused_renorm as fr
 
     g = torch.Generator(device="cuda").manual_seed(5)
+    lc.clear_configs()
     for rows in (8, 64):
         probs = torch.softmax(3.0 * torch.randn(rows, 128256, device="cuda", generator=g), dim=-1)
         ks = torch.tensor([1, 50, 128256, 7] * (rows // 4), device="cuda")
-        cases = [(fv.top_p_renorm, 0.9, top_p_renorm_probs(probs, 0.9)),
-                 (fv.top_k_renorm, 50, top_k_renorm_probs(probs, 50)),
-                 (fv.top_k_renorm, ks, top_k_renorm_probs(probs, ks))]
+        cases = [(fr.top_p_renorm, 0.9, top_p_renorm_probs(probs, 0.9)),
+                 (fr.top_k_renorm, 50, top_k_renorm_probs(probs, 50)),
+                 (fr.top_k_renorm, ks, top_k_renorm_probs(probs, ks))]
         for renorm, value, expected in cases:
-            got = {}
-            for setting in ("1", "0"):
-                monkeypatch.setenv("GRAPHBORROW_DIRECT_LAUNCH", setting)
-                select.clear_plans()
-                got[setting] = [renorm(probs, value, validate=False) for _ in range(3)]  # (compiles, then direct)
-                (plan,) = select._RENORM_PLANS.plans.values()
-                assert set(packed_launches(plan)) == {setting == "1"} and len(packed_launches(plan)) == 9
-            assert all(torch.equal(out, expected) for out in got["1"] + got["0"]), (rows, renorm.__name__, value)
-    select.clear_plans()
+            got = [renorm(probs, value, validate=False) for _ in range(3)]
+            assert all(torch.equal(out, expected) for out in got), (rows, renorm.__name__, value)
+    assert all(len(entry.tails) == 9 for config in lc.RENORM_CONFIGS.configs.values()
+               for entry in config.cached.values())

@@ -125,7 +125,7 @@ def test_children_of_starts_at_the_root():
 
 
 def test_emitted_tokens_at_a_position_come_from_requests_that_long():
-    from graphborrow.eagle.modes import VerifyResult
+    from graphborrow.eagle.step import VerifyResult
 
     result = VerifyResult(torch.tensor([5, 6, 7, 8, 9, 4], dtype=torch.int32),
                           torch.tensor([[0, 1, -1], [3, -1, -1]], dtype=torch.int32),

@@ -96,14 +96,15 @@ def test_temporaries_appear_in_the_borrow_pool_and_are_gone_after_the_step(backe
 def test_fused_path_on_the_gpu_borrows_and_emits_the_reference_tokens(backend, ladder):
     """impl="auto" on CUDA is the fused kernels: the CPU reference's tokens (the same formula),
     a workspace of a few KiB that lives and dies in the borrow pool, no device growth."""
-    from graphborrow.eagle import resolve_impl
+    from graphborrow.eagle import choose_impl
+    from graphborrow.eagle.step import real_cuda
 
     tree, logits, coins, coins_final = cpu_case()
     expected = eagle_verify(logits, None, tree, 0.8, top_ks=40, top_ps=0.9, coins=coins, coins_final=coins_final,
                             impl="reference")
     dev_tree = tree._replace(**{f: on(backend, getattr(tree, f)) for f in tree._fields[:4]})
     dev_logits = on(backend, logits)
-    assert resolve_impl("auto", dev_logits) == "fused"
+    assert choose_impl("auto", real_cuda(dev_logits)) == "fused"
     kw = dict(top_ks=40, top_ps=0.9, coins=on(backend, coins), coins_final=on(backend, coins_final))
     eagle_verify(dev_logits, None, dev_tree, 0.8, **kw)  # compiles and loads the kernels (driver memory) first
     state = ladder.state

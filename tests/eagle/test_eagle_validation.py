@@ -125,3 +125,26 @@ def test_skipping_validation_reads_no_value_on_the_host(mode):
             eagle_verify(logits, None, tree, 0.7, validate=True, **kw)
     finally:
         device.close()
+
+
+def test_out_buffers_that_share_memory_with_an_input_or_each_other_are_refused():
+    """The kernels read the logits, the tree and the coins while they write the outputs: a byte in
+    both would be silently wrong. Slices of one workspace that do not touch are fine."""
+    bs, d = 3, 4
+    tree, logits = small_case(bs=bs, d=d)
+    s = tree.tree_depth
+    coins, final = torch.rand(bs, d, generator=torch.Generator().manual_seed(1)), torch.rand(bs)
+    expected = eagle_verify(logits, None, tree, 0.7, coins=coins, coins_final=final)
+    workspace = torch.full((bs * d + bs * s + bs,), -7, dtype=torch.int32)
+    parts = (workspace[:bs * d], workspace[bs * d:bs * d + bs * s].view(bs, s), workspace[bs * d + bs * s:])
+    got = eagle_verify(logits, None, tree, 0.7, coins=coins, coins_final=final, out=parts)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    over_logits = logits.view(torch.int32).reshape(-1)[:bs * d]
+    over_coins = coins.view(torch.int32).reshape(-1)[:bs]
+    for out, message in (((over_logits, parts[1], parts[2]), "out predicts shares memory with logits"),
+                         ((parts[0], parts[1], over_coins), "out accept_length shares memory with coins"),
+                         ((parts[0], parts[1], parts[0][:bs]), "out accept_length shares memory with out predicts")):
+        before = logits.clone()
+        with pytest.raises(ValueError, match=message + ".*buffers of their own"):
+            eagle_verify(logits, None, tree, 0.7, coins=coins, coins_final=final, out=out)
+        assert torch.equal(logits, before)  # refused before any write

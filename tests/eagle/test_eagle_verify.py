@@ -17,7 +17,7 @@ from graphborrow.eagle import (
     tree_speculative_sampling_target_only,
 )
 from graphborrow.eagle.draft_tree import build_draft_tree, tree_from_parents
-from graphborrow.eagle.modes import target_probs
+from graphborrow.eagle.probs import target_probs
 
 SCOPE = "test-borrow-scope"
 
@@ -274,9 +274,9 @@ def test_fused_implementation_plugs_in(monkeypatch):
     borrow scope, into the outputs made before it, after the checks ran once; "auto" keeps
     CPU tensors on the reference. Both emit the same tokens (the fused tests show why)."""
     from graphborrow.eagle.triton import fused
-    from graphborrow.eagle.triton import select as fused_select
+    from graphborrow.eagle.triton import launch_config
 
-    monkeypatch.setattr(fused_select, "SELECT_CAP", 16)  # the interpreter sorts slowly: a short exact sort
+    monkeypatch.setattr(launch_config, "SELECT_CAP", 16)  # the interpreter sorts slowly: a short exact sort
     calls = []
     real = fused.run_step
     state = RecordingBorrow()
@@ -301,19 +301,29 @@ def test_fused_implementation_plugs_in(monkeypatch):
 
 
 def test_the_fused_path_is_refused_where_it_cannot_run(sim, monkeypatch):
-    """auto keeps the simulated device on the reference; "fused" there, or without triton, is named."""
-    from graphborrow.eagle import resolve_impl
-    from graphborrow.eagle import verify as verify_module
+    """One rule chooses the implementation: auto takes the fused kernels on a real CUDA device
+    only (so the simulated device, which looks like CUDA, and the CPU keep the reference);
+    "fused" on the simulated device, or without triton, is refused by name."""
+    from graphborrow.eagle import choose_impl, fused_available
+    from graphborrow.eagle import step as step_module
+    from graphborrow.eagle.triton import fused
+    from graphborrow.eagle.step import real_cuda
 
     on_sim = torch.zeros(4, 10).to(sim.device)
-    assert on_sim.is_cuda  # the simulated device looks like CUDA to Python code
-    assert resolve_impl("auto", on_sim) == "reference"
-    assert resolve_impl("auto", torch.zeros(4, 10)) == "reference"
-    with pytest.raises(ValueError, match="simulated device cannot run"):
-        resolve_impl("fused", on_sim)
-    assert resolve_impl("fused", torch.zeros(4, 10)) == "fused"  # CPU tensors: Triton's interpreter
-    monkeypatch.setattr(verify_module, "fused_available", lambda: False)
+    assert on_sim.is_cuda and not real_cuda(on_sim)  # the simulated device looks like CUDA to Python code
+    assert not real_cuda(torch.zeros(4, 10))
+    assert choose_impl("auto", False) == "reference" and choose_impl("fused", False) == "fused"
+    assert choose_impl("auto", True) == ("fused" if fused_available() else "reference")
+    assert choose_impl("reference", True) == "reference"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        choose_impl("triton", True)
     tree, logits, _ = make_case(3, bs=2)
+    sim_tree = tree._replace(**{f: getattr(tree, f).to(sim.device) for f in tree._fields[:4]})
+    with pytest.raises(ValueError, match="simulated device cannot run"):
+        eagle_verify(logits.to(sim.device), None, sim_tree, 1.0, impl="fused")
+    monkeypatch.setattr(step_module, "fused_available", lambda: False)
+    assert choose_impl("auto", True) == "reference"
+    monkeypatch.setattr(fused, "TRITON_AVAILABLE", False)
     with pytest.raises(ValueError, match="triton is not installed"):
         verify(tree, logits, "standard", impl="fused")
 
@@ -329,7 +339,7 @@ def test_the_graph_paths_last_call_is_found_only_with_the_same_objects_at_the_sa
 
     tree, logits, _ = make_case(3, bs=2)
     coins = torch.rand(2, tree.candidates.shape[1])
-    call = (logits, None, tree, 0.9, None, None, coins, None, None, None, 1.0, 1.0, "fused")
+    call = (logits, None, tree, 0.9, None, None, coins, None, None, None, 1.0, 1.0, "standard", None, "fused")
     last = _LastCall(call, entry=None)
     assert last.finds(call) and last.finds(tuple(call))
     assert not last.finds((logits.clone(), *call[1:]))  # another tensor object
@@ -346,13 +356,13 @@ def test_the_graph_paths_last_call_is_found_only_with_the_same_objects_at_the_sa
 
 
 def test_the_graph_path_is_refused_where_it_cannot_run():
-    """graph=True replays the fused kernels from a CUDA graph: on CPU tensors (or with the
-    reference implementation) the error names what it needs, and nothing is cached."""
+    """graph=True replays the step from a CUDA graph: on CPU tensors, whichever the
+    implementation, the error names what it needs, and nothing is cached."""
     from graphborrow.eagle.graphs import GRAPH_STEPS
 
     tree, logits, _ = make_case(3, bs=2)
-    for impl in ("auto", "reference"):
-        with pytest.raises(ValueError, match="graph=True replays the fused kernels"):
+    for impl in ("auto", "reference", "fused"):
+        with pytest.raises(ValueError, match="graph=True replays the step from a CUDA graph: it needs CUDA logits"):
             eagle_verify(logits, None, tree, 1.0, impl=impl, graph=True)
     with pytest.raises(ValueError, match="logits must be"):
         eagle_verify(logits[:-1], None, tree, 1.0, graph=True)

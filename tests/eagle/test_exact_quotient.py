@@ -1,7 +1,7 @@
 """The streaming loops' e = exp(x / t - m) by multiplication, bitwise the division's.
 
 The sums and the residual divide by t once per row and multiply per entry
-(:func:`graphborrow.eagle.triton.probs.exp_y_minus_m`). Checked against torch's own
+(:func:`graphborrow.eagle.triton.formula.exp_y_minus_m`). Checked against torch's own
 division and exp on the same device, for every entry a row can hold (x / t <= m, x not
 NaN): in Triton's interpreter on entries of every exponent (its fma rounds once, as the
 GPU's does, from Triton 3.9; with an older one the rows divide, which the same tests check),
@@ -13,15 +13,15 @@ and on a GPU on every float32, 2**32 entries per (t, m)::
 import pytest
 import torch
 
-from graphborrow.eagle.triton import probs
+from graphborrow.eagle.triton import formula, runtime
 
-if not probs.TRITON_AVAILABLE:
+if not runtime.TRITON_AVAILABLE:
     pytest.skip("these tests run a Triton kernel: install triton (the 'kernels' extra)", allow_module_level=True)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-DEVICE = "cpu" if probs.INTERPRETED else "cuda"
+DEVICE = "cpu" if runtime.INTERPRETED else "cuda"
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the interpreter's numpy)
 
 # (t, m) within multiply_ok's range: everyday temperatures, t = 1, the range's ends, one ulp
@@ -36,8 +36,8 @@ OUTSIDE = [(2.0**-21, 1.0), (2.0**21, 1.0), (0.7, 2.0**-31), (0.7, 2.0**21), (0.
 def _e_kernel(x_ptr, out, fast_out, t, big, n, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + idx, mask=idx < n, other=0.0)
-    fast = probs.multiply_ok(t, big)
-    e = probs.exp_y_minus_m(x, t, tl.math.div_rn(1.0, t), big, fast, PRECISE)
+    fast = formula.multiply_ok(t, big)
+    e = formula.exp_y_minus_m(x, t, tl.math.div_rn(1.0, t), big, fast, PRECISE)
     tl.store(out + idx, e, mask=idx < n)
     if tl.program_id(0) == 0:
         tl.store(fast_out, fast.to(tl.int32))
@@ -49,7 +49,7 @@ def kernel_e(x: torch.Tensor, t: float, big: float) -> tuple:
     fast = torch.zeros(1, dtype=torch.int32, device=x.device)
     block = 1024
     _e_kernel[(triton.cdiv(x.numel(), block),)](x, out, fast, t, big, x.numel(), BLOCK=block,
-                                                 PRECISE=not probs.INTERPRETED, **probs.compile_options())
+                                                 PRECISE=not runtime.INTERPRETED, **runtime.compile_options())
     return out, bool(fast.item())
 
 
@@ -87,7 +87,7 @@ def assert_same_e(x, t, big):
 def test_the_multiplications_give_the_divisions_e_at_every_exponent(t, big):
     x = every_exponent(24, seed=7).to(DEVICE)
     fast, checked = assert_same_e(x, t, big)
-    assert fast is probs.FMA_ROUNDS_ONCE, f"multiply_ok: {fast} for t={t}, m={big}, inside its range"
+    assert fast is runtime.FMA_ROUNDS_ONCE, f"multiply_ok: {fast} for t={t}, m={big}, inside its range"
     assert checked > len(x) // 8  # (x / t <= m for over an eighth of the entries at each (t, m) here)
 
 

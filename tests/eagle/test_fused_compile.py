@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"verify_kernel", "token_prob_kernel", "_init_kernel", "_pass_kernel", "_gather_kernel", "_resolve_kernel",
-           "_kept_kernel", "_apply_kernel"}
+KERNELS = {"verify_kernel", "token_prob_kernel", "init_kernel", "pass_kernel", "gather_kernel", "resolve_kernel",
+           "kept_kernel", "apply_kernel"}
 
 # (triton itself is imported only in the subprocess: importing it here, before
-# graphborrow.eagle.triton.probs selects the interpreter, would break the interpreted tests)
+# graphborrow.eagle.triton.runtime selects the interpreter, would break the interpreted tests)
 assert importlib.util.find_spec("triton") is not None, "install triton (the 'kernels' extra)"
 
 

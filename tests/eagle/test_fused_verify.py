@@ -1,4 +1,4 @@
-"""fused_verify, its probability formula and the sort-free renorm kernels against the PyTorch reference.
+"""The fused kernels (eagle_verify(impl="fused"), their formula, the sort-free renorm) against the PyTorch reference.
 
 On a machine without CUDA the kernels run in Triton's interpreter (numpy, with torch's CPU
 exp), so these tests check the kernels' logic on CPU at small shapes:
@@ -33,30 +33,39 @@ from graphborrow.eagle.draft_tree import (
     repeat_tree,
     tree_from_parents,
 )
-from graphborrow.eagle.modes import target_probs
+from graphborrow.eagle.probs import target_probs
 from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
 from graphborrow.eagle.step import VerifyStep
 from graphborrow.eagle.triton import (
     fused as fv,  # first: it selects Triton's interpreter on a CPU-only machine
 )
-from graphborrow.eagle.triton import select as fs
+from graphborrow.eagle.triton import fused_renorm as fr
+from graphborrow.eagle.triton import launch_config as lc
+from graphborrow.eagle.triton import occupancy
+from graphborrow.eagle.triton.runtime import INTERPRETED, TRITON_AVAILABLE
+from graphborrow.eagle.triton.workspace import Layout
 
 pytestmark = pytest.mark.slow
 
-DEVICE = "cpu" if fv.INTERPRETED else "cuda"
+DEVICE = "cpu" if INTERPRETED else "cuda"
 DEEP = os.environ.get("GRAPHBORROW_KERNEL_TESTS", "") == "deep"
 
 
 def cases(all_cases, default):
     """Every case with DEEP, else the ``default`` ones (indices): each a rule the others do not check."""
     return list(all_cases) if DEEP else [all_cases[i] for i in default]
-assert fv.TRITON_AVAILABLE, "these tests run the kernels: install triton (the 'kernels' extra)"
+assert TRITON_AVAILABLE, "these tests run the kernels: install triton (the 'kernels' extra)"
 
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(fs, "BLOCK", 256)
-    monkeypatch.setattr(fs, "SELECT_CAP", 16)
+    monkeypatch.setattr(lc, "BLOCK", 256)
+    monkeypatch.setattr(lc, "SELECT_CAP", 16)
+
+
+def fused_verify(logits, candidates, tree, temperatures, **kw):
+    """eagle_verify through the fused kernels."""
+    return eagle_verify(logits, candidates, tree, temperatures, impl="fused", **kw)
 
 
 def case(seed, bs, d, vocab, topk=3, depth=3, boost=10.0, ties=False, masked=0):
@@ -88,7 +97,7 @@ def reference(logits, tree, temps, top_k=None, top_p=None, coins=None, coins_fin
     def per_row(v):
         return v.repeat_interleave(d) if isinstance(v, torch.Tensor) and v.numel() > 1 else v
 
-    probs = fv.target_probs_reference(logits, per_row(temps), per_row(top_k), per_row(top_p)).view(bs, d, -1)
+    probs = formula.target_probs_reference(logits, per_row(temps), per_row(top_k), per_row(top_p)).view(bs, d, -1)
     predicts = torch.zeros(bs * d, dtype=torch.int32)
     accept_index = torch.full((bs, tree.tree_depth), -1, dtype=torch.int32)
     accepted = torch.zeros(bs, dtype=torch.int32)
@@ -131,7 +140,7 @@ def test_kernel_probabilities_are_target_probs_reference_bitwise(seed, d, vocab,
     temps = torch.tensor(temps)
     tokens = torch.arange(vocab).expand(rows, vocab).contiguous()
     kernel = fv.fused_token_probs(logits.to(DEVICE), temps.to(DEVICE), d, tokens.to(DEVICE)).cpu()
-    expected = fv.target_probs_reference(logits, temps.repeat_interleave(d))
+    expected = formula.target_probs_reference(logits, temps.repeat_interleave(d))
     differ = (kernel != expected).nonzero().tolist()
     assert not differ, f"{len(differ)} entries differ, first at {differ[:5]}"
 
@@ -159,7 +168,7 @@ def test_same_tokens_as_the_reference(seed, bs, d, vocab, shape, temp, top_k, to
     tree, logits, coins, coins_final = case(seed, bs, d, vocab, *shape, ties=ties, masked=masked)
     expected = reference(logits, tree, temp, top_k, top_p, coins, coins_final, thr)
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
-    got = fv.fused_verify(dlogits, None, dtree, temp, top_ks=top_k, top_ps=top_p, coins=dcoins, coins_final=dfinal,
+    got = fused_verify(dlogits, None, dtree, temp, top_ks=top_k, top_ps=top_p, coins=dcoins, coins_final=dfinal,
                           threshold_single=thr[0], threshold_acc=thr[1])
     assert_same(expected, got, f"seed {seed}")
     lengths = got.accept_length.cpu()
@@ -172,11 +181,11 @@ def test_same_tokens_as_the_reference(seed, bs, d, vocab, shape, temp, top_k, to
 def test_every_search_budget_gives_the_same_pivots(passes, monkeypatch):
     """Fewer multi-program passes leave more of the top-k / top-p search to the gather
     kernel's single-program fallback: the tokens must not change."""
-    monkeypatch.setattr(fs, "SELECT_PASSES", passes)
+    monkeypatch.setattr(lc, "SELECT_PASSES", passes)
     tree, logits, coins, coins_final = case(12, 2, 6, 1200, 2, 3)
     expected = reference(logits, tree, 0.9, 40, 0.85, coins, coins_final)
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
-    got = fv.fused_verify(dlogits, None, dtree, 0.9, top_ks=40, top_ps=0.85, coins=dcoins, coins_final=dfinal)
+    got = fused_verify(dlogits, None, dtree, 0.9, top_ks=40, top_ps=0.85, coins=dcoins, coins_final=dfinal)
     assert_same(expected, got, f"{passes} passes")
 
 
@@ -186,34 +195,34 @@ def test_one_launch_per_kind_of_item_gives_the_same_tokens(passes, monkeypatch):
     every step, SPLIT_ROWS shrunk to 1): the same tokens as one launch of everything, the
     reference's; with no passes too (their launch left out). Every launch leaves the
     counters at zero."""
-    monkeypatch.setattr(fs, "SELECT_PASSES", passes)
+    monkeypatch.setattr(lc, "SELECT_PASSES", passes)
     tree, logits, coins, coins_final = case(13, 2, 6, 1100, 2, 3)
     expected = reference(logits, tree, 0.8, 25, 0.8, coins, coins_final)
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
     for split_rows, launches in ((1000, 1), (1, 2 + 5 * 2 - 2 * (passes == 0))):
-        monkeypatch.setattr(fv, "SPLIT_ROWS", split_rows)
-        got = fv.fused_verify(dlogits, None, dtree, 0.8, top_ks=25, top_ps=0.8, coins=dcoins, coins_final=dfinal)
+        monkeypatch.setattr(lc, "SPLIT_ROWS", split_rows)
+        got = fused_verify(dlogits, None, dtree, 0.8, top_ks=25, top_ps=0.8, coins=dcoins, coins_final=dfinal)
         assert_same(expected, got, f"split at {split_rows} rows")
         step = VerifyStep.of(dlogits, None, dtree, 0.8, 25, 0.8, dcoins, dfinal)
-        plan = fv.plan_for(step)
-        assert len(plan.groups) == launches and plan.split == (split_rows == 1)
-        assert not any(bool(entry.views.sync.any()) for entry in plan.cached.values())
+        config = lc.step_config(step)
+        assert len(config.groups) == launches and config.split == (split_rows == 1)
+        assert not any(bool(entry.views.sync.any()) for entry in config.cached.values())
 
 
 def test_the_counters_end_at_zero_whatever_the_grid(monkeypatch):
     """The persistent kernel's work queue, ticket and flags start at zero and end at zero:
-    call after call on the plan's cached workspace, at one program and at several (in the
+    call after call on the configuration's cached workspace, at one program and at several (in the
     interpreter program 0 takes every ticket; the others find the queue empty)."""
-    monkeypatch.setattr(fv, "INTERPRETED_PROGRAMS", 1)
+    monkeypatch.setattr(occupancy, "INTERPRETED_PROGRAMS", 1)
     tree, logits, coins, coins_final = case(14, 2, 4, 900, 1, 3)
     expected = reference(logits, tree, 1.1, None, None, coins, coins_final)
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
     for programs in (1, 1, 4, 4):
         step = VerifyStep.of(dlogits, None, dtree, 1.1, None, None, dcoins, dfinal)
-        plan = fv.plan_for(step)
-        plan.set_programs(programs)
+        config = lc.step_config(step)
+        config.set_programs(programs)
         assert_same(expected, fv.verify(step), f"{programs} programs")
-        (entry,) = plan.cached.values()
+        (entry,) = config.cached.values()
         assert not bool(entry.views.sync.any())
 
 
@@ -226,10 +235,10 @@ def test_counters_of_the_callers_stand_in_for_the_workspaces(monkeypatch):
     tree, logits, coins, coins_final = case(16, 2, 4, 900, 1, 3)
     expected = reference(logits, tree, 0.9, None, None, coins, coins_final)
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
-    monkeypatch.setattr(fv.Layout, "allocate", lambda self, like: like.new_full((self.nbytes,), 7, dtype=torch.uint8))
+    monkeypatch.setattr(Layout, "allocate", lambda self, like: like.new_full((self.nbytes,), 7, dtype=torch.uint8))
     step = VerifyStep.of(dlogits, None, dtree, 0.9, None, None, dcoins, dfinal)
     counters = fv.step_counters(step)
-    assert counters.shape == (fv.sync_words(2, 4),) and not bool(counters.any())
+    assert counters.shape == (lc.sync_words(2, 4),) and not bool(counters.any())
     for given in (counters, counters, None):
         out = fv.allocate_outputs(step)
         fv.run_step(step, out, counters=given)
@@ -244,36 +253,36 @@ def test_sums_trailing_the_maxima_give_the_same_tokens(lag_bytes, lag, monkeypat
     ends mid-row, and not at all (every maximum first). The same tokens as the reference,
     with and without top-k / top-p, and the counters end at zero (the outputs are zeroed by
     ticket 0, so no walk waits on a maximum not yet taken)."""
-    monkeypatch.setattr(fv, "SUM_LAG_BYTES", lag_bytes)
+    monkeypatch.setattr(lc, "SUM_LAG_BYTES", lag_bytes)
     tree, logits, coins, coins_final = case(15, 2, 4, 900, 2, 3)
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
     for top_k, top_p in ((None, None), (30, 0.8)):
         expected = reference(logits, tree, 0.9, top_k, top_p, coins, coins_final)
         step = VerifyStep.of(dlogits, None, dtree, 0.9, top_k, top_p, dcoins, dfinal)
-        plan = fv.plan_for(step)
-        assert (plan.splits, plan.chunk, plan.lag) == (4, 256, lag)
+        config = lc.step_config(step)
+        assert (config.splits, config.chunk, config.lag) == (4, 256, lag)
         assert_same(expected, fv.verify(step), f"lag {lag}, top-k {top_k}")
-        assert not any(bool(entry.views.sync.any()) for entry in plan.cached.values())
+        assert not any(bool(entry.views.sync.any()) for entry in config.cached.values())
 
 
 @pytest.mark.parametrize("vocab", [128256, 152064, 32000, 900])
 def test_a_small_plain_step_splits_its_rows_for_one_round_of_programs(vocab):
     """Up to ONE_ROUND_ROWS rows the plain step's maxima and sums fit one round of
     ONE_ROUND_PROGRAMS programs (one item each), in as many slices as that allows; with
-    top-k / top-p, and above it, the split aims at select.TARGET_PROGRAMS as before. Every
+    top-k / top-p, and above it, the split aims at TARGET_PROGRAMS as before. Every
     slice whole tiles, none empty."""
-    tiles = -(-vocab // fs.BLOCK)
-    for rows in range(1, 2 * fv.ONE_ROUND_ROWS + 1):
+    tiles = -(-vocab // lc.BLOCK)
+    for rows in range(1, 2 * lc.ONE_ROUND_ROWS + 1):
         for renorm in (False, True):
-            splits, chunk = fv.row_layout(rows, vocab, renorm)
-            assert chunk % fs.BLOCK == 0 and (splits - 1) * chunk < vocab <= splits * chunk
-            if rows <= fv.ONE_ROUND_ROWS and not renorm:
-                assert rows * splits <= fv.ONE_ROUND_PROGRAMS
-                finer = -(-tiles // (chunk // fs.BLOCK - 1)) if chunk > fs.BLOCK else None
-                assert finer is None or rows * finer > fv.ONE_ROUND_PROGRAMS or finer > fs.SPLIT_MAX
+            splits, chunk = lc.row_layout(rows, vocab, renorm)
+            assert chunk % lc.BLOCK == 0 and (splits - 1) * chunk < vocab <= splits * chunk
+            if rows <= lc.ONE_ROUND_ROWS and not renorm:
+                assert rows * splits <= lc.ONE_ROUND_PROGRAMS
+                finer = -(-tiles // (chunk // lc.BLOCK - 1)) if chunk > lc.BLOCK else None
+                assert finer is None or rows * finer > lc.ONE_ROUND_PROGRAMS or finer > lc.SPLIT_MAX
             else:
-                assert (splits, chunk) == fs.split_layout(rows, vocab)
-    assert fv.row_layout(16, 128256) == (32, 4096) and fv.row_layout(32, 128256) == (16, 8192)
+                assert (splits, chunk) == lc.split_layout(rows, vocab)
+    assert lc.row_layout(16, 128256) == (32, 4096) and lc.row_layout(32, 128256) == (16, 8192)
 
 
 def test_eagle_verify_reference_and_fused_agree_bitwise():
@@ -305,7 +314,7 @@ def test_per_request_parameters_and_bfloat16_logits():
     expected = reference(logits, tree, temps, top_ks, top_ps, coins, coins_final)
     dtree, dlogits, dtemps, dks, dps, dcoins, dfinal = on_device(tree, logits, temps, top_ks, top_ps, coins,
                                                                   coins_final)
-    got = fv.fused_verify(dlogits, None, dtree, dtemps, top_ks=dks, top_ps=dps, coins=dcoins, coins_final=dfinal)
+    got = fused_verify(dlogits, None, dtree, dtemps, top_ks=dks, top_ps=dps, coins=dcoins, coins_final=dfinal)
     assert_same(expected, got, "per-request parameters")
 
 
@@ -331,7 +340,7 @@ def test_strict_less_than_at_an_exact_boundary(coin_root, accepted):
     tree, logits, coins, final = exact_case(coin_root, 0.3)
     expected = eagle_verify(logits, None, tree, 1.0, coins=coins, coins_final=final)
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, final)
-    got = fv.fused_verify(dlogits, None, dtree, 1.0, coins=dcoins, coins_final=dfinal)
+    got = fused_verify(dlogits, None, dtree, 1.0, coins=dcoins, coins_final=dfinal)
     assert_same(expected, got, f"coin {coin_root}")
     assert int(got.accept_index[0, 1]) == (1 if accepted == 2 else 2)
 
@@ -348,7 +357,7 @@ def test_zero_probability_candidate_never_accepted_and_residual_falls_back():
         expected = eagle_verify(logits, None, tree, 1.0, coins=coins, coins_final=torch.tensor([0.0]),
                                 threshold_single=thr[0], threshold_acc=thr[1])
         dtree, dlogits, dcoins = on_device(tree, logits, coins)
-        got = fv.fused_verify(dlogits, None, dtree, 1.0, coins=dcoins, coins_final=torch.zeros(1, device=DEVICE),
+        got = fused_verify(dlogits, None, dtree, 1.0, coins=dcoins, coins_final=torch.zeros(1, device=DEVICE),
                               threshold_single=thr[0], threshold_acc=thr[1])
         assert_same(expected, got, f"thresholds {thr}")
         assert got.accept_length.tolist() == [1] and got.predicts.tolist()[0] == 9
@@ -367,7 +376,7 @@ def test_rejected_children_leave_the_residual(children):
     coins = torch.full((1, n), 0.99)
     expected = reference(logits, tree, 1.0, coins=coins, coins_final=torch.zeros(1))
     dtree, dlogits, dcoins = on_device(tree, logits, coins)
-    got = fv.fused_verify(dlogits, None, dtree, 1.0, coins=dcoins, coins_final=torch.zeros(1, device=DEVICE))
+    got = fused_verify(dlogits, None, dtree, 1.0, coins=dcoins, coins_final=torch.zeros(1, device=DEVICE))
     assert_same(expected, got, f"children {children}")
     assert got.accept_length.tolist() == [1] and got.predicts.tolist()[0] == 7
 
@@ -380,10 +389,10 @@ def test_out_buffers_are_rewritten_and_chunking_changes_nothing():
            torch.full((5, 4), 9, dtype=torch.int32, device=DEVICE),
            torch.zeros(5, dtype=torch.int32, device=DEVICE))
     for chunk in (None, 2):  # twice into the same buffers: every entry rewritten
-        got = fv.fused_verify(dlogits, None, dtree, 1.0, coins=dcoins, coins_final=dfinal, out=out,
-                              chunk_requests=chunk)
+        got = fused_verify(dlogits, None, dtree, 1.0, coins=dcoins, coins_final=dfinal, out=out,
+                           mode="standard" if chunk is None else "chunked", chunk_rows=chunk and 4 * chunk)
         assert all(a is b for a, b in zip(got, out))
-        assert_same(expected, got, f"out= and chunk_requests={chunk}")
+        assert_same(expected, got, f"out= and chunk_rows={chunk and 4 * chunk}")
         out[0].fill_(7)
         out[1].fill_(9)
 
@@ -432,33 +441,33 @@ def renorm_rows(seed, vocab, ties):
 def test_standalone_renorm_matches_the_reference_bitwise(ties, cap, passes, monkeypatch):
     """Multi-program passes, then the single-program fallback (passes=0 leaves it all to it);
     the serving cap (1024) would sort slowly in the interpreter."""
-    monkeypatch.setattr(fs, "SELECT_CAP", cap)
-    monkeypatch.setattr(fs, "SELECT_PASSES", passes)
+    monkeypatch.setattr(lc, "SELECT_CAP", cap)
+    monkeypatch.setattr(lc, "SELECT_PASSES", passes)
     probs = renorm_rows(3, 1100, ties)
     dprobs = probs.to(DEVICE)
     for k in (1, 64, 5000, torch.tensor([1, 2, 50, 1100, 3])):
         kd = k.to(DEVICE) if isinstance(k, torch.Tensor) else k
-        assert torch.equal(fv.top_k_renorm(dprobs, kd).cpu(), top_k_renorm_probs(probs, k)), f"top_k={k}"
+        assert torch.equal(fr.top_k_renorm(dprobs, kd).cpu(), top_k_renorm_probs(probs, k)), f"top_k={k}"
     for p in (0.5, 0.9, torch.tensor([0.1, 0.3, 0.75, 0.999, 1.0])):
         pd = p.to(DEVICE) if isinstance(p, torch.Tensor) else p
-        assert torch.equal(fv.top_p_renorm(dprobs, pd).cpu(), top_p_renorm_probs(probs, p)), f"top_p={p}"
+        assert torch.equal(fr.top_p_renorm(dprobs, pd).cpu(), top_p_renorm_probs(probs, p)), f"top_p={p}"
 
 
 def test_standalone_renorm_reuses_its_workspace_and_refills_changed_parameters(monkeypatch):
     """Eager calls of one shape share one workspace (the search leaves its counters at zero)
     and refill a parameter slot only when the value changed: a number, then per-row values,
     then the first number again must each give the reference's result."""
-    monkeypatch.setattr(fs, "SELECT_CAP", 16)
-    monkeypatch.setattr(fs, "SELECT_PASSES", 1)
-    fs.clear_plans()
+    monkeypatch.setattr(lc, "SELECT_CAP", 16)
+    monkeypatch.setattr(lc, "SELECT_PASSES", 1)
+    lc.clear_configs()
     probs = renorm_rows(4, 1100, ties=False)
     dprobs = probs.to(DEVICE)
     per_row = torch.tensor([0.2, 0.95, 0.5, 0.7, 1.0])
     for p in (0.5, 0.5, per_row, 0.5):
         pd = p.to(DEVICE) if isinstance(p, torch.Tensor) else p
-        assert torch.equal(fs.top_p_renorm(dprobs, pd).cpu(), top_p_renorm_probs(probs, p)), f"top_p={p}"
-    (plan,) = fs._RENORM_PLANS.plans.values()
-    (entry,) = plan.cached.values()
+        assert torch.equal(fr.top_p_renorm(dprobs, pd).cpu(), top_p_renorm_probs(probs, p)), f"top_p={p}"
+    (config,) = lc.RENORM_CONFIGS.configs.values()
+    (entry,) = config.cached.values()
     assert int(entry.views.select_counters.abs().sum()) == 0
 
 
@@ -476,7 +485,7 @@ def test_top_p_is_float32_on_both_paths_standalone():
     assert f32_09 <= float(probs[0].double()[[700, 100]].sum()) < 0.9
     expected = top_p_renorm_probs(probs, 0.9)
     assert int((expected[0] > 0).sum()) == 2, "the reference keeps the two entries whose mass is float32(0.9)"
-    assert torch.equal(fv.top_p_renorm(probs.to(DEVICE), 0.9).cpu(), expected)
+    assert torch.equal(fr.top_p_renorm(probs.to(DEVICE), 0.9).cpu(), expected)
 
 
 def float32_top_p_case(vocab=300):
@@ -507,45 +516,43 @@ def test_top_p_is_float32_on_both_paths_in_verification():
     expected = eagle_verify(logits, None, tree, 1.0, top_ps=top_p, coins=coins, coins_final=final)
     assert expected.accept_length.tolist() == [1] and expected.predicts.tolist()[0] in kept
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, final)
-    got = fv.fused_verify(dlogits, None, dtree, 1.0, top_ps=top_p, coins=dcoins, coins_final=dfinal)
+    got = fused_verify(dlogits, None, dtree, 1.0, top_ps=top_p, coins=dcoins, coins_final=dfinal)
     assert_same(expected, got, f"top_p {top_p!r}")
 
 
 def test_renorm_rejects_bad_arguments():
     probs = torch.full((2, 8), 0.125, device=DEVICE)
     with pytest.raises(ValueError, match="top_k must be >= 1"):
-        fv.top_k_renorm(probs, 0)
+        fr.top_k_renorm(probs, 0)
     with pytest.raises(ValueError, match=r"and < 2\*\*31"):  # the kernels read k as int32: no wrap-around
-        fv.top_k_renorm(probs, torch.tensor([3, 2**32 + 3], device=DEVICE))
+        fr.top_k_renorm(probs, torch.tensor([3, 2**32 + 3], device=DEVICE))
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
-        fv.top_p_renorm(probs, 0.0)
+        fr.top_p_renorm(probs, 0.0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
-        fv.top_p_renorm(probs, torch.tensor([0.5, 1.5], device=DEVICE))
+        fr.top_p_renorm(probs, torch.tensor([0.5, 1.5], device=DEVICE))
     with pytest.raises(ValueError, match="one value per request"):
-        fv.top_p_renorm(probs, torch.tensor([0.5, 0.5, 0.5], device=DEVICE))
+        fr.top_p_renorm(probs, torch.tensor([0.5, 0.5, 0.5], device=DEVICE))
     with pytest.raises(ValueError, match="float32 tensor"):
-        fv.top_k_renorm(probs.double(), 2)
+        fr.top_k_renorm(probs.double(), 2)
 
 
 def test_bad_arguments_name_the_problem():
     tree, logits, coins, coins_final = case(31, 2, 4, 300, 1, 3)
     dtree, dlogits, dcoins, dfinal = on_device(tree, logits, coins, coins_final)
     with pytest.raises(ValueError, match=r"logits must be \[bs\*D, V\]"):
-        fv.fused_verify(dlogits[:-1], None, dtree, 1.0)
+        fused_verify(dlogits[:-1], None, dtree, 1.0)
     with pytest.raises(ValueError, match="coins must have shape"):
-        fv.fused_verify(dlogits, None, dtree, 1.0, coins=dcoins[:, :2])
+        fused_verify(dlogits, None, dtree, 1.0, coins=dcoins[:, :2])
     with pytest.raises(ValueError, match="candidates must be token ids"):
-        fv.fused_verify(dlogits, dtree.candidates + 1000, dtree, 1.0)
+        fused_verify(dlogits, dtree.candidates + 1000, dtree, 1.0)
     with pytest.raises(ValueError, match="temperatures must be finite and > 0"):
-        fv.fused_verify(dlogits, None, dtree, 0.0)
+        fused_verify(dlogits, None, dtree, 0.0)
     bad = dlogits.clone()
     bad[3, 5] = math.nan
     with pytest.raises(ValueError, match="NaN"):
-        fv.fused_verify(bad, None, dtree, 1.0)
-    with pytest.raises(ValueError, match="chunk_requests"):
-        fv.fused_verify(dlogits, None, dtree, 1.0, chunk_requests=0)
+        fused_verify(bad, None, dtree, 1.0)
     with pytest.raises(ValueError, match="threshold_acc"):
-        fv.fused_verify(dlogits, None, dtree, 1.0, threshold_acc=1.5)
+        fused_verify(dlogits, None, dtree, 1.0, threshold_acc=1.5)
 
 
 # ---------------------------------------------------------------------------------
@@ -576,7 +583,7 @@ def chi_square_case(verify, top_k, top_p, bs, reps, device, seed=0):
     one = torch.zeros(d, vocab)
     one[:2] = rows
     logits = one.repeat(bs, 1).to(device)
-    target = fv.target_probs_reference(rows, 1.0, top_k, top_p)
+    target = formula.target_probs_reference(rows, 1.0, top_k, top_p)
     assert int((target[0] > 0).sum()) >= 3 and int((target[1] > 0).sum()) >= 3, "too little support to test"
     g = torch.Generator(device=device).manual_seed(seed)
     firsts, seconds = [], []
@@ -623,7 +630,7 @@ def test_fused_emits_the_target_distribution_in_the_interpreter(top_k, top_p):
     """The same through the kernels in Triton's interpreter: 64 samples (1024 deep), a weak
     statistic by default, but a zero-probability token or a wrong row fails it."""
     def verify(logits, tree, coins, final, k, p):
-        return fv.fused_verify(logits, None, tree, 1.0, top_ks=k, top_ps=p, coins=coins, coins_final=final)
+        return fused_verify(logits, None, tree, 1.0, top_ks=k, top_ps=p, coins=coins, coins_final=final)
 
     bs, reps = (512, 2) if DEEP else (64, 1)
     assert_follows_the_target(chi_square_case(verify, top_k, top_p, bs, reps, DEVICE), min_second=bs * reps // 5)
@@ -635,11 +642,11 @@ def test_fused_emits_the_target_distribution_in_the_interpreter(top_k, top_p):
 
 @pytest.mark.parametrize("top_k,top_p", [(None, None), (50, 0.9)])
 def test_workspace_on_the_simulated_device_has_no_vocabulary_wide_temporary(top_k, top_p):
-    """A dry run (launch=False) records the step's allocations: its outputs (one int32
-    buffer, kept), then its workspace (fused_workspace_bytes: plain 41 KiB, with top-k /
-    top-p 258 KiB), freed when the step ends. (An eager call that launches reuses the
-    plan's workspace for its stream instead, allocating its outputs only.) Nothing comes
-    near [bs*D, V]."""
+    """A dry run (run_step with launch=False, what the planner records) allocates the step's
+    outputs (one int32 buffer, kept), then its workspace (workspace_bytes: plain 41 KiB, with
+    top-k / top-p 258 KiB), freed when the step ends. (An eager call that launches reuses the
+    configuration's workspace for its stream instead, allocating its outputs only.) Nothing
+    comes near [bs*D, V]."""
     from graphborrow.sim import SimBackend
 
     bs, d, vocab = 64, 8, 128256
@@ -649,13 +656,15 @@ def test_workspace_on_the_simulated_device_has_no_vocabulary_wide_temporary(top_
         logits = torch.empty(bs * d, vocab, device="cuda")
         before = backend.memory_allocated()
         backend.record_memory_history(max_entries=100_000)
-        result = fv.fused_verify(logits, None, tree, 1.0, top_ks=top_k, top_ps=top_p, validate=False, launch=False)
+        step = VerifyStep.of(logits, None, tree, 1.0, top_k, top_p)
+        result = fv.allocate_outputs(step)
+        fv.run_step(step, result, launch=False)
         trace = backend.full_snapshot()["device_traces"][0]
         backend.record_memory_history(False)
         allocs = [e["size"] for e in trace if e["action"] == "alloc"]
         frees = [e["size"] for e in trace if e["action"] == "free_requested"]
         outputs = 4 * (bs * d + bs * tree.tree_depth + bs)  # predicts, accept_index, accept_length (no padding here)
-        workspace = fv.fused_workspace_bytes(bs, d, vocab, top_k is not None, top_p is not None)
+        workspace = lc.workspace_bytes(bs, d, vocab, top_k is not None, top_p is not None)
         assert allocs == [outputs, workspace] and frees == [workspace]
         assert backend.memory_allocated() - before == fv_round(allocs[0])
         assert max(allocs) < bs * d * vocab * 4 // 16  # nothing near the [bs*D, V] matrix
@@ -669,7 +678,7 @@ def fv_round(nbytes):
 
 
 def test_workspace_bytes_grow_with_rows_not_vocabulary():
-    small = fv.fused_workspace_bytes(32, 8, 32000, top_k=True, top_p=True)
-    wide = fv.fused_workspace_bytes(32, 8, 128256, top_k=True, top_p=True)
+    small = lc.workspace_bytes(32, 8, 32000, top_k=True, top_p=True)
+    wide = lc.workspace_bytes(32, 8, 128256, top_k=True, top_p=True)
     assert wide < 2 * small  # at most the split count changes with V
-    assert fv.fused_workspace_bytes(128, 16, 128256) < 128 * 16 * 128256 * 4 / 1000
+    assert lc.workspace_bytes(128, 16, 128256) < 128 * 16 * 128256 * 4 / 1000

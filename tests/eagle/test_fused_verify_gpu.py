@@ -26,7 +26,10 @@ from test_fused_verify import (  # shared cases
 from graphborrow.eagle import eagle_verify, tree_speculative_sampling_target_only
 from graphborrow.eagle.acceptance import emitted_tokens
 from graphborrow.eagle.draft_tree import build_draft_tree, repeat_tree
+from graphborrow.eagle.probs import target_probs_reference
 from graphborrow.eagle.triton import fused as fv
+from graphborrow.eagle.triton import fused_renorm as fr
+from graphborrow.eagle.triton import launch_config as lc
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,6 +56,11 @@ GRID = [
     (256, 16, (4, 5), 2053, 1.0, 100, None, (1.0, 1.0), False),
 ]
 SEEDS = 3  # independent trees, logits and coins per point
+
+
+def fused_verify(logits, candidates, tree, temperatures, **kw):
+    """eagle_verify through the fused kernels."""
+    return eagle_verify(logits, candidates, tree, temperatures, impl="fused", **kw)
 
 
 def gpu_case(seed, bs, d, shape, vocab, ties, temperature=1.0, tree=None):
@@ -88,7 +96,7 @@ def gpu_case(seed, bs, d, shape, vocab, ties, temperature=1.0, tree=None):
 def reference(logits, tree, temp, top_k=None, top_p=None, coins=None, coins_final=None, thr=(1.0, 1.0)):
     """Verification over target_probs_reference with upstream's kernel semantics."""
     bs, d = tree.candidates.shape
-    probs = fv.target_probs_reference(logits, temp, top_k, top_p).view(bs, d, -1)
+    probs = target_probs_reference(logits, temp, top_k, top_p).view(bs, d, -1)
     predicts = torch.zeros(bs * d, dtype=torch.int32, device="cuda")
     accept_index = torch.full((bs, tree.tree_depth), -1, dtype=torch.int32, device="cuda")
     accepted = torch.zeros(bs, dtype=torch.int32, device="cuda")
@@ -122,7 +130,7 @@ def test_fused_emits_the_reference_tokens(point, seed):
     bs, d, shape, vocab, temp, top_k, top_p, thr, ties = GRID[point]
     tree, logits, coins, coins_final = gpu_case(100 + point + 1000 * seed, bs, d, shape, vocab, ties, temp)
     expected = reference(logits, tree, temp, top_k, top_p, coins, coins_final, thr)
-    got = fv.fused_verify(logits, None, tree, temp, top_ks=top_k, top_ps=top_p, coins=coins, coins_final=coins_final,
+    got = fused_verify(logits, None, tree, temp, top_ks=top_k, top_ps=top_p, coins=coins, coins_final=coins_final,
                           threshold_single=thr[0], threshold_acc=thr[1])
     bad = differing(expected, got, bs, d)
     lengths = got.accept_length.float()
@@ -154,7 +162,7 @@ def test_top_p_is_float32_when_the_kept_mass_lies_just_under_top_p(vocab):
     coins = torch.rand(bs, 4, device="cuda", generator=g)
     final = torch.rand(bs, device="cuda", generator=g)
     expected = reference(logits, tree, 1.0, None, top_p, coins, final)
-    got = fv.fused_verify(logits, None, tree, 1.0, top_ps=top_p, coins=coins, coins_final=final)
+    got = fused_verify(logits, None, tree, 1.0, top_ps=top_p, coins=coins, coins_final=final)
     bad = differing(expected, got, bs, 4)
     assert not bad, diagnose(tree, coins, final, expected, got, bad)
     assert not differing(eagle_verify(logits, None, tree, 1.0, top_ps=top_p, coins=coins, coins_final=final,
@@ -167,7 +175,7 @@ def test_kernel_probabilities_are_target_probs_reference_bitwise():
     """Every candidate of every row, and every entry of a few whole rows."""
     tree, logits, _, _ = gpu_case(7, 64, 8, (4, 3), 128256, False, 0.8)
     temps = torch.linspace(0.3, 1.9, 64, device="cuda")
-    expected = fv.target_probs_reference(logits, temps.repeat_interleave(8))
+    expected = target_probs_reference(logits, temps.repeat_interleave(8))
     toks = tree.candidates.repeat_interleave(8, dim=0)
     kernel_p = fv.fused_token_probs(logits, temps, 8, toks)
     assert torch.equal(kernel_p, expected.gather(1, toks))
@@ -185,7 +193,7 @@ def test_emitted_tokens_follow_the_target_distribution(top_k, top_p):
     sample) follows the (renormalised) root row; among the requests that accepted node 1,
     the second follows node 1's row, and not the root's."""
     def verify(logits, tree, coins, final, k, p):
-        return fv.fused_verify(logits, None, tree, 1.0, top_ks=k, top_ps=p, coins=coins, coins_final=final,
+        return fused_verify(logits, None, tree, 1.0, top_ks=k, top_ps=p, coins=coins, coins_final=final,
                                validate=False)
 
     assert_follows_the_target(chi_square_case(verify, top_k, top_p, 8192, 40, "cuda"), min_second=10_000)
@@ -215,7 +223,7 @@ def test_a_verification_step_is_captured_in_a_cuda_graph_and_replays(renorm):
            torch.zeros(bs, dtype=torch.int32, device="cuda"))
 
     def step():
-        return fv.fused_verify(static_logits, None, tree, 0.9, coins=static_coins, coins_final=static_final,
+        return fused_verify(static_logits, None, tree, 0.9, coins=static_coins, coins_final=static_final,
                                out=out, validate=False, **renorm)
 
     graph, _ = warmed_up_and_captured(step)
@@ -227,7 +235,7 @@ def test_a_verification_step_is_captured_in_a_cuda_graph_and_replays(renorm):
         graph.replay()
         torch.cuda.synchronize()
         replayed = [t.clone() for t in out]
-        eager = fv.fused_verify(new_logits, None, tree, 0.9, coins=new_coins, coins_final=new_final, **renorm)
+        eager = fused_verify(new_logits, None, tree, 0.9, coins=new_coins, coins_final=new_final, **renorm)
         expected = reference(new_logits, tree, 0.9, renorm.get("top_ks"), renorm.get("top_ps"), new_coins, new_final)
         for a, b, c in zip(replayed, eager, expected):
             assert torch.equal(a, b) and torch.equal(b, c)
@@ -272,12 +280,12 @@ def test_the_public_call_is_captured_in_a_cuda_graph_and_replays(renorm):
 def test_no_host_synchronisation_with_validate_off(renorm):
     tree, logits, coins, coins_final = gpu_case(5, 8, 8, (4, 3), 32000, False)
     kw = dict(coins=coins, coins_final=coins_final, validate=False, **renorm)
-    fv.fused_verify(logits, None, tree, 1.0, **kw)  # compile first
+    fused_verify(logits, None, tree, 1.0, **kw)  # compile first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fv.fused_verify(logits, None, tree, 1.0, **kw)
-        fv.fused_verify(logits, None, tree, 1.0, chunk_requests=3, **kw)
+        fused_verify(logits, None, tree, 1.0, **kw)
+        eagle_verify(logits, None, tree, 1.0, impl="fused", mode="chunked", chunk_rows=24, **kw)
         eagle_verify(logits, None, tree, 1.0, impl="auto", **kw)  # the public call too
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -289,8 +297,8 @@ def test_standalone_top_p_renorm_matches_the_reference_on_the_gpu():
 
     g = torch.Generator(device="cuda").manual_seed(1)
     probs = torch.softmax(3.0 * torch.randn(32, 128256, device="cuda", generator=g), dim=-1)
-    assert torch.equal(fv.top_p_renorm(probs, 0.9), top_p_renorm_probs(probs, 0.9))
-    assert torch.equal(fv.top_k_renorm(probs, 50), top_k_renorm_probs(probs, 50))
+    assert torch.equal(fr.top_p_renorm(probs, 0.9), top_p_renorm_probs(probs, 0.9))
+    assert torch.equal(fr.top_k_renorm(probs, 50), top_k_renorm_probs(probs, 50))
 
 
 def test_standalone_renorm_in_a_graph_and_on_two_streams():
@@ -299,28 +307,27 @@ def test_standalone_renorm_in_a_graph_and_on_two_streams():
     own inside the graph. Replays, and eager calls on two streams in between, all give the
     reference's values."""
     from graphborrow.eagle.renorm import top_k_renorm_probs, top_p_renorm_probs
-    from graphborrow.eagle.triton import select
 
-    select.clear_plans()
+    lc.clear_configs()
     g = torch.Generator(device="cuda").manual_seed(2)
     probs = torch.softmax(3.0 * torch.randn(16, 128256, device="cuda", generator=g), dim=-1)
     expected = {0.9: top_p_renorm_probs(probs, 0.9), 0.5: top_p_renorm_probs(probs, 0.5)}
-    assert torch.equal(fv.top_p_renorm(probs, 0.9, validate=False), expected[0.9])  # compiles, then direct
+    assert torch.equal(fr.top_p_renorm(probs, 0.9, validate=False), expected[0.9])  # (compiles)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        on_side = [fv.top_p_renorm(probs, p, validate=False) for p in (0.5, 0.9, 0.5)]
+        on_side = [fr.top_p_renorm(probs, p, validate=False) for p in (0.5, 0.9, 0.5)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = fv.top_p_renorm(probs, 0.9, validate=False)
+        static = fr.top_p_renorm(probs, 0.9, validate=False)
     for p in (0.9, 0.5, 0.5, 0.9):
         graph.replay()
-        assert torch.equal(fv.top_p_renorm(probs, p, validate=False), expected[p])
+        assert torch.equal(fr.top_p_renorm(probs, p, validate=False), expected[p])
         assert torch.equal(static, expected[0.9])
     torch.cuda.current_stream().wait_stream(side)
     assert all(torch.equal(t, expected[p]) for t, p in zip(on_side, (0.5, 0.9, 0.5)))
-    (plan,) = select._RENORM_PLANS.plans.values()
-    assert len(plan.cached) == 2  # the two streams'; the graph's workspace is its own
-    assert all(int(entry.views.select_counters.abs().sum()) == 0 for entry in plan.cached.values())
+    (config,) = lc.RENORM_CONFIGS.configs.values()
+    assert len(config.cached) == 2  # the two streams'; the graph's workspace is its own
+    assert all(int(entry.views.select_counters.abs().sum()) == 0 for entry in config.cached.values())
     k = torch.tensor([1, 50, 128256, 7] * 4, device="cuda")
-    assert torch.equal(fv.top_k_renorm(probs, k, validate=False), top_k_renorm_probs(probs, k))
+    assert torch.equal(fr.top_k_renorm(probs, k, validate=False), top_k_renorm_probs(probs, k))

@@ -36,12 +36,12 @@ def one_request_trace():
     return np.array(tickets + programs, dtype=np.int64)
 
 
-def plan_of(items, programs):
+def config_of(items, programs):
     return SimpleNamespace(groups=[(0, items, 3, True)], programs=[programs])
 
 
 def test_the_milestones_and_item_times_of_a_known_trace():
-    timeline = StepTimeline.of(one_request_trace(), plan_of(6, 2))
+    timeline = StepTimeline.of(one_request_trace(), config_of(6, 2))
     assert timeline.milestones == {
         "programs started": 40, "maxima done": 1300, "sums done": 2700, "walks started": 2700,
         "walks done": 6700, "residual seen": 6900, "masses done": 7900, "sampled": 9000, "programs left": 9400}
@@ -57,7 +57,7 @@ def test_an_incomplete_trace_is_refused():
     trace = one_request_trace()
     trace[4, 0] = 0  # a ticket that wrote nothing (launched with another grid, say)
     with pytest.raises(ValueError, match="incomplete"):
-        StepTimeline.of(trace, plan_of(6, 2))
+        StepTimeline.of(trace, config_of(6, 2))
 
 
 @pytest.mark.gpu
@@ -67,7 +67,7 @@ def test_a_traced_step_gives_the_steps_tokens_and_an_ordered_timeline(bs, d, sha
     from graphborrow.eagle import eagle_verify
     from graphborrow.eagle.draft_tree import build_draft_tree, repeat_tree
     from graphborrow.eagle.step import VerifyStep
-    from graphborrow.eagle.triton.timeline import run_traced, traced_plan
+    from graphborrow.eagle.triton.timeline import run_traced, traced_config
 
     vocab = 128256
     g = torch.Generator(device="cuda").manual_seed(bs + d)
@@ -76,17 +76,17 @@ def test_a_traced_step_gives_the_steps_tokens_and_an_ordered_timeline(bs, d, sha
     coins, final = torch.rand(bs, d, device="cuda", generator=g), torch.rand(bs, device="cuda", generator=g)
     plain = eagle_verify(logits, None, tree, 0.7, coins=coins, coins_final=final, impl="fused", validate=False)
     step = VerifyStep.of(logits, None, tree, 0.7, coins=coins, coins_final=final)
-    plan = traced_plan(step)
-    run_traced(plan, step)  # compiles; sizes the grid
-    plan.trace.zero_()
-    out = run_traced(plan, step)
+    config = traced_config(step)
+    run_traced(config, step)  # compiles; sizes the grid
+    config.trace.zero_()
+    out = run_traced(config, step)
     torch.cuda.synchronize()
     for got, want in zip(out, plain):
         assert torch.equal(got, want)
-    m = StepTimeline.of(plan.trace.cpu().numpy(), plan).milestones
+    m = StepTimeline.of(config.trace.cpu().numpy(), config).milestones
     # one request: its walk needs every row's sums, its residual the walk, its sample every residual mass
     order = ["maxima done", "sums done", "walks done", "residual seen", "masses done", "sampled", "programs left"]
     assert [m[k] for k in order] == sorted(m[k] for k in order)
     assert 0 <= m["programs started"] < m["maxima done"] and m["walks started"] < m["walks done"]
     with pytest.raises(ValueError, match="one launch"):
-        traced_plan(VerifyStep.of(logits.repeat(8, 1), None, repeat_tree(tree, 8), 0.7, 50, 0.9))
+        traced_config(VerifyStep.of(logits.repeat(8, 1), None, repeat_tree(tree, 8), 0.7, 50, 0.9))

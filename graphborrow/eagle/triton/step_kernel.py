@@ -1,26 +1,29 @@
 """The persistent kernel of a fused verification step, and the token-probability kernel.
 
-:mod:`.fused` plans and launches these; its docstring describes the step (the item queue,
-ticket order, per-row step numbers, counters that start and end at zero). ``KINDS``, the
-items one launch of ``verify_kernel`` can meet (the others are not compiled in, so a launch
-of a few kinds needs fewer registers): 1 maxima and sums, 2 residuals, and for a top-k /
-top-p search 4 its bracket, 32 its passes, 64 its gather, 8 its resolve, 16 its kept sums
-(:data:`graphborrow.eagle.triton.fused.MAX_SUM` and the names beside it).
+:mod:`.fused` launches these with a configuration of :mod:`.launch_config`; how the step's
+work queue runs (ticket order, per-row step numbers, counters that start and end at zero)
+is described in ``docs/kernels.md``, "One launch: how the queue works". ``KINDS``, the items
+one launch of ``verify_kernel`` can meet (the others are not compiled in, so a launch of a
+few kinds needs fewer registers), is a sum of the flags below.
 """
 
 from __future__ import annotations
 
-from .probs import TRITON_AVAILABLE
+from .runtime import TRITON_AVAILABLE
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .probs import fixed_point_e, multiply_ok, prob, prob_by_product, renormed, row_max_y, row_norm
-    from .select import arrive, gather_item, init_item, kept_item, pass_item, resolve_item
+    from .formula import fixed_point_e, multiply_ok, prob, prob_by_product, renormed, row_max_y, row_norm
+    from .pivot_search import arrive, gather_item, init_item, kept_item, pass_item, resolve_item
 
-__all__ = ["ABSENT", "NUMBER", "ONE_VALUE", "PER_REQUEST", "SYNC_HEAD", "TRACE_FIELDS", "WALK_FIELDS"]
+__all__ = ["ABSENT", "BRACKET", "GATHER", "KEPT", "MAX_SUM", "NUMBER", "ONE_VALUE", "PASS", "PER_REQUEST", "RESIDUAL",
+           "RESOLVE", "SYNC_HEAD", "TRACE_FIELDS", "WALK_FIELDS"]
 
+# The kinds of item (verify_kernel's KINDS): maxima and sums, residuals, and per top-k / top-p
+# search its bracket, resolve, kept sums, passes and gather
+MAX_SUM, RESIDUAL, BRACKET, RESOLVE, KEPT, PASS, GATHER = 1, 2, 4, 8, 16, 32, 64
 WALK_FIELDS = 4  # final node, its slot, last rejected token, dropped-token count; then the dropped tokens
 SYNC_HEAD = 32  # int32 words before the per-row counters: ticket, programs gone, rows zeroed (one cache line)
 
@@ -136,7 +139,7 @@ if TRITON_AVAILABLE:
                      scratch, arrivals, d, vocab, splits, chunk, unscale, passes, TOPP: tl.constexpr,
                      HAS_TOPK: tl.constexpr, KINDS: tl.constexpr, NT: tl.constexpr, CAP: tl.constexpr,
                      BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-        """Step ``k`` of one top-k / top-p search (:mod:`.select`): 0 the bracket, 1..passes
+        """Step ``k`` of one top-k / top-p search (:mod:`.pivot_search`): 0 the bracket, 1..passes
         the passes, then the gather, the resolve (one item per row) and the kept sum (each
         compiled in when ``KINDS`` has it). Returns whether this program finished the row's step."""
         last = k < 0

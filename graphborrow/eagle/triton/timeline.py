@@ -2,16 +2,16 @@
 
 CUDA events time a step from outside; inside it, hundreds of programs take tickets from
 one queue and wait on each other's rows, so which phase holds the step up is not visible
-from there. A *traced* plan compiles ``verify_kernel`` with ``TRACE`` on: every ticket
+from there. A *traced* configuration compiles ``verify_kernel`` with ``TRACE`` on: every ticket
 writes when it was taken, when its wait ended, when its work was done and when its
 program moved on (after publishing, or after walking a tree), with the SM, the program,
 the item's stage and row; every program writes when it started and left. The clock is the
 GPU's ``%globaltimer`` (nanoseconds, one clock for every SM), so the records of different
 programs line up.
 
-    plan = traced_plan(step)                 # a plan of its own, never the cached one
-    out = run_traced(plan, step)             # or capture it in a graph and replay it
-    timeline = StepTimeline.of(plan.trace.cpu().numpy(), plan)
+    config = traced_config(step)             # a configuration of its own, never the cached one
+    out = run_traced(config, step)           # or capture it in a graph and replay it
+    timeline = StepTimeline.of(config.trace.cpu().numpy(), config)
     timeline.milestones                      # ns from the first program's start
 
 Only the one-launch step is traced (every plain step, and top-k / top-p below
@@ -24,43 +24,42 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..modes import VerifyResult
-from ..step import VerifyStep
+from ..step import VerifyResult, VerifyStep
 from . import fused
+from .launch_config import SPLIT_ROWS, StepConfig, step_config
 from .step_kernel import TRACE_FIELDS
 
-__all__ = ["StepTimeline", "run_traced", "traced_plan"]
+__all__ = ["StepTimeline", "run_traced", "traced_config"]
 
 # the record's fields, as _trace_ticket writes them (a program's record: started, left, SM)
 TAKEN, WAITED, DONE, MOVED_ON, SM, PROGRAM, STAGE, FLAGS = range(TRACE_FIELDS)
 RESIDUAL_STAGE = -2
 
 
-def traced_plan(step: VerifyStep) -> "fused.StepPlan":
-    """A fresh plan of ``step``'s shape whose launch records its clock times in ``plan.trace``.
+def traced_config(step: VerifyStep) -> StepConfig:
+    """A fresh configuration of ``step``'s shape whose launch records its clock times in ``config.trace``.
 
     Raises:
         ValueError: the step runs as several launches (top-k / top-p from ``SPLIT_ROWS``
             rows), which the trace does not cover.
     """
-    cached = fused.plan_for(step)
-    plan = fused.StepPlan(cached.bs, cached.d, cached.vocab, cached.steps, cached.forms, cached.in_place,
-                          cached.device)
-    if len(plan.groups) != 1:
-        raise ValueError(f"a traced step must run as one launch; top-k / top-p at {plan.rows} rows runs as "
-                         f"{len(plan.groups)} (trace below {fused.SPLIT_ROWS} rows, or the plain step)")
-    end = plan.groups[0][1]  # (a grid never has more programs than items)
-    plan.trace = torch.zeros((2 * end, TRACE_FIELDS), dtype=torch.int64, device=step.logits.device)
-    return plan
+    cached = step_config(step)
+    config = StepConfig(cached.bs, cached.d, cached.vocab, cached.steps, cached.forms, cached.in_place, cached.device)
+    if len(config.groups) != 1:
+        raise ValueError(f"a traced step must run as one launch; top-k / top-p at {config.rows} rows runs as "
+                         f"{len(config.groups)} (trace below {SPLIT_ROWS} rows, or the plain step)")
+    end = config.groups[0][1]  # (a grid never has more programs than items)
+    config.trace = torch.zeros((2 * end, TRACE_FIELDS), dtype=torch.int64, device=step.logits.device)
+    return config
 
 
-def run_traced(plan: "fused.StepPlan", step: VerifyStep, out: VerifyResult | None = None) -> VerifyResult:
-    """One launch of ``plan`` (from :func:`traced_plan`) on ``step``, in a fresh workspace, so
-    it can be captured in a CUDA graph; returns the outputs (when ``out`` is None, the cached
-    plan's: a traced plan shares its output layout)."""
+def run_traced(config: StepConfig, step: VerifyStep, out: VerifyResult | None = None) -> VerifyResult:
+    """One launch of ``config`` (from :func:`traced_config`) on ``step``, in a fresh workspace,
+    so it can be captured in a CUDA graph; returns the outputs (when ``out`` is None, new ones
+    in the cached configuration's layout, which a traced one shares)."""
     if out is None:
         out = fused.allocate_outputs(step)
-    fused.run_plan(plan, step, out)
+    fused.run_config(config, step, out)
     return out
 
 
@@ -85,14 +84,14 @@ class StepTimeline:
         self.milestones, self.items, self.programs = milestones, items, programs
 
     @classmethod
-    def of(cls, trace: np.ndarray, plan: "fused.StepPlan") -> "StepTimeline":
+    def of(cls, trace: np.ndarray, config: StepConfig) -> "StepTimeline":
         """Decode ``trace`` ([tickets + programs, TRACE_FIELDS] int64, as the launch left it)."""
-        end = plan.groups[0][1]
-        programs = plan.programs[0]
+        end = config.groups[0][1]
+        programs = config.programs[0]
         tickets, progs = trace[:end], trace[end:end + programs]
         if (tickets[:, TAKEN] == 0).any() or (progs[:, 1] == 0).any():
             raise ValueError("the trace is incomplete: a ticket or program wrote no record (was it launched "
-                             "with this plan's grid?)")
+                             "with this configuration's grid?)")
         zero = progs[:, 0].min()
         t = lambda rows, field: rows[:, field] - zero  # noqa: E731 (ns after the first start)
         stage, flags = tickets[:, STAGE], tickets[:, FLAGS]

@@ -4,9 +4,8 @@ A fused step needs a dozen small arrays (row statistics, per-slice partial resul
 search state). One allocation per step instead of one per array saves host time (each
 CUDA allocation is a few microseconds of Python and allocator work) and keeps the step's
 allocation sequence to a single request whose size depends on the shape alone, which is
-what the capacity planner replays. A :class:`Layout` is computed once per shape; each
-call then takes either the slots' device addresses (integers, for compiled kernels) or
-typed views of them (tensors, for Triton's JIT front end and its interpreter).
+what the capacity planner replays. A :class:`Layout` is computed once per shape, and a
+workspace's slots are typed views of its buffer, made once per buffer.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ class Layout:
         slots: ``(name, dtype, shape)`` in order; a slot of no elements takes no room.
     """
 
-    __slots__ = ("names", "slots", "offsets", "nbytes", "record")
+    __slots__ = ("names", "slots", "nbytes", "record")
 
     def __init__(self, slots):
         self.names: tuple = tuple(name for name, _, _ in slots)
@@ -47,30 +46,20 @@ class Layout:
             shape = tuple(int(n) for n in shape)
             self.slots[name] = Slot(offset, dtype, shape)
             offset += -(-_nbytes(dtype, shape) // SLOT_ALIGN) * SLOT_ALIGN
-        self.offsets = tuple(slot.offset for slot in self.slots.values())
         self.nbytes = max(offset, SLOT_ALIGN)
 
     def allocate(self, like: torch.Tensor) -> torch.Tensor:
         """The workspace: ``nbytes`` uninitialised bytes on ``like``'s device."""
         return like.new_empty(self.nbytes, dtype=torch.uint8)
 
-    def pointers(self, buffer: torch.Tensor, at: int = 0):
-        """Every slot's device address, the workspace starting ``at`` bytes into ``buffer``,
-        as a record with one field per slot."""
-        base = buffer.data_ptr() + at
-        return self.record._make([base + offset for offset in self.offsets])
+    def views(self, buffer: torch.Tensor):
+        """Every slot as a typed tensor over ``buffer``, as a record with one field per slot."""
+        return self.record._make(self.view(buffer, name) for name in self.names)
 
-    def views(self, buffer: torch.Tensor, at: int = 0):
-        """Every slot as a typed tensor over ``buffer`` (the workspace ``at`` bytes into it),
-        as a record with one field per slot."""
-        return self.record._make(self.view(buffer, name, at) for name in self.names)
-
-    def view(self, buffer: torch.Tensor, name: str, at: int = 0) -> torch.Tensor:
-        """One slot as a typed tensor over ``buffer`` (contiguous, any dtype; the workspace
-        ``at`` bytes into it)."""
+    def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        """One slot as a typed tensor over ``buffer`` (contiguous, any dtype)."""
         offset, dtype, shape = self.slots[name]
-        start = at + offset
-        return buffer.view(torch.uint8)[start:start + _nbytes(dtype, shape)].view(dtype).view(shape)
+        return buffer.view(torch.uint8)[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple) -> int:

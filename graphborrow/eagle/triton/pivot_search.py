@@ -6,328 +6,46 @@ mass ``W(v) = sum(p >= v)`` reaches top_p (top-p). Both are "the largest key who
 weight W reaches a target", W a count or a float64 mass. The search narrows a bracket
 [lo, hi) of float keys with ``W(lo) >= target > W(hi)``:
 
-1. ``_init_kernel`` — per slice of each row: the smallest and largest key in play and
+1. ``init_kernel`` — per slice of each row: the smallest and largest key in play and
    the total weight; the row's last slice to finish sets the bracket;
-2. ``_pass_kernel`` (``SELECT_PASSES`` launches) — per slice: the weight at or above
+2. ``pass_kernel`` (``SELECT_PASSES`` launches) — per slice: the weight at or above
    ``SELECT_THRESHOLDS`` thresholds spread inside the bracket (alternately by value and
    by key); the last slice sums the slices in a fixed order and narrows the bracket;
-3. ``_gather_kernel`` — once at most ``SELECT_CAP`` entries lie inside, every slice
+3. ``gather_kernel`` — once at most ``SELECT_CAP`` entries lie inside, every slice
    copies its entries there into a scratch row (at slots reserved with an atomic);
-4. ``_resolve_kernel`` — one program per row sorts them and walks down exactly. A row the
+4. ``resolve_kernel`` — one program per row sorts them and walks down exactly. A row the
    passes did not narrow enough is finished there alone, pass after pass over the whole
    row (slow, always exact);
-5. ``_kept_kernel`` — the float64 sum of the kept probabilities, floored at 1e-8.
+5. ``kept_kernel`` — the float64 sum of the kept probabilities, floored at 1e-8.
 
 "The last slice to finish" is an atomic counter per row: each program stores its
 partial result, then increments; the one that sees ``splits - 1`` reads them all,
 acts for the row and resets the counter. Nothing synchronises with the host.
 
-The kernels read either probabilities (the standalone :func:`top_k_renorm` /
-:func:`top_p_renorm`) or logits with their row statistics (the fused verification,
-``FROM_LOGITS``), where p is computed on the fly by the formula of
-:mod:`graphborrow.eagle.triton.probs`. p is a non-decreasing function of the logit, so the
-search runs on logit keys: the k-th largest p is p of the k-th largest logit, and
-top-p's pivot is p of the largest logit whose mass reaches the target.
+The kernels read either probabilities (the standalone renorms of
+:mod:`graphborrow.eagle.triton.fused_renorm`, which end with ``apply_kernel``) or logits
+with their row statistics (the fused verification, ``FROM_LOGITS``), where p is computed
+on the fly by the formula of :mod:`graphborrow.eagle.triton.formula`. p is a non-decreasing
+function of the logit, so the search runs on logit keys: the k-th largest p is p of the k-th
+largest logit, and top-p's pivot is p of the largest logit whose mass reaches the target.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
-
-from .direct import kernel_launch
-from .launch import Launcher, PlanCache, aligned, bound_call, capturing_now, current_stream, direct_disabled
-from .probs import INTERPRETED, TRITON_AVAILABLE, any_true, compile_options, per_request_value
-from .workspace import Layout
+from .runtime import TRITON_AVAILABLE
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .probs import float_key, key_float, prob, renormed, row_norm
+    from .formula import float_key, key_float, prob, renormed, row_norm
 
-__all__ = ["SelectWorkspace", "clear_plans", "select_launches", "select_slots", "split_layout", "top_k_renorm", "top_p_renorm",
-           "tunables"]
+__all__ = ["KEPT_SUM_FLOOR", "SELECT_RUN", "STATE_FLOATS", "STATE_INTS"]
 
-BLOCK = 2048            # vocabulary entries per tile in the streaming kernels
-SPLIT_MAX = 64          # most vocabulary slices per row
-TARGET_PROGRAMS = 1056  # eight per H200 SM: slices enough to fill the GPU at small batches
-SELECT_BLOCK = 1024     # entries per tile in the threshold passes
 SELECT_RUN = 4          # coalesced runs per tile: each thread takes one entry of each
-SELECT_THRESHOLDS = 8   # thresholds per pass: the bracket shrinks ~9-fold per pass
-SELECT_PASSES = 4       # multi-program passes launched before the gather
-SELECT_CAP = 1024       # entries gathered and sorted exactly once the bracket holds no more
-SELECT_WARPS = 8
-STREAM_WARPS = 8
 KEPT_SUM_FLOOR = 1e-8
 STATE_INTS = 8          # lo, hi, count >= lo, count >= hi, passes, active, gathered, (spare)
 STATE_FLOATS = 4        # weight >= hi, total weight, target, (spare)
-INT32_MAX = 2**31 - 1   # the kernels read top-k as int32
-
-
-class SelectWorkspace(NamedTuple):
-    """Per-row search state and per-slice partial results (see the module docstring):
-    ``state_i`` [rows, 8] int32, ``state_f`` [rows, 4] float64, ``part_w`` [rows, splits,
-    T] float64, ``part_c`` [rows, splits, T] int32, ``scratch`` [rows, CAP] int32,
-    ``counters`` [rows] int32 (zero before the first kernel). Device addresses or tensors
-    (:mod:`.launch`)."""
-
-    state_i: object
-    state_f: object
-    part_w: object
-    part_c: object
-    scratch: object
-    counters: object
-
-
-def split_layout(rows: int, vocab: int, want: int | None = None) -> tuple[int, int]:
-    """(slices per row, entries per slice) for the [rows, slices] kernels: ``want`` slices
-    per row or fewer (by default enough for ``TARGET_PROGRAMS`` items, to fill the GPU),
-    every slice a whole number of tiles and none empty."""
-    tiles = max(1, -(-vocab // BLOCK))
-    if want is None:
-        want = -(-TARGET_PROGRAMS // max(rows, 1))
-    splits = int(min(SPLIT_MAX, tiles, max(1, want)))
-    per = -(-tiles // splits)
-    return -(-tiles // per), per * BLOCK
-
-
-def tunables() -> tuple:
-    """The module's sizes as they are now (tests shrink them): part of every plan's key."""
-    return (BLOCK, SPLIT_MAX, TARGET_PROGRAMS, SELECT_BLOCK, SELECT_THRESHOLDS, SELECT_PASSES, SELECT_CAP,
-            SELECT_WARPS, STREAM_WARPS)
-
-
-def select_slots(rows: int, splits: int, counters: bool = True) -> list:
-    """The search's workspace slots, ``(name, dtype, shape)``, named as :class:`SelectWorkspace`'s
-    fields (``counters`` as ``select_counters``; ``counters=False`` leaves them out, for a
-    caller whose per-row counters live elsewhere)."""
-    t = SELECT_THRESHOLDS
-    slots = [("state_i", torch.int32, (rows, STATE_INTS)), ("state_f", torch.float64, (rows, STATE_FLOATS)),
-             ("part_w", torch.float64, (rows, splits, t)), ("part_c", torch.int32, (rows, splits, t)),
-             ("scratch", torch.int32, (rows, SELECT_CAP))]
-    return slots + [("select_counters", torch.int32, (rows,))] if counters else slots
-
-
-def select_launches(rows: int, vocab: int, src, pivots, ws: SelectWorkspace, top_k, top_p, d: int, splits: int,
-                    chunk: int, stats=None) -> list:
-    """The launches of the search that fills ``pivots`` [rows, 4] float32 with (top-k pivot,
-    kept sum, top-p pivot, kept sum), as :meth:`~graphborrow.eagle.triton.launch.Launcher.run`
-    takes them. Pointer arguments are device addresses or tensors alike (:mod:`.launch`).
-
-    Args:
-        rows, vocab: the source's shape.
-        src: [rows, V] probabilities, or logits when ``stats`` is given.
-        top_k: [rows / d] int32 or None; top_p: [rows / d] float32 or None (one per request).
-            top_p is float32 as the reference takes it (and torch and flashinfer do), widened
-            to float64 to compare with the kept mass: a float64 top_p would move the pivot of
-            any row whose kept mass lies in [float32(top_p), top_p).
-        d: rows per request.
-        stats: ``(temps, part_max, part_sum, unscale)`` of the logits (see
-            :mod:`graphborrow.eagle.triton.fused`), or None for probabilities.
-
-    Returns:
-        A list of ``(kernel, grid, args, options)``.
-    """
-    from_logits = stats is not None
-    temps, part_max, part_sum, unscale = stats if from_logits else (pivots, pivots, pivots, 1.0)
-    options = dict(num_warps=SELECT_WARPS, **compile_options())
-    grid, per_row = (rows, splits, 1), (rows, 1, 1)
-    launches = []
-    for topp, param in ((False, top_k), (True, top_p)):
-        if param is None:
-            continue
-        args = (src, temps, part_max, part_sum, param, pivots, *ws, d, vocab, splits, chunk, unscale,
-                from_logits, topp, top_k is not None, SELECT_THRESHOLDS, SELECT_CAP, SELECT_BLOCK, BLOCK, SPLIT_MAX,
-                not INTERPRETED)
-        launches.append((_init_kernel, grid, args, options))
-        launches += [(_pass_kernel, grid, args, options)] * SELECT_PASSES
-        launches += [(_gather_kernel, grid, args, options), (_resolve_kernel, per_row, args, options),
-                     (_kept_kernel, grid, args, options)]
-    return launches
-
-
-# ---------------------------------------------------------------------------------
-# Standalone renorm (probabilities in, probabilities out)
-
-
-def top_k_renorm(probs: torch.Tensor, top_k, validate: bool = True) -> torch.Tensor:
-    """Keep each row's entries >= its k-th largest (ties kept), divided by their float64 sum.
-
-    Same values as :func:`graphborrow.eagle.renorm.top_k_renorm_probs`, found without a sort.
-
-    Args:
-        probs: [rows, V] float32 probabilities, contiguous.
-        top_k: a number or one value per row (>= 1).
-        validate: check values on the host (syncs); False for graph capture.
-
-    Returns:
-        A new [rows, V] float32 tensor.
-
-    Raises:
-        ValueError: a bad argument, named.
-    """
-    return _renorm(probs, top_k, None, validate)
-
-
-def top_p_renorm(probs: torch.Tensor, top_p, validate: bool = True) -> torch.Tensor:
-    """Keep each row's smallest tie-closed set of largest entries reaching top_p, renormalised.
-
-    Same values as :func:`graphborrow.eagle.renorm.top_p_renorm_probs`, found without a sort.
-
-    Args:
-        probs: [rows, V] float32 probabilities, contiguous.
-        top_p: a number or one value per row, in (0, 1].
-        validate: check values on the host (syncs); False for graph capture.
-
-    Returns:
-        A new [rows, V] float32 tensor.
-
-    Raises:
-        ValueError: a bad argument, named.
-    """
-    return _renorm(probs, None, top_p, validate)
-
-
-class _RenormWorkspace:
-    """A standalone renorm's workspace for eager calls on one stream: made (its counters
-    zeroed) on first use; the search leaves its counters zeroed, so the next call reuses it
-    as it is. ``numbers``: the top-k and top-p numbers its parameter slots hold (None: not
-    known, e.g. a tensor's values), so a call with the same number fills nothing;
-    ``launches``: the direct launches' fixed arguments, ``(call, head, tail)`` per kernel."""
-
-    __slots__ = ("buffer", "views", "pointers", "numbers", "launches")
-
-    def __init__(self, buffer: torch.Tensor, layout: Layout):
-        self.buffer = buffer
-        self.views = layout.views(buffer)
-        self.pointers = layout.pointers(buffer)
-        self.numbers = [None, None]
-        self.launches = None
-
-
-class _RenormPlan:
-    """What the standalone renorm of one shape computes once: the split, the workspace's
-    layout (the pivots, the search's slots, top-k and top-p per row), the compiled kernels,
-    and the eager calls' workspaces by stream (``cached``)."""
-
-    def __init__(self, rows: int, vocab: int, has_k: bool, has_p: bool):
-        self.rows, self.vocab, self.has_k, self.has_p = rows, vocab, has_k, has_p
-        self.splits, self.chunk = split_layout(rows, vocab)
-        # the parameter slots go last: placed before the search's slots they moved its state by
-        # 128 bytes, and on the H200 the passes of an 8-row renorm took 39 % longer (docs/kernels.md)
-        self.layout = Layout([("pivots", torch.float32, (rows, 4))] + select_slots(rows, self.splits)
-                             + [("top_k", torch.int32, (rows if has_k else 0,)),
-                                ("top_p", torch.float32, (rows if has_p else 0,))])
-        self.launcher = Launcher()
-        self.cached: dict = {}
-
-    def workspace(self, like: torch.Tensor, stream: int) -> _RenormWorkspace:
-        """The workspace eager calls on ``stream`` share (calls on one stream run one after
-        another). Never used while a graph is captured: a graph would keep its address and
-        could replay on another stream. :func:`clear_plans` drops it."""
-        entry = self.cached.get(stream)
-        if entry is None:
-            buffer = self.layout.allocate(like)
-            self.layout.view(buffer, "select_counters").zero_()
-            entry = self.cached[stream] = _RenormWorkspace(buffer, self.layout)
-        return entry
-
-    def launches(self, src, dst, w) -> list:
-        """The renorm's launches, ``(kernel, grid, args, options)`` each (pointers or tensors)."""
-        search = SelectWorkspace(w.state_i, w.state_f, w.part_w, w.part_c, w.scratch, w.select_counters)
-        launches = select_launches(self.rows, self.vocab, src, w.pivots, search, w.top_k if self.has_k else None,
-                                   w.top_p if self.has_p else None, 1, self.splits, self.chunk)
-        launches.append((_apply_kernel, (self.rows, self.splits, 1),
-                         (src, w.pivots, dst, self.vocab, self.chunk, self.has_k, self.has_p, BLOCK),
-                         dict(num_warps=STREAM_WARPS, **compile_options())))
-        return launches
-
-    def direct_launches(self, entry: _RenormWorkspace, device: int) -> list:
-        """``entry``'s direct launches, made once, ``(call, leading, trailing)`` each: the
-        search's launched as ``call(*leading, src, *trailing)``, the apply kernel's (the last)
-        as ``call(*leading, src, pivots, dst, *trailing)``. Every other argument is fixed by
-        the plan and workspace: packed once into a
-        :class:`~graphborrow.eagle.triton.direct.KernelLaunch` where the direct module
-        applies, else passed to the compiled kernel's C launcher with its grid, stream and
-        handles before them."""
-        if entry.launches is None:
-            stream = current_stream(device)
-            compiled = self.launcher.compiled
-            entry.launches = []
-            for i, (kernel, (_, grid, args, _)) in enumerate(zip(compiled, self.launches(0, 0, entry.pointers))):
-                per_call = 3 if i == len(compiled) - 1 else 1  # (the apply kernel: source, pivots, output)
-                packed = None
-                if not direct_disabled():
-                    packed = kernel_launch(kernel, device, tuple(grid), stream, per_call, tuple(args[per_call:]))
-                if packed is not None:
-                    entry.launches.append((packed.launch, (), ()))
-                else:
-                    call, leading = bound_call(kernel)
-                    entry.launches.append((call, (*grid, stream, *leading), tuple(args[per_call:])))
-        return entry.launches
-
-
-_RENORM_PLANS = PlanCache(_RenormPlan)
-
-
-def clear_plans() -> None:
-    """Forget the standalone renorm's cached plans (their compiled-kernel handles and cached workspaces)."""
-    _RENORM_PLANS.clear()
-
-
-def _renorm(probs, top_k, top_p, validate):
-    """Checks, then the search and the apply kernel. An eager call on CUDA reuses its plan's
-    workspace for the current stream (and its parameter slots when the number is the same as
-    last time) and, once the kernels are compiled, launches them directly: it allocates the
-    output only, and its host time is the launches'."""
-    if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.dtype != torch.float32:
-        raise ValueError("probs must be a float32 tensor [rows, vocab]; convert with .float() and reshape first")
-    if not probs.is_contiguous():
-        raise ValueError("probs must be contiguous; call .contiguous() first")
-    if not TRITON_AVAILABLE:
-        raise RuntimeError("top_k_renorm / top_p_renorm need triton (the 'kernels' extra)")
-    rows, vocab = probs.shape
-    k = None if top_k is None else per_request_value(top_k, rows, "top_k", torch.int32)
-    p = None if top_p is None else per_request_value(top_p, rows, "top_p", torch.float32)
-    if validate:
-        if k is not None and (any_true((k < 1) | (k > INT32_MAX)) if isinstance(k, torch.Tensor) else k < 1):
-            raise ValueError(f"top_k must be >= 1 and < 2**31 (a value >= the vocabulary {vocab} keeps all)")
-        if p is not None and (any_true(~(p > 0) | (p > 1)) if isinstance(p, torch.Tensor) else not 0 < p <= 1):
-            raise ValueError("top_p must be in (0, 1] (1 keeps all)")
-        if any_true(~torch.isfinite(probs)) or any_true(probs < 0):
-            raise ValueError("probs must be finite and >= 0")
-    device = probs.get_device()
-    plan = _RENORM_PLANS.get((rows, vocab, k is not None, p is not None, device, tunables()),
-                             rows, vocab, k is not None, p is not None)
-    if probs.is_cuda and capturing_now():  # a fresh workspace, its counters zeroed, inside the graph
-        entry = _RenormWorkspace(plan.layout.allocate(probs), plan.layout)
-        entry.views.select_counters.zero_()
-    else:
-        entry = plan.workspace(probs, 0 if INTERPRETED else current_stream(device))
-    for i, (name, value) in enumerate((("top_k", k), ("top_p", p))):
-        if isinstance(value, torch.Tensor):
-            getattr(entry.views, name).copy_(value.reshape(-1).expand(rows))
-            entry.numbers[i] = None
-        elif value is not None and entry.numbers[i] != value:
-            getattr(entry.views, name).fill_(value)
-            entry.numbers[i] = value
-    out = torch.empty_like(probs)
-    launcher = plan.launcher
-    src, dst = probs.data_ptr(), out.data_ptr()
-    if launcher.direct(device, aligned(src, dst)):
-        *search, (apply, head, tail) = plan.direct_launches(entry, device)
-        for call, lead, rest in search:
-            call(*lead, src, *rest)
-        apply(*head, src, entry.pointers.pivots, dst, *tail)
-    else:
-        launcher.run(plan.launches(probs, out, entry.views))
-    return out
-
-
-# ---------------------------------------------------------------------------------
-# Kernels
 
 if TRITON_AVAILABLE:
     _FLOOR = tl.constexpr(KEPT_SUM_FLOOR)  # jitted code reads only constexpr globals
@@ -684,7 +402,7 @@ if TRITON_AVAILABLE:
         return last
 
     @triton.jit(do_not_specialize=["d", "splits"])
-    def _init_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+    def init_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
                      counters, d, vocab, splits, chunk, unscale,
                      FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
                      CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
@@ -694,7 +412,7 @@ if TRITON_AVAILABLE:
                   HAS_TOPK, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
 
     @triton.jit(do_not_specialize=["d", "splits"])
-    def _pass_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+    def pass_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
                      counters, d, vocab, splits, chunk, unscale,
                      FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
                      CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
@@ -704,7 +422,7 @@ if TRITON_AVAILABLE:
                   HAS_TOPK, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
 
     @triton.jit(do_not_specialize=["d", "splits"])
-    def _gather_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+    def gather_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
                        counters, d, vocab, splits, chunk, unscale,
                        FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
                        CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
@@ -714,7 +432,7 @@ if TRITON_AVAILABLE:
                     HAS_TOPK, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
 
     @triton.jit(do_not_specialize=["d", "splits"])
-    def _resolve_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+    def resolve_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
                         counters, d, vocab, splits, chunk, unscale,
                         FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
                         CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
@@ -724,7 +442,7 @@ if TRITON_AVAILABLE:
                      CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
 
     @triton.jit(do_not_specialize=["d", "splits"])
-    def _kept_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
+    def kept_kernel(src, temps, part_max, part_sum, param, pivots, state_i, state_f, part_w, part_c, scratch,
                      counters, d, vocab, splits, chunk, unscale,
                      FROM_LOGITS: tl.constexpr, TOPP: tl.constexpr, HAS_TOPK: tl.constexpr, NT: tl.constexpr,
                      CAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
@@ -734,7 +452,7 @@ if TRITON_AVAILABLE:
                   HAS_TOPK, NT, CAP, BLOCK_S, BLOCK, SPLIT_BLOCK, PRECISE)
 
     @triton.jit
-    def _apply_kernel(probs, pivots, out, vocab, chunk, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr,
+    def apply_kernel(probs, pivots, out, vocab, chunk, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr,
                       BLOCK: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1)

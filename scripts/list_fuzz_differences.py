@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     recs = {r["name"]: r for r in read_corpus()}
     entries = []
     for row in replay["programs"]:
-        if row["agrees"]:
+        if row["agrees"] is not False:  # agrees, or had nothing to compare: no difference to list
             continue
         rec = recs[row["name"]]
         if rec["kind"] == "model":

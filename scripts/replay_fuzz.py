@@ -7,8 +7,9 @@
 Each program runs on a fresh layout-only simulated device (the GPU's cudaMalloc addresses
 followed) and is compared with its recording (:func:`graphborrow.fidelity.fuzz.corpus.check`):
 pools block for block, traces event for event, the error message and line. A program agrees
-when all three do. ``--json`` writes the per-program results and the totals (the figures
-``make fuzz-sim-replay`` prints).
+when all three do; one with no block, no trace event and no error on either side had nothing
+to compare and is counted apart (``unchecked``), never as agreeing. ``--json`` writes the
+per-program results and the totals (the figures ``make fuzz-sim-replay`` prints).
 """
 
 from __future__ import annotations
@@ -40,6 +41,25 @@ def _one(rec: dict) -> dict:
             "summary": result.summary() if not result.agrees else ""}
 
 
+def mark(row: dict, listed) -> str:
+    """agrees, unchecked (nothing to compare), listed (a known difference) or DIFFERS."""
+    if row["agrees"] is None:
+        return "unchecked"
+    return "agrees" if row["agrees"] else ("listed" if row["name"] in listed else "DIFFERS")
+
+
+def tally(rows: list[dict], listed) -> dict:
+    """Programs per kind: how many, how many agree, differ as listed, or had nothing to compare."""
+    totals: dict = {}
+    for row in rows:
+        t = totals.setdefault(row["kind"], {"programs": 0, "agree": 0, "listed": 0, "unchecked": 0})
+        t["programs"] += 1
+        key = {"agrees": "agree", "listed": "listed", "unchecked": "unchecked"}.get(mark(row, listed))
+        if key:
+            t[key] += 1
+    return totals
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kinds", default=",".join(KINDS))
@@ -59,15 +79,10 @@ def main(argv=None) -> int:
             rows = list(pool.map(_one, recs, chunksize=1))
     else:
         rows = [_one(r) for r in recs]
-    totals: dict = {}
+    totals = tally(rows, listed)
     for row in rows:
-        mark = "agrees" if row["agrees"] else ("listed" if row["name"] in listed else "DIFFERS")
-        t = totals.setdefault(row["kind"], {"programs": 0, "agree": 0, "listed": 0})
-        t["programs"] += 1
-        t["agree"] += row["agrees"]
-        t["listed"] += (not row["agrees"]) and row["name"] in listed
-        line = f"{row['name']:44s} {mark:8s}"
-        if not row["agrees"]:
+        line = f"{row['name']:44s} {mark(row, listed):8s}"
+        if row["agrees"] is False:
             line += f" {row.get('crash') or row.get('first_difference') or ''}"[:220]
             if not row.get("errors_agree", True):
                 line += f" | errors GPU {row.get('gpu_error')!r} sim {row.get('sim_error')!r}"[:300]

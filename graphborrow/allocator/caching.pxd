@@ -22,7 +22,7 @@ cdef class CachingAllocator:
     cdef public object cuda_events, _deferred, _capture_stream_uses, history
     cdef public object _next_capture_id, _next_mempool_id, stream_keys, _stream_plan
     cdef public object max_split, divisions, large_segment_size, allowed_memory_maximum
-    cdef public bint expandable, gc_enabled, _fast
+    cdef public bint expandable, gc_enabled, _fast, reuse_in_capture
 
     @cython.locals(pool=BlockPool, free=FreeList, size="long long")
     cpdef malloc(self, nbytes, stream=*, thread=*)

@@ -92,7 +92,8 @@ class CachingAllocator:
         self.total_allocated_memory = 0
         self.live_segments: dict[Segment, None] = {}
         self.cuda_events: dict[int, deque] = {}
-        self._deferred: list[Block] = []
+        self._deferred: dict[Block, tuple] = {}  # frees waiting for the capture: block -> (graph, markers)
+        self.reuse_in_capture = bool(self.config.graph_capture_record_stream_reuse)
         self._capture_stream_uses: dict[Block, set[int]] = {}
         self.history: deque | None = None
         self._next_capture_id = 1
@@ -137,6 +138,8 @@ class CachingAllocator:
         captures = self.captures_underway
         if not captures and (self.cuda_events or self._deferred):
             self.process_events()
+        elif captures and self._deferred and self.reuse_in_capture:
+            self._free_safe_blocks_in_capture(stream)
         size = round_size(nbytes, self.divisions)
         if captures:
             pool = self._get_pool(size, stream, threading.get_ident() if thread is None else thread)
@@ -193,8 +196,8 @@ class CachingAllocator:
         if size >= self.max_split:
             stats.oversize_allocations.decrease(1)
         if block.stream_uses:
-            if self.captures_underway:
-                self._deferred.append(block)
+            if self.captures_underway:  # no event can be waited for: freed when the capture proves it safe, or after it
+                self._deferred[block] = self._free_markers(block) if self.reuse_in_capture else (None, ())
             else:
                 self._insert_events(block)
         else:
@@ -538,8 +541,39 @@ class CachingAllocator:
                 queue = self.cuda_events[stream_id] = deque()
             queue.append((event, block))
 
+    def _free_markers(self, block: Block) -> tuple:
+        """``record_free_markers``: the capture graph and the terminal nodes, now, of every stream that
+        used ``block``; ``(None, ())`` when one of them is not capturing (the free waits for the end)."""
+        streams = self.clockwork.streams
+        graph = None
+        markers: dict[int, None] = {}
+        for stream_id in (block.stream, *block.stream_uses):
+            stream = streams.get(stream_id)
+            capture = stream.capture if stream is not None else None
+            if capture is None:
+                return (None, ())
+            graph = capture
+            markers.update(dict.fromkeys(capture.terminals.get(stream_id, ())))
+        return (graph, tuple(markers))
+
+    def _free_safe_blocks_in_capture(self, stream_id: int) -> None:
+        """``graph_capture_record_stream_reuse``: at an allocation on a capturing stream, free the
+        deferred blocks of that stream whose every free marker precedes the stream's terminals (the
+        graph orders all later work after their last use; no event is needed)."""
+        stream = self.clockwork.streams.get(stream_id)
+        graph = stream.capture if stream is not None else None
+        if graph is None or not graph.terminals.get(stream_id):
+            return
+        seen = graph.preceding(stream_id)
+        safe = [block for block, (owner, markers) in self._deferred.items()
+                if markers and owner is graph and block.stream == stream_id and all(m in seen for m in markers)]
+        for block in safe:
+            block.stream_uses = NO_STREAMS
+            del self._deferred[block]
+            self._free_block(block)
+
     def _insert_deferred_events(self) -> None:
-        deferred, self._deferred = self._deferred, []
+        deferred, self._deferred = self._deferred, {}
         for block in deferred:
             captured = self._capture_stream_uses.pop(block, None)
             if captured:

@@ -28,14 +28,13 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
-from graphborrow.core import native
+from graphborrow.core import native, variables
 
 __all__ = ["MODULES", "PURE_ENV", "SOURCES", "build", "build_paths", "build_tag", "implementation", "install",
            "problem", "pure_model"]
 
 PACKAGE = "graphborrow.allocator"
 MODULES = ("stats", "blocks", "caching")  # in load order: each cimports those before it
-SHARED = ("config", "memory", "streams", "errors")  # modules of the package that import none of MODULES
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / f"{module}.{ext}" for module in MODULES for ext in ("py", "pxd"))
 PURE_ENV = "GRAPHBORROW_SIM_PURE"
@@ -104,9 +103,8 @@ def build(force: bool = False, quiet: bool = True) -> dict[str, Path]:
             f"building the compiled allocator needs Cython and setuptools ({exc}); "
             "install them with: pip install 'cython>=3' setuptools"
         ) from None
-    directory = next(iter(targets.values())).parent
-    native.prepare(directory, "the compiled allocator build cache")
-    with native.temporary_dir(directory) as tmp:
+
+    def make(tmp: Path) -> list[Path]:
         source_root = tmp / "src"  # Cython names modules after their package: rebuild the package path
         package = source_root.joinpath(*PACKAGE.split("."))
         package.mkdir(parents=True)
@@ -139,10 +137,13 @@ def build(force: bool = False, quiet: bool = True) -> dict[str, Path]:
                 f"compiling the allocator model failed ({type(exc).__name__}: {exc}); it needs a C compiler "
                 "(install gcc, or set CC). The pure-Python model runs meanwhile"
             ) from exc
+        built = []
         for module, target in targets.items():
-            built = tmp / target.name
-            shutil.copy(command.get_ext_fullpath(f"{PACKAGE}.{module}"), built)
-            native.publish(built, target)
+            built.append(tmp / target.name)
+            shutil.copy(command.get_ext_fullpath(f"{PACKAGE}.{module}"), built[-1])
+        return built
+
+    native.build(list(targets.values()), make, "the compiled allocator build cache", force=True)
     return targets
 
 
@@ -164,7 +165,7 @@ def install() -> str:
     how to build, unless GRAPHBORROW_SIM_PURE=1 asked for pure Python.
     """
     names = [f"{PACKAGE}.{module}" for module in MODULES]
-    if any(name in sys.modules for name in names) or os.environ.get(PURE_ENV, "") not in ("", "0"):
+    if any(name in sys.modules for name in names) or variables.read(PURE_ENV, "") not in ("", "0"):
         return implementation()
     reason = problem()
     if reason is not None:
@@ -209,7 +210,7 @@ def implementation() -> str:
 def pure_model() -> types.ModuleType:
     """The allocator model run from its Python source, whatever build this process loaded.
 
-    Returns ``caching`` as a module of its own (``graphborrow.allocator.pure_source``), with
+    Returns ``caching`` as a module of its own (``pure_source.caching`` beside the package), with
     pure ``stats`` and ``blocks`` and the modules built on them, sharing the rest (memory,
     streams, configuration, errors) with the package. For checking the build against its
     source in one process.
@@ -217,11 +218,17 @@ def pure_model() -> types.ModuleType:
     Returns:
         The pure-Python ``caching`` module.
     """
+    from . import config, errors, memory, streams  # (they import none of MODULES: shared as they are)
+
     name = f"{PACKAGE}.pure_source"
-    if f"{name}.caching" not in sys.modules:
+    caching = sys.modules.get(f"{name}.caching")
+    if caching is None:
         package = types.ModuleType(name)
-        package.__path__ = [str(HERE)]
+        package.__path__ = [str(HERE)]  # its other modules (stats, blocks, ...) load from their source
         sys.modules[name] = package
-        for module in SHARED:
-            sys.modules[f"{name}.{module}"] = importlib.import_module(f"{PACKAGE}.{module}")
-    return importlib.import_module(f"{name}.caching")
+        for module in (config, memory, streams, errors):
+            sys.modules[f"{name}.{module.__name__.rpartition('.')[2]}"] = module
+        spec = importlib.util.spec_from_file_location(f"{name}.caching", HERE / "caching.py")
+        caching = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(caching)
+    return caching

@@ -71,6 +71,7 @@ class AllocatorConfig:
         self.expandable_segments = False
         self.large_segment_size = LARGE_BUFFER
         self.per_process_memory_fraction = 1.0
+        self.graph_capture_record_stream_reuse = False
         self.source = config if isinstance(config, str) else ""
         self.ignored: dict[str, str] = {}
         if isinstance(config, str):
@@ -144,7 +145,7 @@ class AllocatorConfig:
             "pinned_num_register_threads": int(self.ignored.get("pinned_num_register_threads", 1)),
             "release_lock_on_cudamalloc": self.ignored.get("release_lock_on_cudamalloc") == "True",
             "pinned_use_cuda_host_register": self.ignored.get("pinned_use_cuda_host_register") == "True",
-            "graph_capture_record_stream_reuse": False,
+            "graph_capture_record_stream_reuse": self.graph_capture_record_stream_reuse,
             "roundup_power2_divisions": {str(1 << i): d for i, d in enumerate(self.roundup_power2_divisions)},
         }
 
@@ -178,11 +179,7 @@ class AllocatorConfig:
                 raise ValueError(f"per_process_memory_fraction must be within [0, 1], got {fraction}")
             self.per_process_memory_fraction = fraction
         elif key == "graph_capture_record_stream_reuse":
-            if _as_bool(key, value):
-                raise NotImplementedError(
-                    "graph_capture_record_stream_reuse:True is not modelled by the simulated allocator; leave it "
-                    "off (torch's default)"
-                )
+            self.graph_capture_record_stream_reuse = _as_bool(key, value)
         elif key == "backend":
             if str(value).strip() != "native":
                 raise NotImplementedError(

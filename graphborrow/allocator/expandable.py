@@ -8,7 +8,7 @@ pages for small blocks, ``large_segment_size`` pages for large ones), a virtual 
 False), kept per stream in their pool's ``unmapped`` map, so a reservation is one
 :class:`Segment` whose blocks tile it.
 
-These functions are the expandable half of :class:`CachingAllocator`'s segment handling
+These functions are the expandable half of :class:`~graphborrow.allocator.caching.CachingAllocator`'s segment handling
 (``_alloc_block`` and ``release_blocks`` call them); they change the allocator they are
 given: its segments, device memory, statistics and trace.
 """

@@ -11,7 +11,8 @@ segments pair by kind and size in allocation order. Paired segments compare bloc
 block:
 
 * **agreement** — blocks (and bytes) identical in offset, size and state, over the
-  larger side's count (bytes);
+  larger side's count (bytes); undefined (None) when neither side has a block: nothing
+  was compared;
 * **differences** — every segment or block present on one side only, each named by its
   cause. Equal segments whose layouts are merely swapped between them are named as
   such (the driver's address order, see :data:`ADDRESS_ORDER`). Trace events on one
@@ -274,18 +275,24 @@ class Comparison:
     trace_events: tuple[int, int, int] = (0, 0, 0)  # reference, candidate, aligned
 
     @property
-    def agreement_blocks(self) -> float:
-        ref, cand, same = self.blocks
-        return same / max(ref, cand) if max(ref, cand) else 1.0
+    def agreement_blocks(self) -> Optional[float]:
+        """Identical blocks over the larger side's count; None when neither side has a block."""
+        return _share(*self.blocks)
 
     @property
-    def agreement_bytes(self) -> float:
-        ref, cand, same = self.bytes
-        return same / max(ref, cand) if max(ref, cand) else 1.0
+    def agreement_bytes(self) -> Optional[float]:
+        """Bytes in identical blocks over the larger side's bytes; None when neither side has a block."""
+        return _share(*self.bytes)
+
+    @property
+    def compared(self) -> bool:
+        """Whether either pool has a block (else there was nothing to compare block for block)."""
+        return self.agreement_blocks is not None
 
     @property
     def identical(self) -> bool:
-        return self.agreement_blocks == 1.0 and self.agreement_bytes == 1.0 and not self.differences
+        """No difference: every block of either side has its twin (two empty pools are identical)."""
+        return self.agreement_blocks in (None, 1.0) and self.agreement_bytes in (None, 1.0) and not self.differences
 
     def causes(self) -> dict[str, int]:
         """How many differences each cause explains."""
@@ -299,24 +306,34 @@ class Comparison:
         return {
             "segments (ref / cand / paired)": "%d / %d / %d" % self.segments,
             "blocks identical": f"{self.blocks[2]} of {max(self.blocks[0], self.blocks[1])}",
-            "agreement (blocks)": round(self.agreement_blocks, 4),
-            "agreement (bytes)": round(self.agreement_bytes, 4),
+            "agreement (blocks)": None if self.agreement_blocks is None else round(self.agreement_blocks, 4),
+            "agreement (bytes)": None if self.agreement_bytes is None else round(self.agreement_bytes, 4),
             "trace events aligned": "%d of %d / %d" % (self.trace_events[2], *self.trace_events[:2]),
             "differences": len(self.differences),
             "causes": "; ".join(f"{n}x {c.split(':')[0]}" for c, n in sorted(self.causes().items())),
         }
 
     def summary(self) -> str:
+        if self.compared:
+            blocks = (f"blocks identical: {self.blocks[2]} of {max(self.blocks[:2])} (agreement "
+                      f"{self.agreement_blocks:.4f}); bytes {self.agreement_bytes:.4f}")
+        else:
+            blocks = "blocks: agreement n/a, nothing to compare (neither pool has a block)"
         lines = [
             f"segments: {self.segments[0]} reference, {self.segments[1]} candidate, {self.segments[2]} paired",
-            f"blocks identical: {self.blocks[2]} of {max(self.blocks[:2])} (agreement {self.agreement_blocks:.4f}); "
-            f"bytes {self.agreement_bytes:.4f}",
+            blocks,
             f"trace events: {self.trace_events[0]} reference, {self.trace_events[1]} candidate, "
             f"{self.trace_events[2]} aligned",
         ]
         for cause, n in sorted(self.causes().items(), key=lambda kv: -kv[1]):
             lines.append(f"  {n:4d}  {cause}")
         return "\n".join(lines)
+
+
+def _share(reference: int, candidate: int, same: int) -> Optional[float]:
+    """``same`` over the larger side; None when both sides are empty."""
+    larger = max(reference, candidate)
+    return same / larger if larger else None
 
 
 def _pool_ranges(segments: Sequence[dict]) -> list[tuple[int, int]]:

@@ -20,10 +20,20 @@ from graphborrow.core.atomicfile import write_atomic
 
 from .replay import load_trace, replay_trace
 
-__all__ = ["BANDS", "current_commit", "record_run", "replay_corpus", "replay_file", "strip_frames", "summarize",
-           "trace_files"]
+__all__ = ["BANDS", "STATS_DISAGREE", "check_record", "current_commit", "default_corpus", "record_run", "replay_corpus",
+           "replay_file", "strip_frames", "summarize", "trace_files"]
 
 BANDS = (("1.0", 1.0, 1.01), ("[0.99, 1)", 0.99, 1.0), ("[0.9, 0.99)", 0.9, 0.99), ("< 0.9", -1.0, 0.9))
+# every check agreed, but the recorded memory_stats() did not: not counted as 1.0
+STATS_DISAGREE = "1.0, statistics disagree"
+_CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def default_corpus() -> Path:
+    """The checkout's differential corpus (``data/traces/corpus`` beside the package), wherever the
+    command runs from; ``data/traces/corpus`` under the current folder for an installed package."""
+    shipped = _CHECKOUT / "data" / "traces" / "corpus"
+    return shipped if shipped.is_dir() else Path("data/traces/corpus")
 
 
 def strip_frames(snapshot: dict) -> dict:
@@ -60,7 +70,8 @@ def trace_files(folder: Path, only: Iterable[str] | None = None) -> list[Path]:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder of traces; pass --corpus data/traces/corpus or another one")
+        raise FileNotFoundError(f"{folder} is not a folder of traces; pass --corpus with the folder that holds "
+                                f"the *.pickle.gz traces (the checkout's corpus is {default_corpus().resolve()})")
     paths = sorted(p for p in folder.iterdir() if p.name.endswith((".pickle.gz", ".pickle")))
     if only is not None:
         wanted = {name.strip() for name in only if name.strip()}
@@ -71,48 +82,60 @@ def trace_files(folder: Path, only: Iterable[str] | None = None) -> list[Path]:
 
 
 def replay_file(path: Path) -> dict:
-    """Replay one trace file; its row (a trace the replay refuses gets ``refused`` and the reason).
+    """Replay one trace file; its row. A file the reader or the replay refuses (malformed, code in a
+    pickle, no trace) gets ``refused`` and the reason, and the corpus goes on.
 
     Args:
         path: a ``_snapshot()`` pickle, gzipped or not, perhaps with a ``corpus`` record.
 
     Returns:
-        ``name``, ``variant``, ``settings``, ``fraction`` and either ``refused`` or ``agreement``,
+        ``name`` (the file's, before its first dot), ``variant``, ``settings``, ``fraction`` and either
+        ``refused`` or ``agreement`` (None when no check could be made; ``unchecked`` says why),
         ``checks``, ``mismatches`` (a count), ``first_mismatch``, ``unverifiable``,
-        ``unverifiable_reasons``, ``stats_checked``, ``inferred`` (a count) and ``cpu_s``.
+        ``unverifiable_reasons``, ``stats_checked``, ``stats_mismatches`` (a count), ``inferred`` (a
+        count) and ``cpu_s``.
     """
-    snapshot = load_trace(Path(path))  # the restricted reader: a corpus from elsewhere runs no code
-    meta = snapshot.get("corpus", {})
-    row = {"name": meta.get("name", Path(path).name.split(".")[0]), "variant": meta.get("variant"),
-           "settings": meta.get("settings"), "fraction": meta.get("fraction")}
+    row = {"name": Path(path).name.split(".")[0], "variant": None, "settings": None, "fraction": None}
     start = time.process_time()
     try:
+        snapshot = load_trace(Path(path))  # the restricted reader: a corpus from elsewhere runs no code
+        meta = snapshot.get("corpus") or {}
+        row.update(variant=meta.get("variant"), settings=meta.get("settings"), fraction=meta.get("fraction"))
         report = replay_trace(snapshot)
     except Exception as error:  # a refusal is a result of the run, recorded with its reason
         row["refused"] = f"{type(error).__name__}: {str(error)[:300]}"
         return row
     row.update(agreement=report.agreement, checks=report.checks, mismatches=len(report.mismatches),
-               first_mismatch=report.mismatches[0][:300] if report.mismatches else None,
+               first_mismatch=report.mismatches[0][:300] if report.mismatches else None, unchecked=report.unchecked,
                unverifiable=report.unverifiable, unverifiable_reasons=dict(report.unverifiable_reasons),
-               stats_checked=report.stats_checked, inferred=len(report.inferred),
-               cpu_s=round(time.process_time() - start, 3))
+               stats_checked=report.stats_checked, stats_mismatches=len(report.stats_mismatches),
+               first_stats_mismatch=report.stats_mismatches[0][:300] if report.stats_mismatches else None,
+               inferred=len(report.inferred), cpu_s=round(time.process_time() - start, 3))
     return row
 
 
 def summarize(rows: list[dict]) -> dict:
-    """How many rows fall in each agreement band, how many were refused, and how many in all.
+    """How many rows fall in each agreement band, how many were refused, how many made no check
+    (agreement undefined: counted apart, never in a band), how many agreed at every check while their
+    recorded statistics did not (:data:`STATS_DISAGREE`, never in the 1.0 band), and how many in all.
 
     Args:
         rows: rows of :func:`replay_file`.
 
     Returns:
-        ``{band: count, "refused": count, "traces": count}``.
+        ``{band: count, STATS_DISAGREE: count, "refused": count, "unchecked": count, "traces": count}``.
     """
     summary = {label: 0 for label, _, _ in BANDS}
-    summary["refused"] = 0
+    summary[STATS_DISAGREE] = summary["refused"] = summary["unchecked"] = 0
     for row in rows:
         if "refused" in row:
             summary["refused"] += 1
+            continue
+        if row["agreement"] is None:
+            summary["unchecked"] += 1
+            continue
+        if row["agreement"] == 1.0 and row.get("stats_mismatches"):
+            summary[STATS_DISAGREE] += 1
             continue
         for label, low, high in BANDS:
             if low <= row["agreement"] < high:
@@ -150,6 +173,29 @@ def current_commit(repo: Path) -> str:
     return done.stdout.strip() or "unknown"
 
 
+def check_record(path: Path) -> dict:
+    """The record of runs at ``path`` (an empty one when the file does not exist yet), checked before
+    any replay so that a run is never lost to a file it cannot be added to.
+
+    Raises:
+        ValueError: the path is a folder, or a file that is not a record of runs.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; name a JSON file (new or a record of runs) with --json")
+    if not path.exists():
+        return {"runs": []}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} cannot be read as a record of replay runs ({type(error).__name__}: {error}); "
+                         "name another file with --json") from None
+    if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
+        raise ValueError(f"{path} is not a record of replay runs (a JSON object with a 'runs' list); "
+                         "name another file with --json")
+    return record
+
+
 def record_run(path: Path, label: str, commit: str, command: str, rows: list[dict]) -> dict:
     """Add a run to the JSON file of labelled runs (replacing a run of the same label), atomically.
 
@@ -167,12 +213,7 @@ def record_run(path: Path, label: str, commit: str, command: str, rows: list[dic
         ValueError: the file exists but is not a record of runs.
     """
     path = Path(path)
-    record = {"runs": []}
-    if path.exists():
-        record = json.loads(path.read_text())
-        if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
-            raise ValueError(f"{path} is not a record of replay runs (a JSON object with a 'runs' list); "
-                             "name another file with --json")
+    record = check_record(path)
     run = {"label": label, "commit": commit, "command": command, "summary": summarize(rows), "traces": rows}
     record["runs"] = [r for r in record["runs"] if r.get("label") != label] + [run]
     write_atomic(path, json.dumps(record, indent=1) + "\n")

@@ -5,7 +5,7 @@ with the segments it allocated, mapped or released; a free, plain or cross-strea
 releases that was an ``empty_cache``), runs each on a fresh
 :class:`~graphborrow.allocator.caching.CachingAllocator` whose memory is told the addresses
 the trace recorded, and compares what the model wrote with what the trace says. Where
-the trace does not say which pool a new segment went to, the pass asks :meth:`choose`.
+the trace does not say which pool a new segment went to, the pass asks :meth:`ReplayPass.choose`.
 
 Two passes share this loop (see :mod:`graphborrow.fidelity.replay`):
 :class:`~graphborrow.fidelity.layout_pass.LayoutPass` puts every segment in a pool of its
@@ -13,7 +13,7 @@ own and records which could share one; :class:`~graphborrow.fidelity.checking_pa
 follows the pools inferred from that and makes the checks that are reported.
 
 Checks that depend on state guessed before a mid-run trace are not made but counted
-(:meth:`check` with ``uncertain``), under the reason that made them so.
+(:meth:`ReplayPass.check` with ``uncertain``), under the reason that made them so.
 """
 
 from __future__ import annotations

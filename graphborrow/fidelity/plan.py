@@ -12,6 +12,7 @@ cannot both be right, the plan says so (``contradictions``), for the replay to c
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from sortedcontainers import SortedDict
@@ -229,8 +230,9 @@ class TracePlan:
         self._final_segments(walk.live)
         self._place_pre_blocks(walk.freed_before, walk.in_trace, walk.pending_in_trace)
         self._mark_pluggable()
+        overlapping = self._overlapping_kept()
         for life in self.kept:
-            self._check_kept(life)
+            self._check_kept(life, overlapping[id(life)])
         self.freed_before = walk.freed_before
         self.pending_in_trace = walk.pending_in_trace
 
@@ -458,26 +460,45 @@ class TracePlan:
             for candidate in live.at(address):
                 if candidate.size == size and not candidate.expandable:
                     match = candidate
-            if match is None:
-                match = SegmentLife(address, size, stream, -1, pre_trace=True)
+            if match is None:  # alive all through the trace; touched when an entry allocates or frees in it
+                match = SegmentLife(address, size, stream, -1, pre_trace=True, touched=self.touches(address, size))
                 self.pre.append(match)
                 self.kept.append(match)
                 live.add(match)
             match.pool = pool
 
-    def _check_kept(self, kept: SegmentLife) -> None:
+    def _overlapping_kept(self) -> dict[int, list[SegmentLife]]:
+        """``{id(kept life): the lives the trace made or released that share its memory}``, each list
+        in :meth:`all_lives` order: one sweep by address (a host block holding thousands of arena
+        segments is not walked once per segment)."""
+        lives = self.all_lives()
+        order = {id(life): k for k, life in enumerate(lives)}
+        others = sorted((life for life in lives if not life.expandable and not (life.end is None and life.start < 0)),
+                        key=lambda life: life.address)
+        starts = [life.address for life in others]
+        open_: list[tuple] = []  # (end, order, life) of the others starting before the kept life looked at
+        found, j = {}, 0
+        for kept in sorted(self.kept, key=lambda life: life.address):
+            while j < len(others) and others[j].address < kept.address:
+                heapq.heappush(open_, (others[j].address + others[j].size, order[id(others[j])], others[j]))
+                j += 1
+            while open_ and open_[0][0] <= kept.address:
+                heapq.heappop(open_)
+            inside = others[j:bisect_left(starts, kept.address + kept.size, lo=j)]
+            found[id(kept)] = sorted([life for _, _, life in open_] + inside, key=lambda life: order[id(life)])
+        return found
+
+    def _check_kept(self, kept: SegmentLife, overlapping: list[SegmentLife]) -> None:
         """A snapshot segment the trace never allocated lived through the whole trace: no segment the
         trace made or released may have shared its memory (unless one lies inside the other and that
         one is a pluggable pool's: an arena's segment within another pool's block). Otherwise the
         trace and its snapshot disagree (a trace cut short, or a snapshot of another moment)."""
         address, size = kept.address, kept.size
         end = address + size
-        for life in self.all_lives():
-            if life is kept or life.expandable or (life.end is None and life.start < 0):
+        for life in overlapping:
+            if life is kept:
                 continue
             other_end = life.address + life.size
-            if life.address >= end or other_end <= address:
-                continue
             if (address <= life.address and other_end <= end and life.size < size and life.pluggable) or \
                     (life.address <= address and end <= other_end and size < life.size and kept.pluggable):
                 continue
@@ -544,18 +565,25 @@ class TracePlan:
         for _, _, _, life in _nested_or_unaligned(at_start):  # a pool the snapshot names is known from the snapshot
             if life.pool is None:
                 life.pluggable = True
-        hosts = SortedDict()
         for life in self.pre:
             if not life.expandable and life.pool is not None and life.pool in pluggable_pools:
                 life.pluggable = True
-            if not life.pluggable:
-                hosts.setdefault(life.address, []).append(life)
-        largest = max((life.size for life in self.pre), default=0)
-        for life in self.lives.values():  # made inside memory that existed before the trace and was not released yet
-            if not life.expandable and not life.pluggable and (life.pool in pluggable_pools or any(
-                    host.size > life.size and host.address + host.size >= life.address + life.size
-                    and (host.end is None or host.end > life.start)
-                    for start in hosts.irange(life.address - largest, life.address) for host in hosts[start])):
+        # made inside memory that existed before the trace and was not released yet: one sweep by address over
+        # the segments from before the trace (which coexisted, so those holding an address are few)
+        hosts = sorted((life for life in self.pre if not life.pluggable), key=lambda life: life.address)
+        open_: list[tuple] = []  # (end, index, host) of the hosts starting at or before the life looked at
+        j = 0
+        for life in sorted(self.lives.values(), key=lambda life: life.address):
+            if life.expandable or life.pluggable:
+                continue
+            while j < len(hosts) and hosts[j].address <= life.address:
+                heapq.heappush(open_, (hosts[j].address + hosts[j].size, j, hosts[j]))
+                j += 1
+            while open_ and open_[0][0] <= life.address:
+                heapq.heappop(open_)
+            if life.pool in pluggable_pools or any(
+                    host.size > life.size and end >= life.address + life.size
+                    and (host.end is None or host.end > life.start) for end, _, host in open_):
                 life.pluggable = True
 
     def alive_before(self, segment: dict) -> list[KnownBlock]:

@@ -4,14 +4,15 @@ Input is what ``torch.cuda.memory._snapshot()`` returns after
 ``torch.cuda.memory._record_memory_history()`` (a dict, or a pickle of it, gzipped or not):
 its device trace, final segments and ``allocator_settings`` (the settings that were in
 force; they configure the simulated allocator). The trace is driven, operation by
-operation, into a fresh :class:`CachingAllocator` whose memory is told the addresses the
+operation, into a fresh :class:`~graphborrow.allocator.caching.CachingAllocator` whose memory is told the addresses the
 trace recorded, and the entries the simulated allocator writes are compared with the
 recorded ones: the block each allocation got, every segment allocated, mapped, released
 or unmapped (also inside an allocation: garbage collection, oversize releases, the
 out-of-memory retry), cross-stream frees that stay pending until the trace completes
 them, and out-of-memory failures. After the last entry the simulated segments and blocks
 are compared with the snapshot's, so a trace that stops early (or contradicts its
-snapshot) never replays at 1.0, and a trace with nothing to check reports 0.
+snapshot) never replays at 1.0, and a trace with nothing to check reports no agreement at all
+(None, with the reason).
 
 What the trace does not say is decided by consistency with what it does say, and
 reported (:attr:`ReplayReport.inferred`):
@@ -156,7 +157,8 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
 
     Raises:
         SnapshotFormatError: the snapshot or its trace is malformed.
-        ValueError: ``device`` or ``snapshot_pools`` does not fit the snapshot.
+        ValueError: ``device`` or ``snapshot_pools`` does not fit the snapshot, or ``device_memory`` is
+            not a positive number of bytes.
     """
     snapshot = load_trace(snapshot)
     trace = _trace_input(snapshot, device, memory_fraction, device_memory, torch_version, snapshot_pools)
@@ -165,7 +167,7 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
     checking, refuted = _replay_learning(trace)
     checks = checking.checks
     report = ReplayReport(
-        agreement=0.0 if checks == 0 else 1.0 - len(checking.mismatches) / checks, mismatches=checking.mismatches,
+        agreement=None if checks == 0 else 1.0 - len(checking.mismatches) / checks, mismatches=checking.mismatches,
         events=len(trace.entries), checks=checks, unverifiable=checking.unverifiable,
         unverifiable_reasons=dict(checking.unverifiable_reasons), mid_run=checking.plan.mid_run,
         inferred=dict(checking.decisions), refuted=len(refuted),
@@ -174,7 +176,7 @@ def replay_trace(snapshot: Any, device: int | None = None, *, memory_fraction: f
         least = "at least " if address in checking.trace.bounds else ""
         report.inferred[f"block at {address:#x}"] = f"{least}{size} B, from where the trace placed the next block"
     if checks == 0:
-        report.mismatches.append(_why_nothing_was_checked(trace.entries, checking.unverifiable))
+        report.unchecked = _why_nothing_was_checked(trace.entries, checking.unverifiable)
     recorded_stats = snapshot.get("memory_stats")
     if recorded_stats and not checking.plan.mid_run and trace.entries:
         _compare_stats(report, recorded_stats, checking.sim.memory_stats())
@@ -209,6 +211,10 @@ def _trace_input(snapshot: dict, device: int | None, memory_fraction: float | No
         memory_fraction = meta.get("fraction")
     if torch_version is None:
         torch_version = meta.get("torch")
+    if device_memory is not None and (isinstance(device_memory, bool) or not isinstance(device_memory, int)
+                                      or device_memory <= 0):
+        raise ValueError(f"device_memory={device_memory!r}: pass the device's total memory as a positive whole "
+                         "number of bytes (torch.cuda.get_device_properties(0).total_memory), or None to look it up")
     if device_memory is None:
         device_memory = meta.get("device_memory") or DEVICE_MEMORY.get(meta.get("device"), _UNKNOWN_DEVICE_MEMORY)
     config = AllocatorConfig.from_settings(snapshot.get("allocator_settings") or {}, torch_version or "2.11")

@@ -11,12 +11,13 @@ __all__ = ["ReplayReport"]
 class ReplayReport:
     """How far the simulated allocator reproduced a recorded trace.
 
-    ``agreement`` is matching checks over checks made (0 when none could be made). Checks that
-    rest on state guessed before a mid-run trace began are not made but counted
-    (``unverifiable``), by reason (``unverifiable_reasons``).
+    ``agreement`` is matching checks over checks made; None when no check could be made (then
+    ``unchecked`` says why): a replay that verified nothing claims no figure. Checks that rest on
+    state guessed before a mid-run trace began are not made but counted (``unverifiable``), by
+    reason (``unverifiable_reasons``).
     """
 
-    agreement: float  # matching checks / checks, in 0..1; 0 when no check could be made
+    agreement: float | None  # matching checks / checks, in 0..1; None when no check could be made
     mismatches: list[str] = field(default_factory=list)
     events: int = 0  # trace entries read
     checks: int = 0
@@ -27,10 +28,14 @@ class ReplayReport:
     refuted: int = 0  # pool choices that later entries contradicted (the trace was replayed again)
     stats_checked: int = 0  # memory_stats() entries compared with the recorded ones
     stats_mismatches: list[str] = field(default_factory=list)
+    unchecked: str = ""  # why no check could be made (agreement None), in words
 
     def __str__(self) -> str:
-        head = (f"agreement {self.agreement:.4f} ({self.checks - len(self.mismatches)}/{self.checks} checks, "
-                f"{self.events} events")
+        if self.agreement is None:
+            head = f"agreement undefined: {self.unchecked} ({self.events} events"
+        else:
+            head = (f"agreement {self.agreement:.4f} ({self.checks - len(self.mismatches)}/{self.checks} checks, "
+                    f"{self.events} events")
         if self.mid_run:
             head += f", mid-run: {self.unverifiable} checks could not be made"
         if self.inferred:

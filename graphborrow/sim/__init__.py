@@ -4,9 +4,10 @@
 graphborrow runs unchanged on an H200 and on a machine without a GPU.
 """
 
-from . import cuda_ops, reductions  # noqa: F401  (register CUDA op models)
+from . import blas, cuda_ops, dispatch, foreach, methods, modules, reductions  # noqa: F401  (register CUDA op models, methods)
 from .device import MemPool, SimBackend, SimEvent
-from .tensor import SimLayoutOnlyError, SimTensor, is_sim_tensor
+from .tensor import SimTensor, is_sim_tensor
+from .values import SimLayoutOnlyError
 
 __all__ = [
     "MemPool",

@@ -32,6 +32,8 @@ import math
 import torch
 
 from . import host
+from .autograd import KernelFunction, records_grad, reference_grads
+from .dispatch import launch_kernel
 from .tensor import SimTensor, non_overlapping_and_dense, register_cuda_model
 from .torch_function import torch_functions_off
 
@@ -300,7 +302,8 @@ def _values(q, k, v, mask, is_causal, scale, enable_gqa):
 
 
 def _fill(backend, out: SimTensor, q, k, v, mask, is_causal, scale, enable_gqa) -> None:
-    """Write the values into ``out`` and, during a capture, record that for replay."""
+    """The kernel: write the values into ``out`` and, during a capture, record that for replay."""
+    launch_kernel(backend)
     if not backend.backed:
         return
     inner = [t.sim_inner if t is not None else None for t in (q, k, v, mask)]
@@ -338,7 +341,7 @@ def _expand_heads(query, key, value, enable_gqa: bool):
             value.repeat_interleave(query.shape[-3] // value.shape[-3], -3))
 
 
-def math_attention(q, k, v, mask, is_causal: bool, scale, enable_gqa: bool):
+def math_attention(q, k, v, mask, is_causal: bool, scale, enable_gqa: bool, dropout_p: float = 0.0):
     """``_scaled_dot_product_attention_math`` as torch 2.11 runs it on CUDA; returns ``(out, weights)``.
 
     Half inputs are upcast to float32 (query, key, value: three copies); the query and the
@@ -367,6 +370,8 @@ def math_attention(q, k, v, mask, is_causal: bool, scale, enable_gqa: bool):
         scores.add_(mask)
     weights = torch.ops.aten._safe_softmax.default(scores, -1)
     del scores
+    if dropout_p > 0.0:  # training: at::dropout of the weights (their mask kept for the backward)
+        weights = torch.dropout(weights, dropout_p, True)
     weights_out = weights.to(origin)
     out = torch.matmul(weights, value_expanded).to(origin)
     del weights, key_expanded, value_expanded, query, mask, v_acc, k_acc, q_acc
@@ -383,12 +388,18 @@ def scaled_dot_product_attention(func, args, kwargs):
             "the simulated device models scaled_dot_product_attention for 4-D (batch, heads, "
             f"seq, dim) inputs; got {q.dim()}-D / {k.dim()}-D / {v.dim()}-D"
         )
-    if dropout_p > 0.0:
-        raise NotImplementedError("the simulated device models attention without dropout (inference)")
+    training = records_grad(q, k, v, mask)
+    if dropout_p > 0.0 and not training:
+        raise NotImplementedError("the simulated device models attention with dropout only where autograd records "
+                                  "it (training); pass dropout_p=0.0 for inference")
     backend = q.sim_backend
     model = backend.attention
     choice = select_backend(model, q, k, v, mask, dropout_p, is_causal, enable_gqa)
     mask = _additive_mask(mask, q.dtype)
+    if training:
+        if choice == MATH:
+            return math_attention(q, k, v, mask, is_causal, scale, enable_gqa, dropout_p)[0]
+        return KernelFunction.apply(_FusedAttention(choice, is_causal, scale, enable_gqa, dropout_p), q, k, v, mask)[0]
     if choice == MATH:
         out, weights = math_attention(q, k, v, mask, is_causal, scale, enable_gqa)
         del weights  # the composite keeps only the output; the weights go last
@@ -451,3 +462,117 @@ def scaled_dot_product_attention(func, args, kwargs):
     _fill(backend, out, q, k, v, mask, is_causal, scale, enable_gqa)
     del seed, offset
     return out
+
+
+# ------------------------------------------------------------------ training: forward and backward
+
+
+class _FusedAttention:
+    """A fused attention kernel as an autograd node (:class:`graphborrow.sim.autograd.KernelFunction`):
+    the forward keeps what the backward reads (the log-sum-exp, the RNG state), the backward
+    allocates the gradients and the kernel's buffers. Written from ATen's ``attention_backward.cu``
+    and flash-attention's ``mha_bwd``; the buffers' sizes are checked against the H200's
+    training recordings (``data/fuzz``, ``train_probe_attention``)."""
+
+    differentiable = 1
+
+    def __init__(self, choice: str, is_causal: bool, scale, enable_gqa: bool, dropout_p: float) -> None:
+        self.choice, self.is_causal, self.scale, self.enable_gqa, self.dropout_p = (
+            choice, is_causal, scale, enable_gqa, dropout_p)
+
+    def reference(self, q, k, v, mask):
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, mask, 0.0, self.is_causal, None, scale=self.scale, enable_gqa=self.enable_gqa)[0]
+
+    def forward(self, q, k, v, mask):
+        backend = q.sim_backend
+        b, h, s_q, d = q.shape
+        out_shape = (b, h, s_q, v.shape[-1])
+        f32 = torch.float32
+        if self.choice == FLASH:
+            out = _empty(backend, out_shape, _like_query(q, out_shape), q.dtype)
+            lse = _empty(backend, (b, h, s_q), _contiguous_strides((b, h, s_q)), f32)
+            block_n = 256 if d <= 64 else 128 if d <= 128 else 64
+            splits = 1 if self.dropout_p > 0 else flash_num_splits(
+                b * h * math.ceil(s_q / 64), backend.attention.multiprocessors * 2, math.ceil(k.shape[-2] / block_n))
+            accumulators = []
+            if splits > 1:
+                rounded = (d + 31) // 32 * 32
+                accumulators.append(backend.new_storage(splits * b * h * s_q * 4))
+                accumulators.append(backend.new_storage(splits * b * h * s_q * rounded * 4))
+            seed = _empty(backend, (2,), (1,), torch.int64)  # the philox seed and offset
+            offset = _empty(backend, (), (), torch.int64)  # the empty scalar returned beside it
+            del accumulators
+            aux = (lse, seed, offset)
+        elif self.choice == EFFICIENT:
+            bias = _padded_bias(mask)
+            seed = offset = None
+            if backend.capture_for_current_stream() is not None:
+                seed = _empty(backend, (), (), torch.int64)
+                offset = _empty(backend, (), (), torch.int64)
+            out = _empty(backend, out_shape, _bshd_strides(b, h, s_q, v.shape[-1]), q.dtype)
+            if d > 128 and q.dtype != f32:
+                accum = backend.new_storage(b * s_q * h * v.shape[-1] * 4)
+                del accum
+            rows = -(-s_q // 32) * 32
+            lse = _empty(backend, (b, h, rows), _contiguous_strides((b, h, rows)), f32)
+            aux = tuple(t for t in (lse, seed, offset, bias) if t is not None)
+        else:  # cuDNN
+            seed = _empty(backend, (1,), (1,), torch.int64)
+            offset = _empty(backend, (1,), (1,), torch.int64)
+            out = _empty(backend, out_shape, _like_query(q, out_shape), q.dtype)
+            lse = _empty(backend, (b, h, s_q, 1), _contiguous_strides((b, h, s_q, 1)), f32)
+            workspace_bytes = cudnn_workspace_bytes(backend.attention, b * h, s_q, k.shape[-2], v.shape[-1])
+            if workspace_bytes:
+                workspace = backend.new_storage(workspace_bytes)
+                del workspace
+            aux = (seed, offset, lse)
+        _fill(backend, out, q, k, v, mask, self.is_causal, self.scale, self.enable_gqa)
+        return (out,) + aux, (q, k, v, mask, out) + aux, None
+
+    def backward(self, state, grads, saved, needs):
+        grad = grads[0]
+        q, k, v, mask = saved[:4]
+        if grad is None:
+            return None, None, None, None
+        backend = q.sim_backend
+        b, h, s_q, d = q.shape
+        held = []
+        if grad.stride(-1) != 1:  # the kernels read the output's gradient with a unit last stride
+            held.append(backend.new_storage(grad.numel() * grad.element_size()))
+        dq, dk, dv = (_empty(backend, t.shape, _like_query(t, t.shape), t.dtype) for t in (q, k, v))
+        if self.choice == FLASH:
+            rows = -(-s_q // 128) * 128
+            held.append(backend.new_storage(b * h * rows * 4))  # softmax_d
+            held.append(backend.new_storage(b * rows * h * (-(-d // 32) * 32) * 4))  # dq_accum
+            if k.shape[-3] != h:  # grouped keys: gradients for every query head, then summed
+                held.append(backend.new_storage(b * k.shape[-2] * h * d * k.element_size()))
+                held.append(backend.new_storage(b * v.shape[-2] * h * v.shape[-1] * v.element_size()))
+        elif self.choice == EFFICIENT:
+            held.append(backend.new_storage(b * h * s_q * 4))  # delta
+        elif backend.attention.cudnn_workspace:
+            held.append(backend.new_storage(backend.attention.cudnn_workspace))
+        wanted = tuple(bool(n) for n in needs[:3]) + (False,)
+        _fill_grads((dq, dk, dv), self.reference, (q, k, v, mask), grad, wanted)
+        del held
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None)
+
+
+def _fill_grads(targets, reference, inputs, grad, wanted) -> None:
+    """The backward kernel; on backed devices the gradients' values, from torch's autograd of the CPU
+    reference."""
+    launch_kernel(grad.sim_backend)
+    if not grad.sim_backend.backed:
+        return
+    inner = [t.sim_inner if t is not None else None for t in inputs]
+    outs = [t.sim_inner for t, want in zip(targets, wanted) if want]
+
+    def compute(*args):
+        return reference_grads(reference, args[:-1], (args[-1],), wanted)
+
+    with torch_functions_off():
+        for target, value in zip(outs, compute(*inner, grad.sim_inner)):
+            target.copy_(value)
+    capture = grad.sim_backend.capture_for_current_stream()
+    if capture is not None:  # a replayed backward graph computes them again
+        capture.record_op(compute, (*inner, grad.sim_inner), {}, list(enumerate(outs)))

@@ -39,7 +39,9 @@ import math
 import torch
 
 from . import host
-from .tensor import SimTensor, dispatch, non_overlapping_and_dense, register_cuda_model, register_factory_model
+from .autograd import KernelFunction, records_grad, reference_grads
+from .dispatch import dispatch, launch_kernel
+from .tensor import SimTensor, non_overlapping_and_dense, register_cuda_model, register_factory_model
 from .torch_function import torch_functions_off
 from .values import keeps_values, meta_like
 
@@ -602,35 +604,6 @@ def _index_put_with_sort(x, indices, value, unsafe: bool) -> None:
         held.pop()
 
 
-# ----------------------------------------------------------------------------- linear
-
-
-@register_cuda_model(_aten.linear.default, torch.nn.functional.linear)
-def _linear(func, args, kwargs):
-    """``F.linear`` as ATen (torch 2.11) composes it: with a bias, a 2-D input is one ``addmm`` and a
-    contiguous input of any other rank is flattened to rows for one (cuBLASLt fuses the bias);
-    otherwise ``matmul`` and an in-place ``add_``."""
-    params = _named(args, kwargs, ("input", "weight", "bias"))
-    x, weight, bias = params["input"], params["weight"], params.get("bias")
-    if bias is not None and x.dim() == 2:
-        return torch.addmm(bias, x, weight.t())
-    if bias is not None and x.is_contiguous() and bias.dim() == 1:
-        rows = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t())
-        return rows.view(*x.shape[:-1], weight.shape[0])
-    out = torch.matmul(x, weight.t())
-    if bias is not None:
-        out.add_(bias)
-    return out
-
-
-@register_cuda_model(_aten.matmul.default)
-def _matmul(func, args, kwargs):
-    """``matmul`` reached whole (inference mode): ATen's own composite, not torch's Python
-    decomposition, whose folding rule differs (ATen folds a batch-expanded operand whose strides
-    allow a view, then cuBLAS clones it: data/fuzz, fuzz0121)."""
-    return func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
-
-
 # ------------------------------------------------------------------------------ norms
 
 
@@ -642,52 +615,145 @@ def _empty(backend, shape, dtype):
     return backend.place(torch.empty(shape, dtype=dtype, device="meta"), copy=False)
 
 
-def _compute_into(out, fn, *inputs) -> None:
-    """Write ``fn(*inputs)`` (computed on the CPU tensors behind them) into ``out`` when ``out``
-    has values, and have a capture replay it."""
-    if out.sim_inner.is_meta or any(getattr(t, "sim_inner", None) is not None and t.sim_inner.is_meta
-                                    for t in inputs):
+def _compute_into(outs, fn, *inputs) -> None:
+    """The kernel that writes ``outs``: ``fn(*inputs)`` (computed on the CPU tensors behind them) into
+    ``outs`` (one output, or a tuple the result matches) when they have values, and have a capture
+    replay it."""
+    many = isinstance(outs, tuple)
+    targets = outs if many else (outs,)
+    launch_kernel(targets[0].sim_backend)
+    if any(o.sim_inner.is_meta for o in targets) or any(
+            getattr(t, "sim_inner", None) is not None and t.sim_inner.is_meta for t in inputs):
         return
     inner = [t.sim_inner if isinstance(t, SimTensor) else t for t in inputs]
     with torch_functions_off():
-        out.sim_inner.copy_(fn(*inner))
-    capture = out.sim_backend.capture_for_current_stream()
+        results = fn(*inner)
+        for o, r in zip(targets, results if many else (results,)):
+            o.sim_inner.copy_(r)
+    capture = targets[0].sim_backend.capture_for_current_stream()
     if capture is not None:
-        capture.record_op(fn, tuple(inner), {}, [(-1, out.sim_inner)])
+        capture.record_op(fn, tuple(inner), {}, [(i if many else -1, o.sim_inner) for i, o in enumerate(targets)])
+
+
+def _kernel_copy(x):
+    """``input.expect_contiguous()`` inside a kernel, before its outputs: a copy of a strided input,
+    held until the kernel returns (None for a contiguous one)."""
+    if x.dim() and x.numel() and not x.is_contiguous():
+        return temporary(x.sim_backend, x.numel() * x.element_size())
+    return None
+
+
+_FUSED_RMS_NORM = getattr(_aten, "_fused_rms_norm", None)
 
 
 @register_cuda_model(_aten.rms_norm.default, torch.rms_norm, torch.nn.functional.rms_norm)
 def _rms_norm(func, args, kwargs):
-    """``F.rms_norm``: CUDA's fused kernel (``_fused_rms_norm``) on a contiguous input: the
-    output like it and a per-row ``rstd`` (float for half types), which the op drops."""
+    """``F.rms_norm``: ATen's composite calls CUDA's fused kernel (``_fused_rms_norm``) unless the
+    weight's dtype differs from the input's (then it composes the norm, as here: torch's composite).
+    The fused kernel is a CPU composite, so it is modelled here, as an autograd node when autograd
+    records it."""
     params = _named(args, kwargs, ("input", "normalized_shape", "weight", "eps"))
     x, shape, weight, eps = params["input"], tuple(params["normalized_shape"]), params.get("weight"), params.get("eps")
-    backend = x.sim_backend
-    xc = x.contiguous()
-    out = _empty(backend, xc.shape, x.dtype)
-    rows = x.numel() // max(1, math.prod(shape))
-    rstd = _empty(backend, (rows,), _acc_dtype(x.dtype))
-    _compute_into(out, lambda a, w: torch.rms_norm(a, shape, w, eps), xc, weight)
-    del xc, rstd  # the contiguous copy when the kernel returns, then the dropped rstd
-    return out
+    if _FUSED_RMS_NORM is None or (weight is not None and weight.dtype != x.dtype):
+        with torch_functions_off(subclasses_only=True):
+            return torch.rms_norm(x, shape, weight, eps)
+    rule = _FusedRmsNorm(shape, eps)
+    if records_grad(x, weight):
+        return KernelFunction.apply(rule, x, weight)[0]
+    return rule.forward(x, weight)[0][0]
+
+
+class _FusedRmsNorm:
+    """``_fused_rms_norm`` and its backward as the CUDA kernels run them."""
+
+    differentiable = 1
+
+    def __init__(self, shape: tuple, eps) -> None:
+        self.shape, self.eps = shape, eps
+
+    def reference(self, x, weight):
+        return torch.rms_norm(x, self.shape, weight, self.eps)
+
+    def forward(self, x, weight):
+        """The copy of a strided input, the output like the input, a per-row ``rstd`` (float for half
+        types); the derivative keeps the input, the weight and ``rstd``."""
+        backend = x.sim_backend
+        held = _kernel_copy(x)
+        out = _empty(backend, x.shape, x.dtype)
+        stats = x.shape[:x.dim() - len(self.shape)] + (1,) * len(self.shape)
+        rstd = _empty(backend, stats, _acc_dtype(x.dtype))
+        _compute_into(out, lambda a, w: self.reference(a, w), x, weight)
+        del held
+        return (out, rstd), (x, weight, rstd), None
+
+    def backward(self, state, grads, saved, needs):
+        """The input's gradient like it, then the weight's."""
+        x, weight, _ = saved
+        grad = grads[0]
+        if grad is None:
+            return None, None
+        backend = x.sim_backend
+        dx = _empty(backend, x.shape, x.dtype) if needs[0] else None
+        dw = _empty(backend, weight.shape, weight.dtype) if weight is not None and needs[1] else None
+        made = tuple(g for g in (dx, dw) if g is not None)
+        if made:
+            _compute_into(made, lambda a, w, g: reference_grads(self.reference, (a, w), (g,),
+                                                                (dx is not None, dw is not None)), x, weight, grad)
+        return dx, dw
 
 
 @register_cuda_model(_aten.layer_norm.default, torch.layer_norm, torch.nn.functional.layer_norm)
 def _layer_norm(func, args, kwargs):
-    """``F.layer_norm``: CUDA's ``native_layer_norm`` on a contiguous input: the output like it, then
-    a per-row mean and rstd (float for half types), which the op drops."""
+    """``F.layer_norm``: ATen's composite, ``native_layer_norm``, through the dispatcher (so autograd
+    records it and keeps its mean and rstd); the composite keeps only the output."""
+    params = _named(args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps"))
+    x, shape = params["input"], tuple(params["normalized_shape"])
+    return _aten.native_layer_norm.default(x, shape, params.get("weight"), params.get("bias"),
+                                           params.get("eps", 1e-5))[0]
+
+
+@register_cuda_model(_aten.native_layer_norm.default)
+def _native_layer_norm(func, args, kwargs):
+    """``native_layer_norm`` as ``layer_norm_cuda`` runs it: the copy of a strided input, the output
+    like the input, then a per-row mean and rstd (float for half types), which the CPU kernel makes
+    in the input's dtype."""
     params = _named(args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps"))
     x, shape = params["input"], tuple(params["normalized_shape"])
     weight, bias, eps = params.get("weight"), params.get("bias"), params.get("eps", 1e-5)
     backend = x.sim_backend
-    xc = x.contiguous()
-    out = _empty(backend, xc.shape, x.dtype)
+    held = _kernel_copy(x)
+    out = _empty(backend, x.shape, x.dtype)
     stats = x.shape[:x.dim() - len(shape)] + (1,) * len(shape)
     mean = _empty(backend, stats, _acc_dtype(x.dtype))
     rstd = _empty(backend, stats, _acc_dtype(x.dtype))
-    _compute_into(out, lambda a, w, b: torch.layer_norm(a, shape, w, b, eps), xc, weight, bias)
-    del xc, mean, rstd
-    return out
+    _compute_into((out, mean, rstd), lambda a, w, b: torch.native_layer_norm(a.contiguous(), shape, w, b, eps),
+                  x, weight, bias)
+    del held
+    return out, mean, rstd
+
+
+@register_cuda_model(_aten.native_layer_norm_backward.default)
+def _native_layer_norm_backward(func, args, kwargs):
+    """``layer_norm_backward_cuda``: the gradients of the input, weight and bias it is asked for, in
+    that order, like them; the CPU kernel, which computes the values, takes the float statistics
+    of a half input in the input's dtype."""
+    names = ("grad_out", "input", "normalized_shape", "mean", "rstd", "weight", "bias", "output_mask")
+    params = _named(args, kwargs, names)
+    x, weight, bias, mask = params["input"], params.get("weight"), params.get("bias"), params["output_mask"]
+    backend = x.sim_backend
+    shape = tuple(params["normalized_shape"])
+    like = (x, weight, bias)
+    grads = tuple(_empty(backend, t.shape, t.dtype) if wanted and t is not None else None
+                  for wanted, t in zip(mask, like))
+    made = tuple(g for g in grads if g is not None)
+
+    def compute(dy, a, mean, rstd, w, b):
+        out = _aten.native_layer_norm_backward.default(dy, a, shape, mean.to(a.dtype), rstd.to(a.dtype), w, b, mask)
+        return tuple(o for o, g in zip(out, grads) if g is not None)
+
+    if made:
+        _compute_into(made, compute, params["grad_out"], x, params["mean"], params["rstd"], weight, bias)
+    return grads
 
 
 @register_cuda_model(_aten.dropout.default)
@@ -706,27 +772,34 @@ _LOG_SOFTMAX = {_aten.log_softmax.int, torch.log_softmax, torch.Tensor.log_softm
 @register_cuda_model(_aten.softmax.int, _aten.log_softmax.int, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
                      torch.Tensor.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax)
 def _softmax(func, args, kwargs):
-    """``softmax(x, dim, dtype=float32)`` of a half tensor: CUDA's kernel converts as it goes
-    (``_softmax(x, dim, half_to_float=True)``); other conversions copy the input first. After the
-    (contiguous) output, ``host_softmax`` makes its input contiguous: a non-contiguous input (a
-    chunk, a transposed view, a conversion that kept such strides) is copied, and the copy is
-    freed when the kernel returns."""
+    """``softmax(x, dim, dtype=float32)`` of a half tensor: ATen's composite on CUDA calls the kernel
+    that converts as it goes (``_softmax(x, dim, half_to_float=True)``); other conversions copy the
+    input first. Both through the dispatcher, so autograd records the kernel call."""
     functional = func in (torch.nn.functional.softmax, torch.nn.functional.log_softmax)
     names = ("self", "dim", "_stacklevel", "dtype") if functional else ("self", "dim", "dtype")
     params = _named(args, {("self" if k == "input" else k): v for k, v in kwargs.items()}, names)
     x, dim, dtype = params["self"], params.get("dim"), params.get("dtype")
-    log = func in _LOG_SOFTMAX
+    kernel = _aten._log_softmax.default if func in _LOG_SOFTMAX else _aten._softmax.default
     if dim is None:
         dim = 0 if x.dim() in (0, 1, 3) else 1  # torch's legacy implicit dim
-    if not (x.dtype == torch.float16 and dtype == torch.float32):
-        converted = x if dtype is None else x.to(dtype)
-        inner = _aten._log_softmax.default if log else _aten._softmax.default
-        out = dispatch(inner, (converted, dim, False), {})
-        _contiguous_input(converted)
-        return out
-    out = _empty(x.sim_backend, x.shape, torch.float32)
-    op = torch.log_softmax if log else torch.softmax
-    _compute_into(out, lambda a: op(a.float(), dim), x)
+    if x.dtype == torch.float16 and dtype == torch.float32:
+        return kernel(x, dim, True)
+    return kernel(x if dtype is None else x.to(dtype), dim, False)
+
+
+@register_cuda_model(_aten._softmax.default, _aten._log_softmax.default)
+def _softmax_kernel(func, args, kwargs):
+    """``host_softmax``: the output, then a contiguous copy of a strided input (a chunk, a transposed
+    view, a conversion that kept such strides), freed when the kernel returns; with
+    ``half_to_float`` a float32 output of a half input, which the CPU kernel refuses."""
+    params = _named(args, kwargs, ("self", "dim", "half_to_float"))
+    x, dim = params["self"], params["dim"]
+    if params.get("half_to_float"):
+        out = _empty(x.sim_backend, x.shape, torch.float32)
+        op = torch.log_softmax if func is _aten._log_softmax.default else torch.softmax
+        _compute_into(out, lambda a: op(a.float(), dim), x)
+    else:
+        out = dispatch(func, args, kwargs)
     _contiguous_input(x)
     return out
 

@@ -4,106 +4,63 @@ One SimBackend is one device: physical memory, streams with clocks, a caching
 allocator that behaves like PyTorch's, tensors that are views of its bytes and CUDA
 graphs that replay into the same addresses. Several may exist; each tensor remembers
 its own. While a backend is *active* on a thread, ``device="cuda"`` in factory calls
-means this device (a TorchFunctionMode is pushed; see :mod:`graphborrow.sim.tensor`).
+means this device (a TorchFunctionMode is pushed; see :mod:`graphborrow.sim.function_mode`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
 import threading
+import traceback
 import weakref
 from typing import Any, Iterator
 
 import torch
 
 from graphborrow.allocator.caching import CachingAllocator
-from graphborrow.allocator.config import AllocatorConfig
+from graphborrow.allocator.config import ENVIRONMENT, AllocatorConfig
 from graphborrow.allocator.memory import PhysicalMemory
-from graphborrow.allocator.streams import Clockwork, Event, Stream
+from graphborrow.allocator.streams import Clockwork, Stream
 from graphborrow.core.device_api import DeviceAPI, ExternalBuffer
 from graphborrow.core.interrupts import CRITICAL
 
 from . import graphs, host
 from .attention import AttentionModel
-from .cuda_ops import KernelModel
+from .cuda_ops import H200_CAPABILITY, KernelModel
+from .events import SimEvent, StreamContext
 from .pools import MemPool, SimPoolRouting
-from .tensor import (
-    SimFunctionMode,
-    SimStorage,
-    SimTensor,
-    is_sim_tensor,
-)
+from .function_mode import SimFunctionMode
+from .tensor import SimStorage, SimTensor, is_sim_tensor
 from .torch_function import torch_functions_off
 from .values import keeps_values
 
-__all__ = ["GiB", "MemPool", "SimBackend", "SimEvent"]  # MemPool lives in .pools
+__all__ = ["GiB", "H200_MEMORY", "H200_NAME", "MAX_CAPACITY", "MemPool", "SimBackend", "SimEvent"]  # MemPool lives in .pools, SimEvent in .events
 
 GiB = 2**30
+# the GPU the simulated device is, as the H200 that recorded data/fuzz and data/models_h200 reports itself
+H200_NAME = "NVIDIA H200"
+H200_MEMORY = 150_109_880_320  # torch.cuda.mem_get_info()[1]
+# device addresses start at 0x7F0000000000: with at most 2**63 bytes of memory (and as much again of virtual
+# reservations) every address stays below 2**64, as a device pointer must
+MAX_CAPACITY = 2**63
+_FRAMES = 40  # innermost Python frames kept per allocation when history records stacks
 
 _active = threading.local()  # .backend: the SimBackend active on this thread
-
-
-class SimEvent:
-    """``torch.cuda.Event`` on the simulated device (records on the current stream by default)."""
-
-    def __init__(self, backend: "SimBackend") -> None:
-        self._backend = backend
-        self._event = Event()
-
-    def record(self, stream: Stream | None = None) -> None:
-        """Mark the point reached by the work queued on ``stream`` so far.
-
-        Args:
-            stream: the stream to record on; None for the current stream.
-        """
-        self._event.record(stream if stream is not None else self._backend.current_stream())
-
-    def query(self) -> bool:
-        """Whether the recorded point has run, without waiting.
-
-        Returns:
-            True once the stream's clock has passed the point (or nothing was recorded).
-        """
-        return self._event.query()
-
-    def synchronize(self) -> None:
-        self._event.synchronize()
-
-    def wait(self, stream: Stream | None = None) -> None:
-        """Make later work on ``stream`` wait for this event (no host wait).
-
-        Args:
-            stream: the waiting stream; None for the current stream.
-        """
-        (stream if stream is not None else self._backend.current_stream()).wait_event(self._event)
-
-
-class _StreamContext:
-    __slots__ = ("backend", "stream", "saved")
-
-    def __init__(self, backend: "SimBackend", stream: Stream | None) -> None:
-        self.backend = backend
-        self.stream = stream
-
-    def __enter__(self):
-        tls = self.backend._tls
-        self.saved = getattr(tls, "stream", None)
-        if self.stream is not None:
-            tls.stream = self.stream
-        return self.stream
-
-    def __exit__(self, *exc) -> None:
-        self.backend._tls.stream = self.saved
 
 
 class SimBackend(DeviceAPI):
     """A simulated CUDA device implementing :class:`~graphborrow.core.device_api.DeviceAPI`.
 
-    ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM).
+    ``capacity``: device memory in bytes (cudaMalloc past it raises torch's OOM); an H200's by
+    default, the GPU the simulated device answers for (:meth:`properties`).
     ``backed``: real bytes behind every segment; ``False`` is layout-only (META tensors:
     exact shapes and allocator state, no arithmetic; for big sweeps).
     ``config``: allocator settings (e.g. ``{"roundup_power2_divisions": 4}``); None takes them
-    from ``PYTORCH_CUDA_ALLOC_CONF``, as torch's allocator does (its defaults when unset).
+    from ``PYTORCH_CUDA_ALLOC_CONF`` as torch's allocator does: when it initialises, at the first
+    CUDA use (:meth:`initialise`), so a program may set the variable before that (its defaults
+    when unset).
     ``activate``: make ``device="cuda"`` mean this device on the calling thread.
     ``blas_workspace``: bytes of the cuBLAS workspace the first matmul on each stream
     allocates and keeps (32 MiB, as torch 2.11 on an H200); 0 leaves it out.
@@ -118,11 +75,12 @@ class SimBackend(DeviceAPI):
 
     name = "sim"
     device = "cuda"
+    simulated = True
     OutOfMemoryError = torch.OutOfMemoryError
 
     def __init__(
         self,
-        capacity: int = 80 * GiB,
+        capacity: int = H200_MEMORY,
         backed: bool = True,
         config: dict | None = None,
         activate: bool = True,
@@ -131,15 +89,20 @@ class SimBackend(DeviceAPI):
         blaslt_workspace: int = 2**20,
         kernels: KernelModel | None = None,
     ) -> None:
-        if not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(f"capacity must be a positive number of bytes, got {capacity!r}")
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or not 0 < capacity <= MAX_CAPACITY:
+            raise ValueError(f"capacity must be a whole number of bytes from 1 to 2**63 (so that device addresses stay "
+                             f"below 2**64), got {capacity!r}")
         self.capacity = capacity
         self.backed = bool(backed)
         self.memory = PhysicalMemory(capacity=capacity, backed=self.backed)
         self.clock = Clockwork()
+        # None: read PYTORCH_CUDA_ALLOC_CONF now (a bad value is refused before any work) and again at
+        # initialisation, which is when torch's allocator reads it
+        self._environment_config = os.environ.get(ENVIRONMENT, "") if config is None else None
         if config is None:
-            config = AllocatorConfig.from_environment()  # a bad value is refused here, before any work
+            config = AllocatorConfig.from_environment()
         self.allocator = CachingAllocator(self.memory, self.clock, config)
+        self._initialised = False
         self._lock = threading.RLock()
         self._depth = 0  # > 0 while inside an allocator call (frees then wait in _pending)
         self._pending: list = []
@@ -160,6 +123,7 @@ class SimBackend(DeviceAPI):
         self._generator_state: list[SimStorage] | None = None
         self.cudnn_graphs: set = set()  # attention calls whose cuDNN graph is built (torch caches them)
         self._generator_users = 0  # graphs that registered the RNG state
+        self._frames: list | None = None  # Python frames per allocation, with stacks history
         self._closed = False
         if activate:
             self.activate()
@@ -239,6 +203,44 @@ class SimBackend(DeviceAPI):
         if self._closed:
             raise RuntimeError("this simulated device was closed; create a new SimBackend")
 
+    def initialise(self) -> None:
+        """What torch's lazy CUDA initialisation does for the allocator: read ``PYTORCH_CUDA_ALLOC_CONF``
+        (when ``config`` was None). Runs at the first allocation, pool or query that initialises CUDA
+        in torch; later changes to the variable have no effect, as in torch.
+
+        Raises:
+            ValueError, NotImplementedError: the variable, set since the device was made, is not
+                a setting torch accepts (named, with its value).
+        """
+        if self._initialised:
+            return
+        self._initialised = True
+        text = os.environ.get(ENVIRONMENT, "") if self._environment_config is not None else None
+        if text is None or text == self._environment_config:
+            return
+        config = AllocatorConfig.from_environment()
+        old = self.allocator
+        fresh = CachingAllocator(self.memory, self.clock, config)
+        if old.history is not None:  # history switched on before the first use goes on recording
+            fresh.record_history(True, old.history.maxlen)
+        self.allocator = fresh
+
+    @property
+    def initialised(self) -> bool:
+        """Whether the device was initialised (``torch.cuda.is_initialized``)."""
+        return self._initialised
+
+    def properties(self) -> dict[str, Any]:
+        """What ``torch.cuda.get_device_properties`` reports for the simulated GPU.
+
+        Returns:
+            ``name``, ``major``, ``minor``, ``total_memory`` (the capacity), ``multi_processor_count``
+            (the kernel model's) and ``is_integrated``.
+        """
+        major, minor = H200_CAPABILITY
+        return {"name": H200_NAME, "major": major, "minor": minor, "total_memory": self.capacity,
+                "multi_processor_count": self.kernels.multiprocessors, "is_integrated": False}
+
     # ------------------------------------------------------------- streams and sync
     def current_stream(self) -> Stream:
         """The calling thread's current stream; a borrow pool is pinned to the one it was built on.
@@ -276,7 +278,7 @@ class SimBackend(DeviceAPI):
         """
         return self.clock.new_stream(priority=priority)
 
-    def stream(self, s: Stream | None) -> _StreamContext:
+    def stream(self, s: Stream | None) -> StreamContext:
         """Make ``s`` the calling thread's current stream for a with block, as ``torch.cuda.stream``.
 
         Args:
@@ -290,7 +292,7 @@ class SimBackend(DeviceAPI):
         """
         if s is not None and not isinstance(s, Stream):
             raise TypeError(f"expected a simulated Stream from backend.Stream(), got {type(s).__name__}")
-        return _StreamContext(self, s)
+        return StreamContext(self, s)
 
     def Event(self, enable_timing: bool = False) -> SimEvent:
         """A new event, as ``torch.cuda.Event``.
@@ -424,6 +426,7 @@ class SimBackend(DeviceAPI):
         Returns:
             A fresh pool id, numbered as torch numbers them.
         """
+        self.initialise()
         with self._lock:
             return self.allocator.new_pool_id("graph" if graph else "handle")
 
@@ -501,24 +504,58 @@ class SimBackend(DeviceAPI):
         with self.allocator_call():
             self.allocator.empty_cache()
 
-    def record_memory_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
-        """Like ``torch.cuda.memory._record_memory_history`` (no stack frames are kept).
+    def record_memory_history(self, enabled: bool = True, max_entries: int = 1_000_000, stacks: bool = False) -> None:
+        """Like ``torch.cuda.memory._record_memory_history``.
 
         Args:
             enabled: record allocator events as trace entries; False stops recording.
             max_entries: how many entries the ring buffer keeps.
+            stacks: keep the Python frames of every allocation (``stacks="python"`` on a GPU).
         """
         self.allocator.record_history(enabled, max_entries)
+        self._frames = [] if enabled and stacks else None
 
     def full_snapshot(self) -> dict:
         """Like ``torch.cuda.memory._snapshot()``: segments, device traces, settings.
 
         Returns:
             A dict with ``"segments"``, ``"device_traces"`` and ``"allocator_settings"``,
-            readable by PyTorch's memory_viz.
+            readable by PyTorch's memory_viz; with ``stacks`` history, each ``alloc`` entry has
+            its ``frames``.
         """
         with self.allocator_call():
-            return self.allocator.full_snapshot()
+            snapshot = self.allocator.full_snapshot()
+        if self._frames is not None:
+            for trace in snapshot.get("device_traces", ()):
+                allocs = [e for e in trace if e.get("action") == "alloc"]
+                if len(allocs) == len(self._frames):  # one allocation per storage, in order (none lost)
+                    for entry, frames in zip(allocs, self._frames):
+                        entry["frames"] = frames
+        return snapshot
+
+    def dump_snapshot(self, path: str | os.PathLike) -> dict:
+        """Pickle :meth:`full_snapshot` like ``torch.cuda.memory._dump_snapshot``.
+
+        Open the file at https://pytorch.org/memory_viz (or with torch's ``_memory_viz``); call
+        :meth:`record_memory_history` first to get a trace, not only segments.
+
+        Args:
+            path: the file to write.
+
+        Returns:
+            The snapshot written.
+
+        Raises:
+            FileNotFoundError: the folder of ``path`` does not exist.
+        """
+        path = os.fspath(path)
+        folder = os.path.dirname(path) or "."
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"cannot write {path!r}: folder {folder!r} does not exist; create it first")
+        snapshot = self.full_snapshot()
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f, protocol=4)
+        return snapshot
 
     def record_stream(self, tensor, stream: Stream) -> None:
         """Mark ``tensor`` as in use by ``stream``: its block stays ``active_pending_free``
@@ -617,6 +654,8 @@ class SimBackend(DeviceAPI):
         Returns:
             A context manager; frees deferred while it was held run when the outermost exits.
         """
+        if not self._initialised:
+            self.initialise()
         with CRITICAL, self._lock:
             if (self._pending or self._dead) and not self._depth:
                 self._drain()
@@ -641,6 +680,8 @@ class SimBackend(DeviceAPI):
             The storage; its block goes back to the allocator when the last reference dies.
         """
         self._check_open()
+        if not self._initialised:
+            self.initialise()
         with CRITICAL:  # the block and the storage that will free it come into being together
             with self._lock:
                 if (self._pending or self._dead) and not self._depth:
@@ -659,9 +700,12 @@ class SimBackend(DeviceAPI):
                 else:
                     storage = SimStorage(self, block, 0, nbytes, 0)
             except BaseException:
-                self.release_block(block)  # no storage will ever free it (e.g. memory never mapped)
+                self.release_block(block, owned=False)  # no storage will ever free it (e.g. memory never mapped)
                 raise
             self._owners[block] = _StorageOwner(storage, self._dead.append, block)
+        if self._frames is not None:
+            stack = traceback.extract_stack(limit=_FRAMES)[:-1]
+            self._frames.append([{"filename": f.filename, "line": f.lineno, "name": f.name} for f in reversed(stack)])
         return storage
 
     def clear_library_workspaces(self) -> None:
@@ -694,20 +738,25 @@ class SimBackend(DeviceAPI):
             while state:
                 state.pop(0)  # the seed, then the offset
 
-    def release_block(self, block) -> None:
+    def release_block(self, block, owned: bool = True) -> None:
         """Free ``block`` for a storage that died (called from its finalizer).
 
         Args:
             block: the allocator block the storage held.
+            owned: whether an owner record was made for it (False only when making the storage failed).
 
         If an interrupt stops the finalizer before this runs, the storage's owner record
         (a weak reference whose callback is ``list.append``, C code no signal can split
-        from the death) still reaches ``_dead``, and the next allocator call frees it.
+        from the death) still reaches ``_dead``, and the next allocator call frees it. The
+        same happens when a garbage collection finds storages in a cycle: their weak references
+        are cleared before the finalizers run, so a free in between may already have freed this
+        block through its record (and merged it into a neighbour); then there is nothing to free.
         """
         if self._closed:
             return
         with CRITICAL, self._lock:
-            self._owners.pop(block, None)
+            if self._owners.pop(block, None) is None and owned:
+                return  # freed already, through its owner record
             if self._depth:
                 self._pending.append(block)
                 return
@@ -758,6 +807,42 @@ class SimBackend(DeviceAPI):
         if copy:
             inner.copy_(src)
         return SimTensor(inner, storage, self)
+
+    def deep_copy(self, tensor: SimTensor, memo: dict) -> SimTensor:
+        """A new tensor with ``tensor``'s layout in a copy of its whole storage (``copy.deepcopy``).
+
+        Args:
+            tensor: a tensor on this device.
+            memo: the deepcopy's memo; tensors of one storage copied in it share the copy.
+
+        Returns:
+            The copy, in a new block of the storage's size on the current stream.
+        """
+        inner, storage = tensor.sim_inner, self._storage_of(tensor)
+        if storage is None:
+            return SimTensor(inner.clone(), None, self)
+        key = ("graphborrow.sim storage", id(storage))
+        copied = memo.get(key)
+        if copied is None:
+            fresh = self.new_storage(storage.nbytes)
+            if self.backed:
+                fresh.host.copy_(storage.host)
+                base = None
+            else:
+                source = inner.untyped_storage()
+                base = source.clone() if not inner.is_meta else torch.UntypedStorage(source.nbytes(), device="meta")
+                fresh.key, fresh.values = base._cdata, storage.values and not inner.is_meta
+            copied = memo[key] = (fresh, base)
+            memo.setdefault(id(memo), []).append(storage)  # keeps the id unique while the memo lives
+        fresh, base = copied
+        if self.backed:
+            itemsize = inner.element_size()
+            offset = fresh.host.storage_offset() // itemsize + (inner.data_ptr() - storage.host_ptr) // itemsize
+            view = fresh.host.view(inner.dtype).as_strided(inner.size(), inner.stride(), offset)
+        else:
+            view = torch.empty(0, dtype=inner.dtype, device=inner.device).set_(base, inner.storage_offset(),
+                                                                              inner.size(), inner.stride())
+        return SimTensor(view, fresh, self)
 
     def from_host(self, host: torch.Tensor) -> SimTensor:
         """Copy a plain CPU tensor onto the device (``.to("cuda")``).

@@ -37,8 +37,16 @@ class CaptureRegistry:
         return bool(self._by_stream)
 
     def graph_on(self, stream_id: int) -> "CUDAGraph | None":
-        """The graph capturing on this stream, or None."""
-        return self._by_stream.get(stream_id)
+        """The graph capturing on this stream (the stream its capture began on, or one that joined the
+        capture by waiting on an event recorded in it), or None."""
+        found = self._by_stream.get(stream_id)
+        if found is not None or not self._by_stream:
+            return found
+        for cuda_graph in self._by_stream.values():
+            stream = cuda_graph._backend.clock.streams.get(stream_id)
+            if stream is not None and stream.capture is not None and stream.capture is cuda_graph._capture:
+                return cuda_graph
+        return None
 
     def _begin(self, stream_id: int, cuda_graph: "CUDAGraph") -> None:
         if stream_id in self._by_stream:
@@ -50,7 +58,7 @@ class CaptureRegistry:
 
 
 class CUDAGraph:
-    """``torch.cuda.CUDAGraph`` for a :class:`SimBackend`; create with ``backend.CUDAGraph()``."""
+    """``torch.cuda.CUDAGraph`` for a :class:`~graphborrow.sim.device.SimBackend`; create with ``backend.CUDAGraph()``."""
 
     def __init__(self, backend) -> None:
         self._backend = backend
@@ -63,6 +71,7 @@ class CUDAGraph:
         self._holds_pool = False
         self._invalidated = False
         self._registered = False  # holds a registration of the RNG state
+        self._capture = None  # the stream capture's graph (allocator.capture.CaptureGraph) while capturing
     def invalidate(self) -> None:
         """A host wait happened inside the capture: CUDA invalidates it, and ending it fails."""
         self._invalidated = True
@@ -87,8 +96,19 @@ class CUDAGraph:
         sid = stream.id
         backend.register_generator()  # before routing starts: lands in the default pool
         self._registered = True
-        with backend.allocator_call():
-            backend.allocator.begin_allocate_to_pool(pool_id, lambda s, thread: s == sid)
+        capture = self._capture = backend.clock.begin_capture(stream)
+        streams = backend.clock.streams
+
+        def routed(s, thread):  # every stream in the capture (CUDAGraph's filter compares capture ids)
+            found = streams.get(s)
+            return found is not None and found.capture is capture
+
+        try:
+            with backend.allocator_call():
+                backend.allocator.begin_allocate_to_pool(pool_id, routed)
+        except BaseException:
+            backend.clock.end_capture(capture)
+            raise
         self._pool = pool_id
         self._holds_pool = True
         self._stream = stream
@@ -105,6 +125,7 @@ class CUDAGraph:
                 f"current stream is {backend.current_stream().id})"
             )
         backend.captures._end(self._stream.id)
+        backend.clock.end_capture(self._capture)
         self._capturing = False
         with backend.allocator_call():
             backend.allocator.end_allocate_to_pool(self._pool)

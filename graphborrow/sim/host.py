@@ -30,7 +30,7 @@ from .torch_function import torch_functions_off
 from .values import layout_error
 
 __all__ = ["CAPTURE_INVALIDATED", "DEVICES_DIFFER", "EVENT_IN_CAPTURE", "NOT_PERMITTED", "PAGEABLE_IN_CAPTURE",
-           "check_operands", "fails_in_capture", "is_pinned", "not_permitted", "pin", "refuse_pageable"]
+           "check_operands", "fails_in_capture", "from_python_data", "is_pinned", "not_permitted", "pin", "refuse_pageable"]
 
 PAGEABLE_IN_CAPTURE = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is "
                        "pinned. Please use tensor.pin_memory() or allocate the tensor with pin_memory=True.")
@@ -76,6 +76,16 @@ def is_pinned(t: torch.Tensor) -> bool:
 def refuse_pageable() -> RuntimeError:
     """torch's error for a copy between the device and pageable memory inside a capture."""
     return RuntimeError(PAGEABLE_IN_CAPTURE)
+
+
+def from_python_data(backend, plain: torch.Tensor):
+    """``torch.tensor(data, device="cuda")``: the device block, then a copy from pageable memory
+    (refused inside a capture, the block freed as the refusal unwinds, as on CUDA)."""
+    placed = backend.from_host(plain)
+    if backend.capture_for_current_stream() is not None and plain.numel():  # nothing to copy: no copy
+        del placed
+        raise refuse_pageable()
+    return placed
 
 
 def not_permitted(backend, message: str = NOT_PERMITTED) -> torch.AcceleratorError:

@@ -45,6 +45,14 @@ class MemPool:
         """
         return self._backend.memory_snapshot(self._id)
 
+    def use_count(self) -> int:
+        """Users of the pool, as ``torch.cuda.MemPool.use_count``.
+
+        Returns:
+            The pool itself, plus each routing into it under way and each graph captured into it.
+        """
+        return self._backend.allocator.private_pool(self._id).use_count
+
     def close(self) -> None:
         """What the destructor of torch's MemPool does: release the pool and empty its cache."""
         if self._closed:

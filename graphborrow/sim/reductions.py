@@ -16,7 +16,8 @@ import math
 import torch
 
 from .cuda_ops import kernels_of, temporary
-from .tensor import dispatch, register_cuda_model
+from .dispatch import dispatch
+from .tensor import register_cuda_model
 
 __all__ = ["reduce_staging_bytes"]
 

@@ -473,8 +473,8 @@ def test_bad_input_is_named():
         alloc.free(block)
     with pytest.raises(ValueError, match="not allocated"):
         alloc.free(None)  # the compiled model types its argument; None must not reach it
-    with pytest.raises(NotImplementedError, match="graph_capture_record_stream_reuse"):
-        AllocatorConfig({"graph_capture_record_stream_reuse": True})
+    with pytest.raises(ValueError, match="True or False"):
+        AllocatorConfig("graph_capture_record_stream_reuse:on")
     with pytest.raises(ValueError, match="True or False"):
         AllocatorConfig("expandable_segments:yes")
     with pytest.raises(ValueError, match="unknown allocator option"):

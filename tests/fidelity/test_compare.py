@@ -64,6 +64,18 @@ def test_addresses_do_not_matter_but_blocks_do():
     assert not diff.identical
 
 
+def test_two_pools_without_blocks_have_no_agreement_to_report():
+    """Nothing compared is no figure: two empty pools are identical, their agreement undefined; one
+    empty side against blocks is agreement 0."""
+    empty = compare_snapshots([], [])
+    assert (empty.agreement_blocks, empty.agreement_bytes, empty.compared, empty.identical) == (None, None, False, True)
+    assert "agreement n/a, nothing to compare" in empty.summary()
+    assert (empty.row()["agreement (blocks)"], empty.row()["agreement (bytes)"]) == (None, None)
+    one_side = compare_snapshots([_seg(0, [(2 * MiB, "inactive")], "small")], [])
+    assert (one_side.agreement_blocks, one_side.agreement_bytes, one_side.identical) == (0.0, 0.0, False)
+    assert "agreement 0.0000" in one_side.summary()
+
+
 def test_a_segment_on_one_side_only_is_a_difference():
     a = [_seg(0, [(20 * MiB, "inactive")]), _seg(1 << 30, [(2 * MiB, "inactive")], "small")]
     b = [_seg(0, [(20 * MiB, "inactive")])]

@@ -284,14 +284,15 @@ def test_a_pool_snapshot_is_compared_for_its_pools_only():
 
 def test_an_empty_trace_makes_no_claim():
     report = replay_trace(snapshot_of([]))
-    assert report.checks == 0 and report.agreement == 0.0
-    assert report.mismatches == ["no check could be made: the trace has no entries"]
+    assert report.checks == 0 and report.agreement is None and report.mismatches == []
+    assert report.unchecked == "no check could be made: the trace has no entries"
+    assert str(report).startswith("agreement undefined: no check could be made") and "1.0" not in str(report)
 
 
 def test_a_trace_of_one_entry_is_not_called_empty():
     report = replay_trace(snapshot_of([{"action": "snapshot", "addr": 0, "size": 0, "stream": 0}]))
-    assert report.checks == 0 and report.agreement == 0.0 and report.events == 1
-    assert report.mismatches == ["no check could be made: its 1 entries change no allocator state (snapshot)"]
+    assert report.checks == 0 and report.agreement is None and report.events == 1
+    assert report.unchecked == "no check could be made: its 1 entries change no allocator state (snapshot)"
     one = replay_trace(snapshot_of([entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 512)],
                                    [segment(A, [(512, "active_allocated"), (2 * MiB - 512, "inactive")])]))
     assert one.agreement == 1.0 and one.checks == 3  # a trace of one allocation: its device call, its block, the end
@@ -303,7 +304,8 @@ def test_a_snapshot_shown_in_full_by_a_trace_without_entries_proves_nothing():
     snapshot = _expandable_churn_trace(300, seed=2)
     assert any(s["is_expandable"] for s in snapshot["segments"])
     report = replay_trace(dict(snapshot, device_traces=[[]]))
-    assert report.checks == 0 and report.mismatches == ["no check could be made: the trace has no entries"]
+    assert report.checks == 0 and report.agreement is None and report.mismatches == []
+    assert report.unchecked == "no check could be made: the trace has no entries"
 
 
 def test_a_device_index_must_name_a_device_with_a_trace():
@@ -311,6 +313,15 @@ def test_a_device_index_must_name_a_device_with_a_trace():
     for bad in (-1, 1, True, "0"):
         with pytest.raises(ValueError, match=r"device=.*pass the index of a device|device 1 is not among them"):
             replay_trace(snapshot, device=bad)
+
+
+def test_the_device_memory_must_be_a_positive_number_of_bytes():
+    snapshot = snapshot_of([entry("segment_alloc", A, 2 * MiB), entry("alloc", A, 512)],
+                           [segment(A, [(512, "active_allocated"), (2 * MiB - 512, "inactive")])])
+    for bad in (1.5, 0, -1, True, "80GiB"):
+        with pytest.raises(ValueError, match=r"device_memory=.*positive whole number of bytes"):
+            replay_trace(snapshot, device_memory=bad)
+    assert replay_trace(snapshot, device_memory=80 * 2**30).agreement == 1.0
 
 
 @pytest.mark.parametrize("key", ["addr", "size", "stream"])
@@ -502,3 +513,49 @@ def test_expandable_reservations_from_before_the_trace_are_rebuilt(start, ring):
     for keep in (len(entries) // 2, len(entries) - 10):
         cut = replay_trace(dict(snapshot, device_traces=[entries[:keep]]))
         assert cut.agreement < 1.0, (keep, str(cut))
+
+
+@pytest.mark.parametrize("start_mib,overlaps", [(-2, True), (2, True), (-4, False), (4, False)])
+def test_a_segment_the_trace_made_and_released_over_memory_the_snapshot_kept_is_a_contradiction(start_mib, overlaps):
+    """The snapshot's segment at A (4 MiB) was never allocated by the trace, so it lived all through it:
+    a 4 MiB segment the trace made and released at A + start_mib MiB shared its memory when the two
+    ranges meet, whether it starts before A or inside it."""
+    kept = A + 8 * MiB
+    other = kept + start_mib * MiB
+    entries = [entry("segment_alloc", other, 4 * MiB), entry("segment_free", other, 4 * MiB)]
+    final = [dict(segment(kept, [(4 * MiB, "inactive")]), segment_pool_id=(0, 9))]
+    report = replay_trace(snapshot_of(entries, final))
+    said = [m for m in report.mismatches if "was never allocated by the trace" in m]
+    if overlaps:
+        assert said == [f"final snapshot segment {4 * MiB} B at {kept:#x} was never allocated by the trace, yet the "
+                        f"trace released the segment {4 * MiB} B at {other:#x} in its memory at event 1: the trace "
+                        "and its snapshot disagree (a trace cut short, or a snapshot of another moment)"]
+    else:
+        assert said == []
+
+
+def test_a_pluggable_segment_made_and_released_inside_memory_from_before_the_trace_is_the_arena_s():
+    """The trace begins after the graph pool's segment was made; a borrow pool's arena then carves a
+    segment out of its free block and gives it back, so the snapshot shows no segment of that pool.
+    The segment lies inside memory that existed before the trace: it is the arena's, not cudaMalloc's."""
+    alloc, clockwork = make()
+    graph_pool = alloc.new_pool_id("handle")
+    alloc.create_or_incref_pool(graph_pool)
+    alloc.begin_allocate_to_pool(graph_pool, lambda s, t: True)
+    alloc.free(alloc.malloc(40 * MiB, 0))
+    alloc.end_allocate_to_pool(graph_pool)
+    (host,) = [s for s in alloc.snapshot() if s["segment_pool_id"] == graph_pool]
+    alloc.record_history(False)
+    alloc.record_history(True)  # the trace starts here
+    borrow = alloc.new_pool_id("mempool")
+    alloc.create_or_incref_pool(borrow, allocator=RunArena([(host["address"] + 2 * MiB, 30 * MiB)]))
+    alloc.begin_allocate_to_pool(borrow, lambda s, t: True)
+    alloc.free(alloc.malloc(12 * MiB, 0))
+    alloc.end_allocate_to_pool(borrow)
+    alloc.release_pool(borrow)  # use_mem_pool's exit
+    alloc.release_pool(borrow)  # the MemPool deleted
+    alloc.empty_cache()  # its free segment goes back to the arena
+    snapshot = alloc.full_snapshot()
+    assert [s["segment_pool_id"] for s in snapshot["segments"]] == [graph_pool]
+    report = replay_trace(snapshot)
+    assert report.mid_run and report.mismatches == [] and report.agreement == 1.0, report

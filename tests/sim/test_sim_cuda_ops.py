@@ -2,7 +2,7 @@
 
 Each test runs the same code on the ``backend`` fixture's device and asserts the same
 allocator events (alloc / free_completed sizes, in order): the simulated run checks the
-simulator's models (graphborrow/sim/cuda_ops.py, the cuBLASLt workspace, cuDNN attention),
+simulator's models (graphborrow/sim/cuda_ops.py, blas.py for the cuBLASLt workspace, cuDNN attention),
 the GPU run checks that the models say what torch's CUDA kernels do.
 """
 

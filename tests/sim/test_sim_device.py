@@ -8,7 +8,6 @@ import torch
 
 from graphborrow.fidelity.replay import load_trace
 from graphborrow.sim import SimBackend, is_sim_tensor
-from graphborrow.sim.export import dump_snapshot
 
 MiB = 2**20
 
@@ -152,7 +151,8 @@ def test_stats_snapshot_and_memory_viz_file(sim, tmp_path):
     stats = sim.memory_stats()
     assert stats["allocated_bytes.all.current"] == sim.memory_allocated() == 4096
     assert stats["reserved_bytes.all.current"] == sim.memory_reserved() == 2 * MiB
-    path = dump_snapshot(sim, tmp_path / "snap.pickle")
+    path = tmp_path / "snap.pickle"
+    assert sim.dump_snapshot(path)["segments"] == pickle.loads(path.read_bytes())["segments"]
     raw = open(path, "rb").read()
     assert raw[:2] == b"\x80\x04"  # pickle protocol 4
     snap = pickle.loads(raw)
@@ -183,7 +183,8 @@ def test_exported_snapshot_opens_in_pytorchs_memory_viz(sim, tmp_path):
     keep = torch.ones(3 * MiB // 4, device="cuda")
     tmp = keep * 2
     del tmp
-    path = dump_snapshot(sim, tmp_path / "viz.pickle")
+    path = tmp_path / "viz.pickle"
+    sim.dump_snapshot(path)
     with open(path, "rb") as f:
         data = pickle.load(f)
     summary = _memory_viz.segsum(data)
@@ -194,3 +195,24 @@ def test_exported_snapshot_opens_in_pytorchs_memory_viz(sim, tmp_path):
     html = _memory_viz.trace_plot(data)
     assert "<html" in html.lower() or "<script" in html.lower()
     del keep
+
+
+def test_storages_collected_in_one_cycle_are_each_freed_once(sim):
+    """A garbage collection clears the storages' weak references before their finalizers run, so
+    a free between two finalizers frees the second block through its owner record first."""
+    import gc
+    import sys
+
+    class Node:
+        pass
+
+    unraisable, hook = [], sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        node = Node()
+        node.me, node.a, node.b = node, torch.empty(128, device="cuda"), torch.empty(128, device="cuda")
+        del node
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [str(u.exc_value) for u in unraisable] == [] and sim.memory_allocated() == 0

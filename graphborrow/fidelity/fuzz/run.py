@@ -24,11 +24,13 @@ from .record import execute, make_recording, start_history
 __all__ = ["ProgramComparison", "compare_program", "gpu_addresses", "gpu_streams", "simulate_program"]
 
 _ALLOC_ACTIONS = ("segment_alloc", "alloc", "free_completed", "segment_free", "free_requested")
+NOTHING_COMPARED = "nothing to compare (no block, no trace event and no error on either side)"
 
 
 def simulate_program(program: Program, addresses: Optional[list] = None, backed: bool = False,
                      capacity: Optional[int] = None, streams: Optional[list] = None) -> dict:
-    """Run ``program`` on a fresh simulated device and record it as :func:`record_here` does.
+    """Run ``program`` on a fresh simulated device and record it as
+    :func:`~graphborrow.fidelity.fuzz.record.record_here` does.
 
     Args:
         program: the program.
@@ -95,13 +97,22 @@ class ProgramComparison:
         return (gpu["type"], gpu["message"], gpu["line"]) == (sim["type"], sim["message"], sim["line"])
 
     @property
-    def agrees(self) -> bool:
-        """Every block identical, every trace event aligned, the same error (or none) at the same line."""
+    def compared(self) -> bool:
+        """Whether there was anything to compare: a block or a trace event on either side, or an error."""
+        return self.pools.compared or any(self.pools.trace_events[:2]) or self.errors != (None, None)
+
+    @property
+    def agrees(self) -> bool | None:
+        """Every block identical, every trace event aligned, the same error (or none) at the same line;
+        None when there was nothing to compare (no block, no trace event and no error on either side)."""
+        if not self.compared:
+            return None
         ref, cand, aligned = self.pools.trace_events
         return self.pools.identical and ref == cand == aligned and self.errors_agree
 
     def summary(self) -> str:
-        lines = [f"{self.name}: {'agrees' if self.agrees else 'DIFFERS'}", self.pools.summary()]
+        verdict = {True: "agrees", False: "DIFFERS", None: NOTHING_COMPARED}[self.agrees]
+        lines = [f"{self.name}: {verdict}", self.pools.summary()]
         if not self.errors_agree:
             lines.append(f"errors: GPU {self.errors[0]} / simulated {self.errors[1]}")
         if self.first_difference:
@@ -134,7 +145,7 @@ def compare_program(gpu: dict, sim: dict) -> ProgramComparison:
     """Compare a GPU recording with the simulated recording of the same program.
 
     Args:
-        gpu: the recording :func:`record_here` made on the GPU.
+        gpu: the recording :func:`~graphborrow.fidelity.fuzz.record.record_here` made on the GPU.
         sim: the recording :func:`simulate_program` made.
 
     Returns:

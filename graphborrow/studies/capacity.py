@@ -1,6 +1,6 @@
 """Which verification steps fit a pool: the capacity planner's grid, checked by running steps.
 
-Notebook 06 asks :func:`~graphborrow.planning.capacity.plan_verify` about every (batch size, draft
+Notebook 06 asks :func:`~graphborrow.eagle.plan.plan_verify` about every (batch size, draft
 tokens, mode) cell, then runs the cells where the answer changes for real, borrowing from
 the same pool, so the planner is checked against the allocator it models (the simulated
 device's, or the GPU's). The functions here hold that logic so the notebook stays thin.
@@ -13,14 +13,16 @@ from typing import Iterable, Sequence
 import torch
 
 from graphborrow.core.errors import BorrowCapacityError
+from graphborrow.device import get_backend
 from graphborrow.eagle import eagle_verify
 from graphborrow.eagle.draft_tree import DraftTree, build_draft_tree, tree_depth_for
 from graphborrow.eagle.modes import MODES
 from graphborrow.eagle.plan import plan_verify
+from graphborrow.planning.planner import AllocationSequence, PoolImage, replay
 
 from .plots import capacity_map
 
-__all__ = ["boundary_cells", "verify_inputs", "fit_grid_figure", "fit_policy_contrast", "plan_table", "run_verify_step", "summarize_fit"]
+__all__ = ["tensor_fits_run", "boundary_cells", "verify_inputs", "fit_grid_figure", "fit_policy_contrast", "plan_table", "run_verify_step", "summarize_fit"]
 
 
 def plan_table(pool, batches: Iterable[int], draft_tokens: Iterable[int], vocab: int,
@@ -50,12 +52,13 @@ def plan_table(pool, batches: Iterable[int], draft_tokens: Iterable[int], vocab:
 
 
 def summarize_fit(rows: Iterable[dict]) -> dict:
-    """Largest fitting batch per (mode, draft tokens): ``{mode: {draft_tokens: batch or 0}}``."""
+    """Largest fitting batch per (mode, draft tokens): ``{mode: {draft_tokens: batch}}``, None where
+    no batch of the table fits."""
     best: dict = {}
     for r in rows:
-        cell = best.setdefault(r["mode"], {}).setdefault(r["draft_tokens"], 0)
+        cell = best.setdefault(r["mode"], {}).setdefault(r["draft_tokens"], None)
         if r["fits"]:
-            best[r["mode"]][r["draft_tokens"]] = max(cell, r["batch_size"])
+            best[r["mode"]][r["draft_tokens"]] = max(cell or 0, r["batch_size"])
     return best
 
 
@@ -77,15 +80,17 @@ def boundary_cells(rows: Iterable[dict], draft_tokens: int) -> list[dict]:
     return out
 
 
-def verify_inputs(backend, batch_size: int, draft_tokens: int, vocab: int, branching: int = 4,
-                  seed: int = 0) -> tuple[torch.Tensor, DraftTree]:
+def verify_inputs(batch_size: int, draft_tokens: int, vocab: int, branching: int = 4, seed: int = 0,
+                  backend=None) -> tuple[torch.Tensor, DraftTree]:
     """Logits ``[bs*D, V]`` (float32) and a draft tree for one verification step on ``backend``.
 
     On a device with bytes the tree is a real EAGLE tree (``branching`` children per
     expanded node) and the logits are random; on the layout-only simulated device, which
     has no values to read, both only have their shapes, which is all the allocator sees
-    (run ``eagle_verify`` with ``validate=False`` there).
+    (run ``eagle_verify`` with ``validate=False`` there). ``backend``: where they are made; None
+    for the device ``torch.cuda`` is.
     """
+    backend = backend if backend is not None else get_backend("auto")
     device = backend.device
     if backend.backed:
         g = torch.Generator().manual_seed(seed)
@@ -119,7 +124,7 @@ def run_verify_step(state, batch_size: int, draft_tokens: int, vocab: int, mode:
         True if the step finished, False if it ran out of borrowed memory.
     """
     backend = state.backend
-    logits, tree = verify_inputs(backend, batch_size, draft_tokens, vocab, branching, seed)
+    logits, tree = verify_inputs(batch_size, draft_tokens, vocab, branching, seed, backend=backend)
     state.retire()
     try:
         # the reference implementation: the one whose allocation sequence the planner replays
@@ -132,6 +137,13 @@ def run_verify_step(state, batch_size: int, draft_tokens: int, vocab: int, mode:
         del logits, tree
         state.retire()
     return completed
+
+
+def tensor_fits_run(tensor_bytes: int, run_bytes: int) -> bool:
+    """Whether one tensor of ``tensor_bytes`` fits a fresh borrow pool over one run of ``run_bytes``
+    (no precarve): the planner replays the single allocation, segment rounding and all."""
+    image = PoolImage.from_runs([(1 << 40, int(run_bytes))])
+    return replay(AllocationSequence((("alloc", 0, int(tensor_bytes), 0),)), image).fits
 
 
 def fit_grid_figure(rows: Sequence[dict], title: str = ""):

@@ -3,10 +3,13 @@
 A borrowed tensor used on a second stream and dropped after ``record_stream`` stays
 ``active_pending_free`` until that stream's event completes. :meth:`BorrowState.retire`
 therefore synchronises and drains those frees before the extents go back to the graph pool.
-:func:`early_release_hazard` shows, on the simulated device, what skipping that step would
-do: which pending bytes the next replay of the ladder writes, and for how long the side
-stream still uses them. It reads the streams' clocks and the captured graphs' write ranges,
-which only the simulated device exposes.
+:func:`deferred_free_lanes` draws what notebook 03 measured with ``torch.cuda.Event`` s and
+snapshots (on a GPU or the simulated device alike). :func:`early_release_hazard` shows, on the
+simulated device, what skipping the synchronise would do: which pending bytes the next replay
+of the ladder writes, and for how long the side stream still uses them. It reads the streams'
+clocks and the captured graphs' write ranges, which only the simulated device exposes;
+:func:`early_release_on_sim` captures the notebook's ladder on a layout-only simulated device
+of its own for it, whatever device the notebook runs on.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from .writes import merged_writes, overlap_bytes
 
-__all__ = ["EarlyReleaseReport", "early_release_hazard"]
+__all__ = ["EarlyReleaseReport", "early_release_hazard", "early_release_on_sim", "deferred_free_lanes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,23 +82,62 @@ def early_release_hazard(ladder, nbytes: int, busy_us: float = 50_000) -> EarlyR
     return EarlyReleaseReport(pending, overwritten, busy, writers)
 
 
-def timeline_lanes(busy_us: float) -> tuple[dict, list]:
-    """The deferred free of notebook 03 as lanes for :func:`graphborrow.studies.plots.stream_timeline`,
-    in milliseconds from the moment the main stream wrote the borrowed tensor.
+def early_release_on_sim(setup, nbytes_of, busy_us: float, seed: int = 0) -> EarlyReleaseReport:
+    """:func:`early_release_hazard` for the notebook's shapes, on a layout-only simulated device of its own.
 
     Args:
-        busy_us: how long the side stream was busy before it used the tensor.
+        setup: the notebook's :class:`~graphborrow.studies.presets.Setup` (shapes and dtype).
+        nbytes_of: the tensor's size for a borrow state (the largest the pool can lend, say).
+        busy_us: the side stream's work before it touches the tensor.
+        seed: seed of the ladder's random weights.
+    """
+    from graphborrow.device import get_backend
+    from graphborrow.workloads.ladder import borrowable_ladder
+
+    from .notebook import capture_ladder
+
+    sim = get_backend("sim", backed=False, activate=False)
+    try:
+        with sim.activated():
+            ladder, _ = borrowable_ladder(capture_ladder(setup, seed=seed, device=sim))
+            return early_release_hazard(ladder, nbytes_of(ladder.state), busy_us=busy_us)
+    finally:
+        sim.close()
+
+
+def deferred_free_lanes(ms: dict) -> tuple[dict, list]:
+    """The measured deferred free of notebook 03 as lanes for
+    :func:`graphborrow.studies.plots.stream_timeline`.
+
+    Args:
+        ms: milliseconds since the main stream wrote the borrowed tensor (``torch.cuda.Event``
+            times): ``side_busy`` (the side stream's other work ended), ``side_used`` (its use of
+            the tensor ended), ``main_busy`` (the main stream's own work ended) and ``dropped``
+            (where the main stream was when Python dropped the tensor).
 
     Returns:
-        ``(lanes, marks)``: what the main stream, the side stream and the tensor's block do, and
-        the moments Python dropped the tensor and the side stream's event completed.
+        ``(lanes, marks)``: what each stream and the tensor's block did, and the moments Python
+        dropped the tensor and the side stream's event completed. The block is
+        ``active_allocated`` until the drop, ``active_pending_free`` from the drop until the side
+        stream's use has completed, ``inactive`` after.
+
+    Raises:
+        ValueError: a time is missing, or the order is impossible (a drop before the write,
+            the use before the side stream's other work).
     """
-    busy = busy_us / 1000
-    tick = busy * 0.03  # the short kernels, drawn visibly
+    needed = ("side_busy", "side_used", "main_busy", "dropped")
+    missing = [k for k in needed if k not in ms]
+    if missing:
+        raise ValueError(f"deferred_free_lanes needs the times {list(needed)}; missing {missing}")
+    busy, used, main, dropped = (float(ms[k]) for k in needed)
+    if not 0 <= dropped or not busy <= used:
+        raise ValueError(f"the measured times are out of order: {ms}")
+    tail = max(used * 0.2, 1e-3)
     lanes = {
-        "main stream": [(0.0, tick, "write t")],
-        "side stream": [(0.0, busy, "busy (other work)"), (busy, busy + tick, "t.mul_")],
-        "t's block": [(0.0, busy + tick, "active_pending_free"), (busy + tick, busy * 1.25, "inactive")],
+        "main stream": [(0.0, main, "other work")],
+        "side stream": [(0.0, busy, "busy (other work)"), (busy, used, "t.mul_")],
+        "t's block": [(0.0, dropped, "active_allocated"), (dropped, used, "active_pending_free"),
+                      (used, used + tail, "inactive")],
     }
-    marks = [(tick, "del t"), (busy + tick, "event completes: retire() may release")]
+    marks = [(dropped, "del t"), (used, "side stream's event completes")]
     return lanes, marks

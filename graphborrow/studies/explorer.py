@@ -5,7 +5,7 @@ pool on a simulated device in layout-only mode (exact allocator decisions, no by
 a model's graph ladder, or :func:`~graphborrow.planning.capacity.fit_policy_pool`, a pool where
 the arena's fit policy decides what fits — then runs the chosen step borrowing from it
 (the map shows the step's blocks at its peak) and asks the capacity planner about every
-cell of the grid (:func:`~graphborrow.planning.capacity.plan_verify`). :func:`render_explorer`
+cell of the grid (:func:`~graphborrow.eagle.plan.plan_verify`). :func:`render_explorer`
 draws the result; :class:`Explorer` wires ipywidgets controls to it.
 """
 
@@ -29,17 +29,24 @@ from graphborrow.planning.capacity import fit_policy_pool
 from graphborrow.workloads.ladder import GraphLadder, ModelShape
 
 from .plots import capacity_map, memory_map
+from .presets import PRESETS
 
 __all__ = [
-    "DRAFT_CHOICES", "FIT_POLICIES", "LADDERS", "MODELS", "MODES", "POOLS", "VOCABS",
+    "DRAFT_CHOICES", "FIT_POLICIES", "H200_MODEL", "LADDERS", "MODELS", "MODES", "POOLS", "PREFILLS", "TEACHING_MODEL",
+    "VOCABS",
     "Explorer", "ExplorerResult", "ExplorerSettings", "explore", "figure_png", "fresh_state", "preset_settings",
     "render_explorer", "render_result",
 ]
 
+_TEACHING, _H200 = PRESETS["teaching"], PRESETS["h200"]
+TEACHING_MODEL = f"teaching (h{_TEACHING['HIDDEN']}, i{_TEACHING['INTERMEDIATE']})"
+H200_MODEL = f"Llama-3-8B (h{_H200['HIDDEN']}, i{_H200['INTERMEDIATE']})"
+# model shape -> widths and the dtype it runs in (the presets' for theirs)
 MODELS = {
-    "tiny (h128, i256)": dict(hidden=128, intermediate=256),
-    "small (h512, i1536)": dict(hidden=512, intermediate=1536),
-    "Llama-3-8B (h4096, i14336)": dict(hidden=4096, intermediate=14336),
+    "tiny (h128, i256)": dict(hidden=128, intermediate=256, dtype="bfloat16"),
+    TEACHING_MODEL: dict(hidden=_TEACHING["HIDDEN"], intermediate=_TEACHING["INTERMEDIATE"], dtype=_TEACHING["DTYPE"]),
+    "small (h512, i1536)": dict(hidden=512, intermediate=1536, dtype="bfloat16"),
+    H200_MODEL: dict(hidden=_H200["HIDDEN"], intermediate=_H200["INTERMEDIATE"], dtype=_H200["DTYPE"]),
 }
 LADDERS = {
     "32 … 1": (32, 16, 8, 4, 2, 1),
@@ -49,7 +56,8 @@ LADDERS = {
     "256 … 1": (256, 128, 64, 32, 16, 8, 4, 2, 1),  # SGLang's largest default captured batch
 }
 POOLS = ("graph ladder", "fit-policy demo")
-VOCABS = (2048, 8192, 32000, 128256)
+VOCABS = (2048, 8192, 32000, 50257, 128256)
+PREFILLS = (0, 256, 512, 2048, 3072, 8192)
 DRAFT_CHOICES = (1, 2, 4, 8, 16)
 FIT_POLICIES = ("best", "first")
 
@@ -92,13 +100,15 @@ class ExplorerResult:
     settings: ExplorerSettings
     segments: list            # the graph pool's snapshot segments
     runs: list                # (address, nbytes) free runs, largest first
-    borrowed: Optional[list]  # (address, nbytes) of the step's blocks at its peak; None: it did not fit
+    borrowed: list            # (address, nbytes) of the step's borrowed blocks at its peak (when it ran
+                              # out: the most it held before the failing request)
     plan: VerifyPlan          # the planner's answer for the chosen step
     table: list               # grid rows: batch_size, draft_tokens, bytes (the step's peak), fits
+    completed: bool = True    # whether the step ran to the end borrowing from the pool
 
     @property
     def fits(self) -> bool:
-        return self.borrowed is not None
+        return self.completed
 
     @property
     def needed_bytes(self) -> int:
@@ -121,7 +131,9 @@ class _Layout:
             if pool == "fit-policy demo":
                 self.pool = fit_policy_pool(self.backend)
             else:
-                shape = ModelShape(layers=layers, vocab=vocab, dtype=torch.bfloat16, **MODELS[model])
+                widths = dict(MODELS[model])
+                dtype = getattr(torch, widths.pop("dtype"))
+                shape = ModelShape(layers=layers, vocab=vocab, dtype=dtype, **widths)
                 self.pool = GraphLadder(self.backend, shape, prefill_tokens=prefill, decode_batches=ladder,
                                         draft_tokens=draft).capture()
             self.state = self.pool.state
@@ -134,8 +146,9 @@ class _Layout:
         self.state.best_fit = fit_policy == "best"
         return self.state
 
-    def run_step(self, s: ExplorerSettings) -> Optional[list]:
-        """Run the step borrowing from the pool: its blocks at the peak, or None if it ran out."""
+    def run_step(self, s: ExplorerSettings) -> tuple[list, bool]:
+        """Run the step borrowing from the pool: its blocks at the peak, and whether it completed
+        (when it ran out of borrowed memory, the blocks are the most it held before that)."""
         b = self.backend
         with b.activated():
             state = self.fresh(s.fit_policy)
@@ -154,7 +167,7 @@ class _Layout:
             spans = _peak_blocks(trace, b.memory_snapshot(b.pool_id(state.mem_pool)) if state.mem_pool else [])
             del logits, tree, long
             state.retire()
-        return spans if ran else None
+        return spans, ran
 
     def close(self):
         with self.backend.activated():
@@ -203,9 +216,9 @@ def _layout(s: ExplorerSettings) -> _Layout:
 
 
 def preset_settings(preset: str = "teaching", **changes: Any) -> ExplorerSettings:
-    """Where the explorer starts for a notebook ``PRESET``: the teaching shapes (a small model, an
-    8192-token prefill, Llama-2's 32000-word vocabulary, batch 32 ... 1) or the H200's (Llama-3-8B
-    widths, an 8192-token prefill, 128256 words, batch 64 ... 1 at 8 draft tokens).
+    """Where the explorer starts for a notebook ``PRESET``: that preset's model, vocabulary, prefill,
+    ladder, batch and draft tokens (:data:`graphborrow.studies.presets.PRESETS`), so its pool is
+    the one every other notebook captures.
 
     Args:
         preset: ``"teaching"`` or ``"h200"``.
@@ -214,15 +227,17 @@ def preset_settings(preset: str = "teaching", **changes: Any) -> ExplorerSetting
     Raises:
         ParameterError: an unknown preset, or settings the explorer cannot draw.
     """
-    starts = {
-        "teaching": ExplorerSettings(model="small (h512, i1536)", vocab=32000, ladder="32 … 1", prefill_tokens=8192,
-                                     batch_size=8, draft_tokens=4),
-        "h200": ExplorerSettings(model="Llama-3-8B (h4096, i14336)", vocab=128256, ladder="64 … 1",
-                                 prefill_tokens=8192, batch_size=32, draft_tokens=8),
-    }
-    if preset not in starts:
-        raise ParameterError(f"PRESET={preset!r} is not a preset; choose one of {list(starts)}")
-    start = dataclasses.replace(starts[preset], **{k: v for k, v in changes.items() if v is not None and k != "batch_size"})
+    if preset not in PRESETS:
+        raise ParameterError(f"PRESET={preset!r} is not a preset; choose one of {list(PRESETS)}")
+    values = PRESETS[preset]
+    ladder = next((name for name, sizes in LADDERS.items() if list(sizes) == values["LADDER"]), None)
+    if ladder is None:
+        raise ParameterError(f"the {preset} preset's ladder {values['LADDER']} is not one of the explorer's "
+                             f"{list(LADDERS)}; add it to LADDERS")
+    start = ExplorerSettings(model=TEACHING_MODEL if preset == "teaching" else H200_MODEL, layers=values["LAYERS"],
+                             vocab=values["VOCAB"], ladder=ladder, prefill_tokens=values["PREFILL_TOKENS"],
+                             batch_size=values["BATCH_SIZE"], draft_tokens=values["DRAFT_TOKENS"])
+    start = dataclasses.replace(start, **{k: v for k, v in changes.items() if v is not None and k != "batch_size"})
     batch = changes.get("batch_size") or start.batch_size
     if batch > max(LADDERS[start.ladder]):  # a larger batch needs a ladder that captured it
         holding = [name for name, sizes in LADDERS.items() if max(sizes) >= batch]
@@ -259,8 +274,8 @@ def explore(settings: ExplorerSettings | None = None, **changes: Any) -> Explore
             for d in DRAFT_CHOICES:
                 cell = plan_verify(state, bs, d, s.vocab, s.mode)
                 table.append({"batch_size": bs, "draft_tokens": d, "bytes": cell.peak_bytes, "fits": cell.fits})
-    borrowed = layout.run_step(s)
-    return ExplorerResult(s, layout.segments, layout.runs, borrowed, plan, table)
+    borrowed, completed = layout.run_step(s)
+    return ExplorerResult(s, layout.segments, layout.runs, borrowed, plan, table, completed)
 
 
 def render_explorer(settings: ExplorerSettings | None = None, **changes: Any):
@@ -276,14 +291,17 @@ def render_result(r: ExplorerResult):
     s = r.settings
     fig = Figure(figsize=(13, 4.4 + 0.32 * len(r.segments)), layout="constrained")
     left, right = fig.subfigures(1, 2, width_ratios=(1.75, 1))
-    verdict = "fits in the free runs" if r.fits else "does NOT fit: nothing is borrowed"
+    held = sum(n for _, n in r.borrowed)
+    verdict = ("fits in the free runs" if r.fits else
+               f"does NOT fit: it ran out holding {held / MB:.1f} MiB (hatched)" if held else
+               "does NOT fit: its first borrowed request found no room")
     chunks = f", {r.plan.requests_per_chunk} requests per group" if s.mode == "chunked" and r.fits else ""
     where = "fit-policy demo pool" if s.pool == "fit-policy demo" else \
         f"graph pool: ladder {s.ladder}, prefill {s.prefill_tokens} tokens"
     fig.suptitle(f"verify bs={s.batch_size} x D={s.draft_tokens}, V={s.vocab}, {s.mode} ({s.fit_policy} fit): "
                  f"peak {r.needed_bytes / MB:.1f} MiB, {verdict}{chunks}", fontsize=11)
     ax = left.add_subplot()
-    memory_map(r.segments, runs=r.runs, borrowed=r.borrowed or [], ax=ax, title=where)
+    memory_map(r.segments, runs=r.runs, borrowed=r.borrowed, ax=ax, title=where)
     legend = ax.get_legend()
     if legend is not None:  # below the map, where it hides no block
         ax.legend(handles=legend.legend_handles, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3,
@@ -314,9 +332,9 @@ class Explorer:
             "pool": w.ToggleButtons(options=list(POOLS), value=s.pool, description="pool", style=style),
             "model": w.Dropdown(options=list(MODELS), value=s.model, description="model shape", style=style),
             "layers": w.IntSlider(value=s.layers, min=1, max=8, description="layers", style=style),
-            "vocab": w.Dropdown(options=list(VOCABS), value=s.vocab, description="vocabulary", style=style),
+            "vocab": w.Dropdown(options=sorted({*VOCABS, s.vocab}), value=s.vocab, description="vocabulary", style=style),
             "ladder": w.Dropdown(options=list(LADDERS), value=s.ladder, description="captured ladder", style=style),
-            "prefill_tokens": w.Dropdown(options=[0, 256, 512, 2048, 8192], value=s.prefill_tokens,
+            "prefill_tokens": w.Dropdown(options=sorted({*PREFILLS, s.prefill_tokens}), value=s.prefill_tokens,
                                          description="prefill tokens", style=style),
             "batch_size": w.IntSlider(value=s.batch_size, min=1, max=max(LADDERS[s.ladder]),
                                       description="batch size", style=style, continuous_update=False),

@@ -23,6 +23,7 @@ import torch
 
 from graphborrow.core.errors import BorrowLeakError
 from graphborrow.core.sizes import round_size
+from graphborrow.device import get_backend
 
 __all__ = [
     "HazardReport",
@@ -129,7 +130,7 @@ def library_workspace_hazard(ladder, *, rehearse: bool = False, size: int = 256)
                 product = a @ a
                 del product
     except backend.OutOfMemoryError as exc:
-        step_error = f"OutOfMemoryError: {str(exc).splitlines()[0][:160]}"
+        step_error = f"{type(exc).__name__}: {exc}"  # whole: it says which pool is full
     backend.synchronize()
     report = HazardReport(hazard="library workspace created inside the borrow", rehearsed=rehearse,
                           step_error=step_error, **_left_behind(state, runs), guard_message=_guarded_replay(ladder))
@@ -169,7 +170,8 @@ def escaped_tensor_hazard(ladder, make: Callable[[torch.Tensor], torch.Tensor], 
         for graph in ladder.graphs.values():  # no replay scope: nobody checks
             graph.replay()
         backend.synchronize()
-        fraction = (before != kept.cpu()).float().mean().item()
+        if before.numel():  # of no values, no share changed
+            fraction = (before != kept.cpu()).float().mean().item()
     del kept
     report = HazardReport(hazard="a step's tensor kept for the next step", rehearsed=False, step_error=None,
                           **left, guard_message=guard, overwritten_fraction=fraction)
@@ -177,13 +179,15 @@ def escaped_tensor_hazard(ladder, make: Callable[[torch.Tensor], torch.Tensor], 
     return report
 
 
-def peak_step_bytes(backend, step: Callable[[], object]) -> int:
+def peak_step_bytes(step: Callable[[], object], backend=None) -> int:
     """Most bytes the step held at once, read from the allocator's own trace.
 
     Runs ``step()`` with memory history recording and replays the trace's allocations and
     completed frees in order: the high-water mark of the step's live blocks (rounded sizes,
-    as the allocator charges them). Works on CUDA and on the simulated device.
+    as the allocator charges them). Works on CUDA and on the simulated device; ``backend``
+    None is the device ``torch.cuda`` is.
     """
+    backend = backend if backend is not None else get_backend("auto")
     backend.synchronize()
     backend.record_memory_history(True)
     try:

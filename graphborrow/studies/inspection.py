@@ -7,7 +7,7 @@ themselves: which pools are there, where their free runs are under both rules
 (:mod:`graphborrow.core.runs`), and which EAGLE verification steps would fit a borrow over the
 graph pool's runs. The fit comes from the capacity planner, which rebuilds a fresh borrow
 pool over the runs in the simulated allocator (with the snapshot's own allocator settings)
-and replays each step's allocation sequence against it (:func:`graphborrow.planning.capacity.plan_verify`).
+and replays each step's allocation sequence against it (:func:`graphborrow.eagle.plan.plan_verify`).
 
     report = inspect_snapshot("my_engine.pickle", batches=(1, 8, 32), draft_tokens=(8,))
     print(format_report(report))
@@ -92,10 +92,10 @@ class SnapshotReport:
                 return p
         raise KeyError(f"no pool {tuple(pool_id)} in {self.source}; pools: {[p.pool_id for p in self.pools]}")
 
-    def largest_fitting_batch(self, draft_tokens: int, mode: str = "standard") -> int:
-        """Largest batch of the table whose step fits (0: none does)."""
+    def largest_fitting_batch(self, draft_tokens: int, mode: str = "standard") -> Optional[int]:
+        """Largest batch of the table whose step fits (None: none does)."""
         return max((r["batch_size"] for r in self.fit
-                    if r["draft_tokens"] == draft_tokens and r["mode"] == mode and r["fits"]), default=0)
+                    if r["draft_tokens"] == draft_tokens and r["mode"] == mode and r["fits"]), default=None)
 
 
 def read_snapshot(snapshot: Any) -> tuple[list, dict, str]:

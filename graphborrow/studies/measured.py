@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 from graphborrow.core.borrow import precarve_bytes
 from graphborrow.core.runs import find_free_runs
@@ -121,9 +121,12 @@ def fused_kernel_table(verify: Mapping[str, Any]) -> list[dict]:
         softmax, upstream_us = fused["softmax_us"], upstream.get("device_us")
         upstream_replayed = upstream.get("replayed_us", upstream_us)
         wide = bool(fused.get("full_vocab_temporaries", False))
+        softmax_t = fused.get("softmax_with_temperature_us")  # softmax(logits / T): what upstream's step computes
         row = {"batch_size": bs, "draft_tokens": d, "replayed_us": fused["graph_us"], "eager_us": fused["device_us"],
-               "softmax_us": softmax, "upstream_us": upstream_us, "upstream_replayed_us": upstream_replayed,
-               "vs_softmax": fused["graph_us"] / softmax, "eager_vs_softmax": fused["device_us"] / softmax, "agrees": fused.get("agrees"),
+               "softmax_us": softmax, "softmax_t_us": softmax_t, "upstream_us": upstream_us,
+               "upstream_replayed_us": upstream_replayed, "vs_softmax": fused["graph_us"] / softmax,
+               "vs_softmax_t": fused["graph_us"] / softmax_t if softmax_t else None,
+               "eager_vs_softmax": fused["device_us"] / softmax, "agrees": fused.get("agrees"),
                "temporary_bytes": max(fused.get("temporary_bytes") or 0, fused.get("workspace_bytes") or 0),
                "goals_missed_replayed": fused_goals_missed(fused["graph_us"], upstream_replayed, softmax, wide),
                "goals_missed_eager": fused_goals_missed(fused["device_us"], upstream_us, softmax, wide)}
@@ -171,7 +174,7 @@ def fused_summary(verify: Mapping[str, Any]) -> dict:
     return {"points": len(table),
             "goals_met_replayed": sum(not r["goals_missed_replayed"] for r in table),
             "goals_met_eager": sum(not r["goals_missed_eager"] for r in table),
-            "max_temporary_bytes": max((r["temporary_bytes"] or 0 for r in table), default=0),
+            "max_temporary_bytes": max((r["temporary_bytes"] or 0 for r in table), default=None),
             "renorm": renorm_out}
 
 
@@ -180,9 +183,13 @@ def fused_summary_text(summary: Mapping[str, Any]) -> str:
     launch kind, the standalone renorm against its goal, and how little the fused path
     leaves to borrow."""
     n = summary["points"]
-    lines = [f"- Fused verification on the H200: every goal met at {summary['goals_met_replayed']} of {n} points "
-             f"replayed from a CUDA graph, at {summary['goals_met_eager']} of {n} launched eagerly (at small "
-             "batches the eager step is launch-bound: its host time, not the kernels, sets its time)."]
+    if n:
+        lines = [f"- Fused verification on the H200: every goal met at {summary['goals_met_replayed']} of {n} points "
+                 f"replayed from a CUDA graph, at {summary['goals_met_eager']} of {n} launched eagerly (at small "
+                 "batches the eager step is launch-bound: its host time, not the kernels, sets its time)."]
+    else:
+        lines = ["- Fused verification on the H200: n/a, no point of the record ran the fused step (nothing to "
+                 "compare with its goals)."]
     renorm = summary["renorm"]
     if renorm is None:
         lines.append("- Standalone top-p renorm: not recorded.")
@@ -191,9 +198,10 @@ def fused_summary_text(summary: Mapping[str, Any]) -> str:
         lines.append(f"- Standalone top-p renorm of {renorm['rows']} x {renorm['vocab']} (top-p {renorm['top_p']}): "
                      f"{renorm['replayed_us']:.0f} us replayed against a goal of {renorm['goal_us']:.0f} us "
                      f"({verdict}); the reference takes {renorm['reference_us']:.0f} us.")
-    lines.append(f"- The fused step needs at most {summary['max_temporary_bytes'] / 1024:.1f} KiB of temporaries: "
-                 "it never builds the [bs·D, V] matrices, so it leaves almost nothing to borrow. Borrowing pays "
-                 "for the reference path, which materialises them.")
+    if summary["max_temporary_bytes"] is not None:
+        lines.append(f"- The fused step needs at most {summary['max_temporary_bytes'] / 1024:.1f} KiB of temporaries: "
+                     "it never builds the [bs·D, V] matrices, so it leaves almost nothing to borrow. Borrowing pays "
+                     "for the reference path, which materialises them.")
     return "\n".join(lines)
 
 
@@ -254,14 +262,14 @@ def planned_capacity(segments: Any, batches: Iterable[int] = (1, 4, 16, 32, 64, 
     return rows
 
 
-def largest_fitting_batches(rows: Iterable[Mapping], mode: str = "standard") -> dict[int, int]:
-    """Per draft-token count, the largest batch whose step plans as fitting (0: none)."""
-    best: dict[int, int] = {}
+def largest_fitting_batches(rows: Iterable[Mapping], mode: str = "standard") -> dict[int, Optional[int]]:
+    """Per draft-token count, the largest batch whose step plans as fitting (None: none)."""
+    best: dict[int, Optional[int]] = {}
     for r in rows:
         if r["mode"] == mode:
-            best.setdefault(r["draft_tokens"], 0)
+            best.setdefault(r["draft_tokens"], None)
             if r["fits"]:
-                best[r["draft_tokens"]] = max(best[r["draft_tokens"]], r["batch_size"])
+                best[r["draft_tokens"]] = max(best[r["draft_tokens"]] or 0, r["batch_size"])
     return best
 
 

@@ -1,11 +1,12 @@
-"""What every numbered notebook does first: resolve its preset, open the device, capture a ladder.
+"""What every numbered notebook does first: resolve its preset, then capture a ladder on the device.
 
-    setup, backend = notebook.start("01", PRESET, DEVICE, layout_only=LAYOUT_ONLY, hidden=HIDDEN, ...)
-    ladder = notebook.capture(setup, backend)
+    setup = notebook_setup(PRESET, DEVICE, LAYOUT_ONLY, hidden=HIDDEN, ...)   # the shapes, printed
+    device = use_device(DEVICE, layout_only=setup.layout_only)              # torch.cuda: a GPU, or the simulated one
+    ladder = capture_ladder(setup)
 
 The shapes come from :mod:`graphborrow.studies.presets`; this module adds the parts that need
-torch: the device (CUDA, or the simulated device with or without bytes) and the synthetic model
-in the preset's dtype.
+torch: the synthetic model in the preset's dtype, captured on the device ``torch.cuda`` is
+(:func:`graphborrow.use_device` chose it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from graphborrow.workloads.ladder import GraphLadder, ModelShape, build_ladder
 
 from .presets import Setup, resolve
 
-__all__ = ["start", "model_shape", "capture", "device_kind"]
+__all__ = ["notebook_setup", "model_shape", "capture_ladder", "device_kind"]
 
 
 def device_kind(device: str) -> str:
@@ -30,18 +31,18 @@ def device_kind(device: str) -> str:
     return ("cuda" if cuda_available() else "sim") if device == "auto" else device
 
 
-def start(notebook: str, preset: str, device: str, *, layout_only: bool | None = None, **shapes):
-    """Resolve the notebook's shapes and open its device; prints what was chosen and why.
+def notebook_setup(preset: str, device: str, layout_only: bool | None = None, **shapes) -> Setup:
+    """The shapes a notebook runs at; prints them, and why an automatic choice came out as it did.
 
     Args:
-        notebook: its number, e.g. ``"01"`` (some notebooks teach at shapes of their own).
         preset: ``PRESET``.
-        device: ``DEVICE``: ``"auto"``, ``"cuda"`` or ``"sim"``.
-        layout_only: ``LAYOUT_ONLY``: True, False or None (automatic).
+        device: ``DEVICE``: ``"auto"``, ``"cuda"`` or ``"sim"`` (a GPU always has real bytes).
+        layout_only: ``LAYOUT_ONLY``: True, False or None (automatic on the simulated device).
         shapes: the shape parameters in lower case (``hidden=HIDDEN``); None takes the preset's.
 
     Returns:
-        ``(setup, backend)``: the :class:`~graphborrow.studies.presets.Setup` and the device.
+        The :class:`~graphborrow.studies.presets.Setup`; pass ``setup.layout_only`` to
+        :func:`graphborrow.use_device`.
 
     Before the device opens, what the imports made is moved out of the garbage collector's way
     (``gc.freeze``): a graph capture collects garbage first (``torch.cuda.graph`` does, and so
@@ -51,14 +52,11 @@ def start(notebook: str, preset: str, device: str, *, layout_only: bool | None =
     """
     gc.collect()
     gc.freeze()
-    kind = device_kind(device)
-    setup = resolve(preset, kind, notebook, layout_only=layout_only, **shapes)
-    backend = get_backend(kind, backed=not setup.layout_only)
-    print("device:", backend.describe())
+    setup = resolve(preset, device_kind(device), layout_only=layout_only, **shapes)
     print(setup.describe())
     for note in setup.notes:
         print(note)
-    return setup, backend
+    return setup
 
 
 def model_shape(setup: Setup) -> ModelShape:
@@ -67,24 +65,26 @@ def model_shape(setup: Setup) -> ModelShape:
                       vocab=setup.vocab, dtype=getattr(torch, setup.dtype))
 
 
-def capture(setup: Setup, backend, model: str = "synthetic", *, ladder=None, prefill_tokens: int | None = None,
-            order: str = "largest_first", seed: int = 0) -> GraphLadder:
-    """Capture the prefill graph and the decode ladder of ``setup`` into one pool on ``backend``.
+def capture_ladder(setup: Setup, model: str = "synthetic", *, ladder=None, prefill_tokens: int | None = None,
+                   order: str = "largest_first", seed: int = 0, device=None) -> GraphLadder:
+    """Capture the prefill graph and the decode ladder of ``setup`` into one pool.
 
     Args:
         setup: the shapes.
-        backend: the device.
         model: ``"synthetic"`` or a name of :data:`graphborrow.workloads.models.MODELS` (real
             model code keeps its own widths; ``setup``'s layers, ladder and draft tokens apply).
         ladder: batch sizes to capture instead of ``setup.ladder``.
         prefill_tokens: instead of ``setup.prefill_tokens`` (0: no prefill graph).
         order: ``"largest_first"`` or ``"smallest_first"``.
         seed: seed of the random weights.
+        device: the backend to capture on; None for the device ``torch.cuda`` is
+            (:func:`graphborrow.use_device`).
 
     Returns:
         The captured ladder.
     """
     prefill = setup.prefill_tokens if prefill_tokens is None else prefill_tokens
     extra = {"shape": model_shape(setup)} if model == "synthetic" else {}
-    return build_ladder(model, backend, decode_batches=ladder or setup.ladder, draft_tokens=setup.draft_tokens,
-                        prefill_tokens=prefill, layers=setup.layers, order=order, seed=seed, **extra).capture()
+    return build_ladder(model, device or get_backend("auto"), decode_batches=ladder or setup.ladder,
+                        draft_tokens=setup.draft_tokens, prefill_tokens=prefill, layers=setup.layers, order=order,
+                        seed=seed, **extra).capture()

@@ -14,7 +14,7 @@ a GPU and on the simulated device:
 * :func:`simulate_recording` — the simulated twin of a GPU recording, for
   :func:`graphborrow.fidelity.compare.compare_recordings`.
 
-Which steps fit is the capacity planner's answer (``graphborrow.planning.capacity.plan_verify``)
+Which steps fit is the capacity planner's answer (``graphborrow.eagle.plan.plan_verify``)
 when it is installed; otherwise the fit column says ``planner unavailable`` and gives the
 single-tensor answer of ``BorrowState.can_fit`` for the fp32 target probabilities,
 labelled as such (it ignores the step's other tensors).
@@ -22,6 +22,7 @@ labelled as such (it ignores the step's other tensors).
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -29,6 +30,7 @@ import torch
 
 from graphborrow.core.errors import ParameterError
 from graphborrow.core.runs import find_free_runs, summarize
+from graphborrow.device import get_backend
 from graphborrow.eagle.modes import MODES
 from graphborrow.eagle.plan import plan_verify
 from graphborrow.fidelity.compare import compare_recordings, load_recording, recording
@@ -210,9 +212,9 @@ def study(ladder, label: str = "", measure_saving: bool = True, saving_batch: Op
     return result
 
 
-def _largest_fit(fit: list[dict], mode: str = "standard") -> int:
-    fits = [r["batch"] for r in fit if r["fits"] and r["mode"] == mode]
-    return max(fits) if fits else 0
+def _largest_fit(fit: list[dict], mode: str = "standard") -> Optional[int]:
+    """The largest batch of ``fit`` whose step fits; None when none does."""
+    return max((r["batch"] for r in fit if r["fits"] and r["mode"] == mode), default=None)
 
 
 def workload_table(studies: Sequence[dict]) -> list[dict]:
@@ -236,21 +238,25 @@ def workload_table(studies: Sequence[dict]) -> list[dict]:
     return rows
 
 
-def prefill_table(make_backend: Callable[[], object], model: str, prefill_tokens: Optional[int] = None,
-                  modes: Sequence[str] = ("none", "graph", "piecewise"), **ladder_kwargs) -> list[dict]:
+def prefill_table(model: str, prefill_tokens: Optional[int] = None,
+                  modes: Sequence[str] = ("none", "graph", "piecewise"), make_backend: Optional[Callable[[], object]] = None,
+                  **ladder_kwargs) -> list[dict]:
     """The same model's pool with no prefill graph, one prefill graph and piecewise prefill.
 
-    ``make_backend`` gives a fresh device per row (on a GPU: the same device, its pools
-    released between rows by dropping the ladder).
+    Each row is captured on a fresh device from ``make_backend`` (default: a layout-only
+    simulated device, so full widths take seconds and the notebook's own device is untouched).
     """
+    make_backend = make_backend or (lambda: get_backend("sim", backed=False, activate=False))
     studies = []
     for mode in modes:
         backend = make_backend()
-        ladder = build_workload(model, backend, prefill=mode, prefill_tokens=prefill_tokens, **ladder_kwargs).capture()
-        s = study(ladder, label=f"{model}, prefill {mode}", measure_saving=False, check_plan=False)
-        studies.append(s)
-        del ladder
-        backend.empty_cache()
+        context = backend.activated() if hasattr(backend, "activated") else contextlib.nullcontext()
+        with context:
+            ladder = build_workload(model, backend, prefill=mode, prefill_tokens=prefill_tokens, **ladder_kwargs).capture()
+            s = study(ladder, label=f"{model}, prefill {mode}", measure_saving=False, check_plan=False)
+            studies.append(s)
+            del ladder
+            backend.empty_cache()
     return workload_table(studies)
 
 
@@ -349,9 +355,9 @@ def readme_markers(name: str = "model-pools") -> tuple[str, str]:
 README_BEGIN, README_END = readme_markers()
 
 
-def planned_largest_batch(recording_path, verify_fit: list) -> int:
+def planned_largest_batch(recording_path, verify_fit: list) -> Optional[int]:
     """The largest batch whose standard verification step the capacity planner fits into the
-    recorded pool, over the batches and draft tokens of a study's ``verify_fit`` rows (0: none)."""
+    recorded pool, over the batches and draft tokens of a study's ``verify_fit`` rows (None: none)."""
     rec = load_recording(recording_path)
     batches = sorted({r["batch"] for r in verify_fit})
     draft_tokens = verify_fit[0]["draft_tokens"]
@@ -386,10 +392,10 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
         row = workload_table([w["study"]])[0]
         cells = [w["workload"], f"{row['reserved MiB']:.1f}", f"{row['idle MiB']:.1f} ({row['runs']})",
                  f"{row['largest run MiB']:.1f}", f"{row['whole-segment rule MiB']:.1f}",
-                 str(row["largest fitting verify batch"]), row.get("saved MiB (batch)", "-")]
+                 str(row["largest fitting verify batch"] or "none"), row.get("saved MiB (batch)", "-")]
         if single_tensor:
             cells.insert(6, str(planned_largest_batch(Path(directory) / f"{w['workload']}.json.gz",
-                                                      w["study"]["verify_fit"])))
+                                                      w["study"]["verify_fit"]) or "none"))
         if checked:
             runs = w["study"].get("planner_checked", [])
             cells.insert(header.index("largest fitting verify batch") + 1,
@@ -398,8 +404,8 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
             rec = load_recording(Path(directory) / f"{w['workload']}.json.gz")
             c = compare_recordings(rec, simulate_recording(rec))
             ref_events, cand_events, aligned = c.trace_events
-            cells.append(f"{c.agreement_blocks:.3f} / {c.agreement_bytes:.3f} / {aligned} of "
-                         f"{max(ref_events, cand_events)}")
+            blocks = f"{c.agreement_blocks:.3f} / {c.agreement_bytes:.3f}" if c.compared else "n/a, no blocks / n/a"
+            cells.append(f"{blocks} / {aligned} of {max(ref_events, cand_events)}")
             for cause, n in c.causes().items():
                 causes[cause.split(":")[0]] = causes.get(cause.split(":")[0], 0) + n
         lines.append("| " + " | ".join(cells) + " |")

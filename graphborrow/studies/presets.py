@@ -3,9 +3,9 @@ can compute them.
 
 Every numbered notebook has a ``PRESET`` parameter and leaves its shape parameters at None:
 
-- ``"teaching"`` (the default): small enough that every notebook computes real values on a
-  CPU in seconds, large enough that the effects are tens of MiB (a 136 MiB pool, 32000-word
-  vocabulary, batch 32 ... 1);
+- ``"teaching"`` (the default), the one preset of the course: small enough that every notebook
+  computes real values on a CPU in seconds, and chosen so that every section shows its effect
+  at the defaults (:data:`PRESETS` says which effect each value is for);
 - ``"h200"``: the Llama-3-8B shapes measured on the H200 (hidden 4096, intermediate 14336,
   vocabulary 128256, an 8192-token prefill, batch 64 ... 1 at 8 draft tokens).
 
@@ -25,23 +25,26 @@ from typing import Any, Mapping
 
 from graphborrow.core.errors import ParameterError
 
-__all__ = ["PRESETS", "NOTEBOOK_PRESETS", "SHAPE_NAMES", "Setup", "resolve", "footprint_bytes", "capture_flops",
+__all__ = ["PRESETS", "SHAPE_NAMES", "Setup", "resolve", "footprint_bytes", "capture_flops",
            "too_large_for_cpu", "BACKED_LIMIT_BYTES", "BACKED_LIMIT_FLOPS"]
 
 # The parameters a preset sets (notebooks spell them in upper case).
 SHAPE_NAMES = ("HIDDEN", "INTERMEDIATE", "LAYERS", "VOCAB", "PREFILL_TOKENS", "LADDER", "DRAFT_TOKENS", "BATCH_SIZE")
 
+# The teaching values, and what each is for (checked at the defaults by the notebooks' asserts):
+# - prefill 3072 tokens through one 4608-wide MLP: its 108 MiB gate/up intermediate is the pool's
+#   largest run, large enough for a precarve (so the largest borrowable tensor is below the run)
+#   and for the 32 MiB cuBLAS workspace of notebook 08;
+# - GPT-2's 50257-word vocabulary at batch 32 x 8 draft tokens: the standard verification step
+#   (two [256, 50257] float32 matrices) does not fit the runs, lean does, and chunked runs it in
+#   groups below the whole batch (notebooks 05, 06, 07);
+# - decode graphs whose logits stay alive in mixed segments: runs there that the whole-segment
+#   rule cannot see (notebook 01), and a run under 2 MiB that can never lend.
 PRESETS: dict[str, dict[str, Any]] = {
-    "teaching": {"HIDDEN": 512, "INTERMEDIATE": 2048, "LAYERS": 2, "VOCAB": 32000, "PREFILL_TOKENS": 2048,
-                 "LADDER": [32, 16, 8, 4, 2, 1], "DRAFT_TOKENS": 4, "BATCH_SIZE": 8, "DTYPE": "float32"},
+    "teaching": {"HIDDEN": 256, "INTERMEDIATE": 4608, "LAYERS": 1, "VOCAB": 50257, "PREFILL_TOKENS": 3072,
+                 "LADDER": [32, 16, 8, 4, 2, 1], "DRAFT_TOKENS": 8, "BATCH_SIZE": 32, "DTYPE": "float32"},
     "h200": {"HIDDEN": 4096, "INTERMEDIATE": 14336, "LAYERS": 2, "VOCAB": 128256, "PREFILL_TOKENS": 8192,
              "LADDER": [64, 32, 16, 8, 4, 2, 1], "DRAFT_TOKENS": 8, "BATCH_SIZE": 32, "DTYPE": "bfloat16"},
-}
-
-# Where a notebook's lesson needs other teaching shapes: 08's hazards need idle runs larger than
-# the simulated cuBLAS workspace (32 MiB), which a 4096-token prefill through a 4096-wide MLP leaves.
-NOTEBOOK_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "08": {"teaching": {"INTERMEDIATE": 4096, "LAYERS": 1, "PREFILL_TOKENS": 4096, "LADDER": [8, 4, 2, 1]}},
 }
 
 # Above these a simulated device with bytes would take more than a few seconds per capture on one
@@ -119,20 +122,19 @@ class Setup:
     def describe(self) -> str:
         """One line: the preset, the shapes, the dtype and whether the run has bytes."""
         return (f"preset {self.preset!r}: hidden {self.hidden}, intermediate {self.intermediate}, {self.layers} "
-                f"layers, vocabulary {self.vocab}, prefill {self.prefill_tokens} tokens, ladder {self.ladder} x "
+                f"layer{'s' if self.layers != 1 else ''}, vocabulary {self.vocab}, prefill {self.prefill_tokens} tokens, ladder {self.ladder} x "
                 f"{self.draft_tokens} draft tokens, batch {self.batch_size}, {self.dtype}, "
                 + ("layout only (no bytes)" if self.layout_only else "real bytes"))
 
 
-def resolve(preset: str = "teaching", device: str = "sim", notebook: str = "", *,
-            layout_only: bool | None = None, **given: Any) -> Setup:
+def resolve(preset: str = "teaching", device: str = "sim", *, layout_only: bool | None = None,
+            **given: Any) -> Setup:
     """The shapes a notebook runs at.
 
     Args:
         preset: ``"teaching"`` or ``"h200"``.
         device: where it runs: ``"sim"`` or ``"cuda"`` (``"auto"`` must be resolved by the caller);
             a real device always has bytes.
-        notebook: the notebook's number (``"08"``) for its own teaching shapes, if any.
         layout_only: True, False, or None to decide by :func:`too_large_for_cpu`.
         given: shape values in lower case (``hidden=4096``); None takes the preset's.
 
@@ -148,7 +150,7 @@ def resolve(preset: str = "teaching", device: str = "sim", notebook: str = "", *
     unknown = sorted(k for k in given if k.upper() not in SHAPE_NAMES)
     if unknown:
         raise ParameterError(f"{unknown} are not shape parameters; a preset sets {list(SHAPE_NAMES)}")
-    values = {**PRESETS[preset], **NOTEBOOK_PRESETS.get(notebook[:2], {}).get(preset, {})}
+    values = dict(PRESETS[preset])
     values.update({k.upper(): v for k, v in given.items() if v is not None})
     if given.get("batch_size") is None:  # the preset's batch, within the ladder the reader chose
         values["BATCH_SIZE"] = min(values["BATCH_SIZE"], max(values["LADDER"]))

@@ -26,12 +26,13 @@ from graphborrow.eagle.acceptance import (
     sample_copies,
     tokens_after,
 )
-from graphborrow.eagle.draft_tree import build_draft_tree, tree_depth_for
+from graphborrow.eagle.draft_tree import DraftTree, build_draft_tree, tree_depth_for, tree_from_parents
 from graphborrow.eagle.plan import plan_verify
 
 from .hazards import peak_step_bytes
 
-__all__ = ["ModesReport", "modes_in_borrow", "AcceptanceReport", "acceptance_study", "pooled_chi_square"]
+__all__ = ["ModesReport", "modes_in_borrow", "AcceptanceReport", "acceptance_study", "pooled_chi_square",
+           "drafted_tree", "breadth_first_parents"]
 
 
 @dataclass
@@ -94,7 +95,7 @@ def modes_in_borrow(state, logits, tree, temperature: float, coins, coins_final)
 
         def step(mode=mode):
             results[mode] = verify(mode)
-        peaks[mode] = peak_step_bytes(backend, step)
+        peaks[mode] = peak_step_bytes(step, backend)
         outputs = sum(round_size(t.numel() * t.element_size()) for t in results[mode])
         planned[mode] = plans[mode].peak_bytes + outputs
     refused = {}
@@ -110,6 +111,58 @@ def modes_in_borrow(state, logits, tree, temperature: float, coins, coins_final)
             refused[mode] = True
     state.retire()
     return ModesReport(plans, peaks, planned, results, free_before - backend.mem_get_info()[0], refused)
+
+
+def breadth_first_parents(draft_tokens: int, branching: int) -> list[int]:
+    """The parent of each node of a tree that gives every node ``branching`` children, breadth
+    first, until ``draft_tokens`` nodes (the root's parent is -1)."""
+    return [-1] + [(n - 1) // branching for n in range(1, draft_tokens)]
+
+
+def drafted_tree(logits: torch.Tensor, draft_tokens: int, branching: int, temperature: float, noise: float,
+                 generator: torch.Generator) -> DraftTree:
+    """The draft tree a draft model close to the target would propose for each request.
+
+    The draft's distribution at a node is the target's row there (``logits[request * D + node]``,
+    at ``temperature``) with Gaussian noise of standard deviation ``noise`` added to the scaled
+    logits: 0 drafts from the target itself, large values from an unrelated model. Each node's
+    ``branching`` children are drawn from it without replacement (Gumbel top-k), most likely
+    first, breadth first until ``draft_tokens`` nodes; the root is a random last verified token.
+    Drawn on the CPU, returned on ``logits``' device.
+
+    Args:
+        logits: ``[bs * D, V]`` target logits (the decode graph's output).
+        draft_tokens: nodes per request, root included (D).
+        branching: children per expanded node (at most V).
+        temperature: the sampling temperature the verification uses.
+        noise: how far the draft is from the target.
+        generator: a CPU generator (reproducible drafts).
+
+    Returns:
+        A :class:`~graphborrow.eagle.draft_tree.DraftTree` of ``bs`` requests.
+
+    Raises:
+        ValueError: ``logits`` rows are not a multiple of ``draft_tokens``, or ``branching`` is
+            outside [1, V], or ``noise`` is negative.
+    """
+    rows, vocab = logits.shape
+    if draft_tokens < 1 or rows % draft_tokens:
+        raise ValueError(f"logits have {rows} rows, not batch x draft_tokens={draft_tokens}")
+    if not 1 <= branching <= vocab:
+        raise ValueError(f"branching must be in [1, {vocab}], got {branching}")
+    if noise < 0:
+        raise ValueError(f"noise is a standard deviation, at least 0; got {noise}")
+    bs = rows // draft_tokens
+    scaled = logits.detach().float().cpu().view(bs, draft_tokens, vocab) / temperature
+    draft = scaled + noise * torch.randn(scaled.shape, generator=generator)
+    gumbel = -torch.log(-torch.log(torch.rand(scaled.shape, generator=generator).clamp(1e-20, 1 - 1e-7)))
+    children = (draft.log_softmax(-1) + gumbel).topk(branching, dim=-1).indices  # [bs, D, branching]
+    parents = breadth_first_parents(draft_tokens, branching)
+    candidates = torch.empty(bs, draft_tokens, dtype=torch.long)
+    candidates[:, 0] = torch.randint(vocab, (bs,), generator=generator)
+    for node in range(1, draft_tokens):
+        candidates[:, node] = children[:, parents[node], (node - 1) % branching]
+    return tree_from_parents([parents] * bs, candidates, device=logits.device)
 
 
 def pooled_chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
@@ -155,7 +208,7 @@ class AcceptanceReport:
 
 
 def acceptance_study(draft_tokens: int, branching: int, temperature: float, samples: int, seed: int = 0,
-                     vocab: int = 12) -> AcceptanceReport:
+                     vocab: int = 12, logit_std: float = 0.2, noise: float | None = None) -> AcceptanceReport:
     """Verify one request's draft tree ``samples`` times on the CPU with independent coins.
 
     Args:
@@ -165,15 +218,26 @@ def acceptance_study(draft_tokens: int, branching: int, temperature: float, samp
         samples: copies verified.
         seed: the random logits', tree's and coins' seed.
         vocab: a small vocabulary, so every token is counted.
+        logit_std: the random logits' standard deviation; at notebook 05's temperature (0.1) the
+            default makes rows as peaked as a trained model's top tokens (a standard deviation
+            of 2 after the temperature), at temperature 1 nearly flat.
+        noise: the draft model's distance from the target (:func:`drafted_tree`); None drafts
+            random tokens (an EAGLE-2 tree of a random draft model).
 
     Returns:
         An :class:`AcceptanceReport`; the second-token test is None for a one-node tree.
     """
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a whole number of 1 or more (copies verified), got {samples!r}: "
+                         "a mean over no copy is undefined")
     gen = torch.Generator().manual_seed(seed)
-    row_logits = torch.randn(draft_tokens, vocab, generator=gen) * 2
+    row_logits = torch.randn(draft_tokens, vocab, generator=gen) * logit_std
     probs = torch.softmax(row_logits / temperature, -1)
     b = min(branching, vocab)
-    tree = build_draft_tree(b, tree_depth_for(draft_tokens, b), draft_tokens, 1, vocab, generator=gen)
+    if noise is None:
+        tree = build_draft_tree(b, tree_depth_for(draft_tokens, b), draft_tokens, 1, vocab, generator=gen)
+    else:
+        tree = drafted_tree(row_logits, draft_tokens, b, temperature, noise, gen)
     res = sample_copies(tree, row_logits, temperature, samples, generator=gen)
     lengths = res.accept_length.double()
     # never below one copy's weight: when every copy emitted the same count the sample's spread

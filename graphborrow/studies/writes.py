@@ -7,7 +7,7 @@ helpers can say how much of a span a replay overwrites before anything runs.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 __all__ = ["merged_writes", "overlap_bytes", "covered_fraction"]
 
@@ -34,11 +34,16 @@ def overlap_bytes(spans: Iterable[tuple[int, int]], ranges: Iterable[tuple[int, 
     return sum(max(0, min(a + n, b + m) - max(a, b)) for a, n in spans for b, m in ranges)
 
 
-def covered_fraction(span: tuple[int, int], graphs: Iterable) -> float:
+def covered_fraction(span: tuple[int, int], graphs: Iterable) -> Optional[float]:
     """Fraction of ``span``'s bytes that a replay of some graph in ``graphs`` writes.
 
     Args:
         span: ``(address, nbytes)``, e.g. an escaped borrowed tensor.
         graphs: captured graphs of the simulated device.
+
+    Returns:
+        The fraction, or None for a span of no bytes (nothing to cover).
     """
+    if span[1] == 0:
+        return None
     return overlap_bytes([span], merged_writes(graphs)) / span[1]

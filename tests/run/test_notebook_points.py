@@ -7,6 +7,7 @@ the point and the failed assert's message.
 
 import json
 import random
+import re
 from pathlib import Path
 
 import nbformat
@@ -26,7 +27,7 @@ from graphborrow.run.sweep.space import (
     notebook_points,
     random_point,
 )
-from tests.sweep_notebooks import tiny_notebook
+from tests.sweep_notebooks import executions, tiny_notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -117,7 +118,8 @@ def test_check_figures_wants_an_image_in_each_tagged_cell():
 def test_plotting_cells_are_tagged(path):
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
-        draws = any(call in cell.source for call in ("plots.", "figure(", "ui.figure", "plot_mode_costs"))
+        draws = re.search(r"\b(?:memory_map|bar_chart|capacity_map|stream_timeline|largest_borrowable_plot|sweep_plot|"
+                          r"fit_grid_figure|plot_mode_costs)\(|ui\.figure", cell.source)
         if cell.cell_type == "code" and draws:
             assert "figure" in cell.metadata.get("tags", []), f"{path.name}: a plotting cell is not tagged 'figure'"
 
@@ -155,6 +157,60 @@ def test_harness_reports_the_failing_point_with_its_message(tmp_path, capsys):
     assert check_figures(executed) == [], "the executed notebook keeps its figure as an image"
 
 
+def test_an_unknown_label_is_refused_before_anything_runs(tmp_path, capsys):
+    """A typo among good labels would quietly check less, and alone nothing, and still pass:
+    exit 2 naming it and the labels there are, with nothing run and no report."""
+    folder = tmp_path / "nbs"
+    folder.mkdir()
+    nb = tiny_notebook(folder / "00_tiny.ipynb")
+    for labels in (["hihg"], ["low", "hihg"]):
+        code = harness.main(["--notebooks", str(folder), "--labels", *labels, "--out", str(tmp_path / "out")])
+        assert code == 2
+        assert ("--labels hihg: no point of these 1 notebooks has that name; their points are defaults low high "
+                "h200 random-0") in capsys.readouterr().err
+    assert executions(nb) == [] and not (tmp_path / "out").exists()
+
+
+def test_a_run_whose_labels_match_no_point_fails_and_checks_nothing(tmp_path, capsys):
+    """Zero points checked is no pass: exit 2 naming the filter, and no report claiming 0 of 0 passed."""
+    folder = tmp_path / "nbs"
+    folder.mkdir()
+    nb = tiny_notebook(folder / "00_tiny.ipynb")
+    code = harness.main(["--notebooks", str(folder), "--labels", "defaults", "--skip-defaults",
+                         "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert "no point of 1 notebooks matched --labels defaults with --skip-defaults" in capsys.readouterr().err
+    assert executions(nb) == [] and not (tmp_path / "out" / "report.json").exists()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--timeout", "0", "must be a positive number of seconds"),
+    ("--timeout", "-5", "must be a positive number of seconds"),
+    ("--timeout", "nan", "must be a positive number of seconds"),
+    ("--timeout", "soon", "is not a number of seconds"),
+    ("--memory-gb", "-1", "must be a number of GiB, 0 or more"),
+    ("--memory-gb", "inf", "must be a number of GiB, 0 or more"),
+    ("--memory-gb", "nan", "must be a number of GiB, 0 or more"),
+])
+def test_a_limit_out_of_range_is_refused_as_sweep_and_suite_refuse_it(option, value, message, tmp_path, capsys):
+    folder = tmp_path / "nbs"
+    folder.mkdir()
+    nb = tiny_notebook(folder / "00_tiny.ipynb")
+    with pytest.raises(SystemExit) as refused:
+        harness.main(["--notebooks", str(folder), option, value, "--out", str(tmp_path / "out")])
+    assert refused.value.code == 2 and message in capsys.readouterr().err
+    assert executions(nb) == [] and not (tmp_path / "out").exists()
+
+
+def test_cell_seconds_of_a_notebook_without_durations_are_undefined():
+    ran = {"cells": [{"metadata": {"papermill": {"duration": 1.26}}}, {"metadata": {"papermill": {"duration": 2.0}}},
+                     {"metadata": {}}]}
+    assert harness.cell_seconds(json.dumps(ran).encode()) == (3.3, 2.0)  # a cell that did not run counts not
+    assert harness.cell_seconds(json.dumps({"cells": [{"metadata": {}}]}).encode()) == (None, None)
+    assert harness.cell_seconds(b"") == (None, None)
+    assert harness.cell_seconds(b"{not json") == (None, None)
+
+
 def test_free_runs_notebook_reads_a_snapshot_from_the_h200(tmp_path):
     """Notebook 01 with SNAPSHOT: the H200's recorded ladder pool, its runs and what fits it."""
     snapshot = ROOT / "data" / "h200_ladder_segments.pickle"
@@ -163,9 +219,10 @@ def test_free_runs_notebook_reads_a_snapshot_from_the_h200(tmp_path):
                                 "LADDER": [64, 32, 16, 8, 4, 2, 1]}, tmp_path, timeout=300)
     assert record["ok"], record["problems"]
     executed = json.loads((tmp_path / "01_free_runs" / "snapshot.ipynb").read_text())
-    text = "".join("".join(o.get("text", "")) for c in executed["cells"] for o in c.get("outputs", []))
+    text = "".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/markdown", ""))
+                   for c in executed["cells"] for o in c.get("outputs", []))  # printed and rendered prose
     pool = json.loads((ROOT / "data" / "core_h200.json").read_text())["pool"]
-    assert f"{pool['runs']} runs, {pool['run_bytes'] / 2**20:.2f} MiB" in text, (
+    assert f"**{pool['runs']} free runs, {pool['run_bytes'] / 2**20:.2f} MiB**" in text, (
         "the notebook's runs of the recorded pool must be the ones the H200 benchmark found")
     # the capacity planner on the recorded pool: standard fits up to batch 32 at 8 draft tokens (as on the H200)
     assert "largest batch that fits at 8 draft tokens: standard 32," in text

@@ -71,7 +71,7 @@ def test_the_fit_policy_contrast_is_real():
 def test_verify_inputs_have_the_step_shapes(backed):
     backend = get_backend("sim", backed=backed)
     try:
-        logits, tree = capacity_study.verify_inputs(backend, 3, 6, 100)
+        logits, tree = capacity_study.verify_inputs(3, 6, 100, backend=backend)
         assert logits.shape == (18, 100) and logits.dtype == torch.float32
         assert tree.candidates.shape == (3, 6)
         if backed:  # a real tree: the root's first child exists and comes after it
@@ -87,3 +87,35 @@ def test_fit_grid_figure_hatches_every_miss():
     assert len([ax for ax in fig.axes if ax.get_label() != "<colorbar>"]) == 2, "one grid per mode, plus one colorbar"
     misses = sum(1 for ax in fig.axes for p in ax.patches if p.get_gid() == "no-fit")
     assert misses == sum(not r["fits"] for r in rows) == 2
+
+
+@pytest.mark.parametrize("run_mib", [3, 12, 21])
+def test_tensor_fits_run_is_what_a_borrow_over_that_run_holds(run_mib):
+    """The planner's single-allocation answer against a real borrow (no precarve) over one external
+    buffer of the run's size, on the layout-only simulated device: the 1-10 MiB class needs a 20 MiB
+    segment, so a 12 MiB run holds 11 MiB and not 4 MiB."""
+    from graphborrow.core.borrow import BorrowState
+
+    device = get_backend("sim", backed=False)
+    try:
+        buffer = device.external_alloc(run_mib * 2**20)
+        state = BorrowState(device, precarve=False)
+        state.set_static_runs([(buffer.address, buffer.nbytes)])
+        sizes = [512 * 1024, 2**20 + 512, 4 << 20, (10 << 20) - 512, 11 << 20, (run_mib << 20) - 512, run_mib << 20,
+                 (run_mib << 20) + 512]
+        held = {}
+        for n in sizes:
+            try:
+                with state.borrow("probe"):
+                    t = torch.empty(n, dtype=torch.uint8, device="cuda")
+                    del t
+                held[n] = True
+            except device.OutOfMemoryError:
+                held[n] = False
+            finally:
+                state.retire()
+        assert {n: capacity_study.tensor_fits_run(n, run_mib << 20) for n in sizes} == held
+        if run_mib == 12:
+            assert held[11 << 20] and not held[4 << 20]
+    finally:
+        device.close()

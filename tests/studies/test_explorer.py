@@ -30,7 +30,8 @@ def test_explore_places_the_step_inside_free_runs():
 
 def test_too_large_a_step_does_not_fit_and_says_why():
     r = explorer.explore(batch_size=32, draft_tokens=16, vocab=128256)
-    assert not r.fits and r.borrowed is None and not r.plan.fits
+    assert not r.fits and not r.plan.fits
+    assert sum(n for _, n in r.borrowed) < r.needed_bytes, "what it held when it ran out is less than its peak"
     assert "does not fit" in r.status and "[512, 128256] float32 matrix" in r.status and "large" in r.status
     fig = explorer.render_result(r)
     assert any("does NOT fit" in t for t in texts(fig))
@@ -77,3 +78,26 @@ def test_explorer_controls_redraw_the_figure_and_the_status():
     ex.controls["vocab"].value = 128256
     ex.controls["draft_tokens"].value = 16
     assert "does not fit" in ex.status.value and "segment" in ex.status.value
+
+
+def test_the_teaching_start_is_the_pool_every_notebook_captures():
+    """07 starts where the course's preset is: the same model, ladder and prefill give the same pool
+    (block for block) as notebook.capture_ladder at the teaching preset."""
+    from graphborrow.device import get_backend
+    from graphborrow.studies import notebook, presets
+
+    start = explorer.preset_settings("teaching")
+    teaching = presets.PRESETS["teaching"]
+    assert (start.vocab, start.prefill_tokens, start.batch_size, start.draft_tokens, start.layers) == (
+        teaching["VOCAB"], teaching["PREFILL_TOKENS"], teaching["BATCH_SIZE"], teaching["DRAFT_TOKENS"],
+        teaching["LAYERS"])
+    setup = presets.resolve("teaching", "sim", layout_only=True)
+    backend = get_backend("sim", backed=False, activate=False)
+    with backend.activated():
+        segments = notebook.capture_ladder(setup, device=backend).snapshot()
+
+    def layout(segs):
+        return sorted((s["total_size"], tuple((b["size"], b["state"]) for b in s["blocks"])) for s in segs)
+
+    assert layout(explorer.explore(start).segments) == layout(segments)
+    backend.close()

@@ -1,5 +1,6 @@
 """The library functions behind the notebooks' heavy cells, against oracles of their own."""
 
+import pytest
 import torch
 from matplotlib.figure import Figure
 
@@ -34,7 +35,7 @@ def test_pooled_chi_square_runs_where_the_plain_test_has_too_few_samples():
 
 
 def test_acceptance_study_tests_the_second_token_at_the_notebook_defaults():
-    report = sampling.acceptance_study(draft_tokens=4, branching=2, temperature=1.0, samples=16000, seed=1)
+    report = sampling.acceptance_study(draft_tokens=8, branching=2, temperature=0.1, samples=16000, seed=1)
     assert abs(report.mean_tokens - report.theory_tokens) <= 4 * report.standard_error
     assert report.first_test[0] < report.first_test[2]
     assert report.second_test is not None and report.second_test[0] < report.second_test[2]
@@ -59,7 +60,7 @@ def test_modes_that_do_not_fit_are_run_and_refused_by_the_borrow(backend):
         for width, prefill, fitting in ((16, 1, []), (512, 2048, list(MODES))):
             shape = ModelShape(hidden=width, intermediate=3 * width, layers=1, vocab=16, dtype=torch.float32)
             lad = GraphLadder(backend, shape, prefill_tokens=prefill, decode_batches=(1,), draft_tokens=1).capture()
-            logits, tree = verify_inputs(backend, 1, 1, 16)
+            logits, tree = verify_inputs(1, 1, 16, backend=backend)
             coins = torch.rand(1, 1).to(backend.device)
             modes = sampling.modes_in_borrow(lad.state, logits, tree, 1.0, coins, coins[:, 0])
             if backend.name == "sim" or fitting:  # (a GPU's libraries may leave the tiny pool other runs)
@@ -76,12 +77,20 @@ def test_the_order_verdict_says_which_order_reserved_less():
     assert "ran out of the device's 80 GiB" in capture_order.order_verdict(10 * MB, None, 80 << 30)
 
 
-def test_timeline_starts_at_zero_and_the_block_is_pending_until_the_side_stream_is_done():
-    lanes, marks = deferred.timeline_lanes(50_000)
-    pending = lanes["t's block"][0]
-    assert pending[0] == 0 and pending[1] == lanes["side stream"][1][1], "pending until the side stream's use ends"
+def test_the_block_is_allocated_until_the_drop_and_pending_until_the_side_stream_is_done():
+    lanes, marks = deferred.deferred_free_lanes({"side_busy": 50.0, "side_used": 50.5, "main_busy": 16.7,
+                                                 "dropped": 16.8})
+    alive, pending, free = lanes["t's block"]
+    assert alive == (0.0, 16.8, "active_allocated"), "alive from the write until Python drops it"
+    assert pending[:2] == (16.8, 50.5) and pending[2] == "active_pending_free", "pending until the side stream's use ends"
+    assert free[2] == "inactive" and free[0] == 50.5
+    assert marks == [(16.8, "del t"), (50.5, "side stream's event completes")]
     fig = plots.stream_timeline(lanes, marks)
     assert isinstance(fig, Figure) and fig.axes[0].get_xlim()[0] == 0
+    with pytest.raises(ValueError, match="missing"):
+        deferred.deferred_free_lanes({"side_busy": 1.0})
+    with pytest.raises(ValueError, match="out of order"):
+        deferred.deferred_free_lanes({"side_busy": 5.0, "side_used": 4.0, "main_busy": 1.0, "dropped": 1.0})
 
 
 def test_grids_of_one_figure_share_one_colour_scale():
@@ -110,3 +119,35 @@ def test_written_ranges_are_drawn_inside_each_segment_they_cross():
     fig = plots.memory_map(segments, written=[(base + MB, 3 * MB)])
     strips = sorted((p.get_y(), p.get_x(), p.get_width()) for p in fig.axes[0].patches if p.get_gid() == "written")
     assert strips == [(-0.45, 1.0, 1.0), (0.55, 0.0, 2.0)], "1 MiB in the first segment, 2 MiB in the second"
+
+
+def test_a_drafted_tree_without_noise_draws_its_first_child_from_the_target():
+    """Noise 0: the draft is the target, so each node's first child is one draw from the target's
+    row (Gumbel-max), checked by chi-square against softmax(logits / T) itself."""
+    from graphborrow.eagle.acceptance import chi_square
+
+    logits = torch.randn(1, 6, generator=torch.Generator().manual_seed(3))
+    rows = logits.repeat(8000, 1)  # 4000 requests x D = 2 (a root and its one child), the same row each
+    tree = sampling.drafted_tree(rows, 2, 1, 0.7, 0.0, torch.Generator().manual_seed(4))
+    stat, df, critical = chi_square(tree.candidates[:, 1], torch.softmax(logits[0] / 0.7, -1))
+    assert stat < critical, f"the first child does not follow the target row (chi-square {stat:.1f} > {critical:.1f})"
+    assert sampling.breadth_first_parents(8, 2) == [-1, 0, 0, 1, 1, 2, 2, 3]
+    wide = sampling.drafted_tree(rows[:16], 2, 1, 0.7, 0.0, torch.Generator().manual_seed(4))
+    assert wide.candidates.shape == (8, 2)
+
+
+def test_siblings_are_distinct_and_a_far_draft_is_accepted_less():
+    from graphborrow.eagle import eagle_verify
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64 * 8, 500, generator=g)
+    lengths = {}
+    for noise in (0.0, 50.0):
+        tree = sampling.drafted_tree(logits, 8, 2, 0.1, noise, torch.Generator().manual_seed(1))
+        pairs = tree.candidates[:, [1, 3, 5]], tree.candidates[:, [2, 4, 6]]  # nodes 1-2, 3-4, 5-6 share a parent
+        assert (pairs[0] != pairs[1]).all(), "siblings are drawn without replacement"
+        coins = torch.rand(64, 8, generator=torch.Generator().manual_seed(2))
+        final = torch.rand(64, generator=torch.Generator().manual_seed(3))
+        res = eagle_verify(logits, None, tree, 0.1, coins=coins, coins_final=final, impl="reference")
+        lengths[noise] = res.accept_length.double().mean().item()
+    assert lengths[0.0] > 1.5 > lengths[50.0], f"tokens per request, draft near and far: {lengths}"

@@ -122,7 +122,7 @@ def test_tables_compare_workloads_side_by_side(layout):
 
 
 def test_capturing_prefill_grows_the_pool_and_its_idle_runs():
-    rows = prefill_table(lambda: SimBackend(backed=False), "llama-3-8b", decode_batches=(4, 1), layers=1,
+    rows = prefill_table("llama-3-8b", make_backend=lambda: SimBackend(backed=False), decode_batches=(4, 1), layers=1,
                          context=1024)
     none, graph, pieces = rows
     assert [r["workload"] for r in rows] == ["llama-3-8b, prefill none", "llama-3-8b, prefill graph",

@@ -35,16 +35,11 @@ def test_the_automatic_choice_follows_the_cost_of_a_capture():
     assert presets.capture_flops({**small, "LAYERS": 4}) > presets.capture_flops(small)
 
 
-def test_a_notebook_can_teach_at_its_own_shapes():
-    assert presets.resolve("teaching", "sim", "08").intermediate == 4096
-    assert presets.resolve("teaching", "sim", "01").intermediate == presets.PRESETS["teaching"]["INTERMEDIATE"]
-    assert presets.resolve("h200", "sim", "08").intermediate == 14336, "the H200 preset is the same everywhere"
-
-
 def test_the_batch_follows_a_smaller_ladder_unless_the_reader_set_it():
     assert presets.resolve("teaching", "sim", ladder=[4]).batch_size == 4
     with pytest.raises(ParameterError, match="BATCH_SIZE=8 needs a captured graph that large.*raise LADDER"):
         presets.resolve("teaching", "sim", ladder=[4], batch_size=8)
+    assert presets.resolve("teaching", "sim", ladder=[8, 4]).batch_size == 8
 
 
 def test_bad_presets_and_names_are_named():

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # hold their figures (headless matplotlib picks Agg by itself in plain Python).
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-test setup-docs run demo lab test test-deep test-core test-notebooks test-nbval test-gpu test-kernels-deep browser docs bench bench-kernels compile-kernels bench-sweep bench-scaling gpu-wheels model-pools model-pools-sim fuzz-sim fuzz-sim-dry fuzz-sim-replay record-wrapped replay-corpus strip clean deep mutation mutation-capacity mutation-sampling
+.PHONY: setup setup-test setup-docs run demo lab test test-deep test-core test-notebooks test-nbval test-gpu test-kernels-deep browser docs bench bench-kernels compile-kernels bench-sweep bench-scaling gpu-wheels model-pools model-pools-sim decode-loop decode-loop-sim fuzz-sim fuzz-sim-dry fuzz-sim-replay record-wrapped replay-corpus strip clean deep mutation mutation-capacity mutation-sampling
 
 # What `make run` needs and nothing more: torch (CPU build), the package, papermill, Dask and the
 # explorer's widgets (extra `run`). Test tools, transformers, triton and JupyterLab come with the
@@ -32,7 +32,6 @@ setup-test: setup $(VENV)/.installed-test
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[notebooks,test,models,kernels]"
-	$(PY) -m graphborrow build --launchers
 	touch $@
 
 setup-docs: setup $(VENV)/.installed-docs
@@ -61,9 +60,10 @@ browser:
 
 # CPU-only: GPU twins are deselected (not skipped); the simulated device runs the story.
 # nbval runs every notebook at its defaults; the points harness runs each at the H200 preset (the
-# browser test then opens those executed notebooks); then pytest. The notebooks' corners and random
-# points, and the tests marked deep (long repeats of a check make test or another target makes, each
-# saying which), run in `make test-deep`.
+# browser test then opens those executed notebooks); then pytest, whose property tests draw the same
+# examples every run (tests/conftest.py). The notebooks' corners and random points, the tests marked
+# deep (long repeats of a check make test or another target makes, each saying which) and a random
+# search of the property tests run in `make test-deep`.
 POINT_LABELS ?= h200
 # both cores, whole modules per worker, the modules marked slow handed out first (tests/conftest.py)
 PYTEST_TWO_WORKERS = -q -n 2 --dist loadscope --no-loadscope-reorder
@@ -74,14 +74,21 @@ test: setup-test browser
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_TWO_WORKERS) -m "not gpu and not deep" tests
 
 # Everything `make test` leaves out: every notebook at the low and high corners of its ranges, the
-# H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim), then the deep tests; about 5 minutes
-# on 2 cores.
+# H200 preset and POINT_SAMPLES seeded random points (DEVICE=sim), then the tests marked deep and a
+# random search of every property test (Hypothesis's "search" profile: make test's numbers of
+# examples, drawn from HYPOTHESIS_SEED, printed first; a failure prints the command that replays
+# it); about 8 minutes on 2 cores.
 POINT_SAMPLES ?= 1
 POINT_SEED ?= 0
+ifndef HYPOTHESIS_SEED
+HYPOTHESIS_SEED := $(shell python3 -c "import random; print(random.randrange(2**32))")
+endif
 test-deep: setup-test browser
 	rm -rf output/points-deep
 	$(PY) -m graphborrow points --skip-defaults --samples $(POINT_SAMPLES) --seed $(POINT_SEED) --jobs 2 --out output/points-deep
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_TWO_WORKERS) -m "deep and not gpu" tests
+	@echo "random search from seed $(HYPOTHESIS_SEED) (the same search again: make test-deep HYPOTHESIS_SEED=$(HYPOTHESIS_SEED))"
+	GRAPHBORROW_HYPOTHESIS=search OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_TWO_WORKERS) -p no:cacheprovider \
+	  --hypothesis-seed=$(HYPOTHESIS_SEED) -m "(deep or property) and not gpu" tests
 
 test-core: setup-test
 	$(PY) -m pytest -q -m "not gpu and not browser" tests
@@ -113,9 +120,12 @@ docs: setup-docs
 	$(PY) -m graphborrow docs --notebooks $(DOCS_NOTEBOOKS) --out output/site
 
 # Property tests and randomized stress loops (interrupts included), 50x longer: the
-# Hypothesis "deep" profile (tests/conftest.py). Not part of CI; tens of minutes.
+# Hypothesis "deep" profile (tests/conftest.py), drawn from HYPOTHESIS_SEED like test-deep's.
+# Not part of CI; tens of minutes.
 deep: setup-test
-	GRAPHBORROW_HYPOTHESIS=deep $(PY) -m pytest -q -p no:cacheprovider -m "property and not gpu" tests
+	@echo "random search from seed $(HYPOTHESIS_SEED) (the same search again: make deep HYPOTHESIS_SEED=$(HYPOTHESIS_SEED))"
+	GRAPHBORROW_HYPOTHESIS=deep $(PY) -m pytest -q -p no:cacheprovider --hypothesis-seed=$(HYPOTHESIS_SEED) \
+	  -m "property and not gpu" tests
 
 # Mutation testing (not in CI; about three hours on 2 cores): mutmut 3 over the modules that
 # hold rules ([tool.mutmut] in pyproject.toml) and the simulated allocator's statistics
@@ -173,6 +183,16 @@ model-pools: setup-test
 model-pools-sim: setup-test
 	$(PY) benchmarks/model_pools.py --device sim --out output/model-pools-sim
 	$(PY) scripts/model_pools_table.py output/model-pools-sim --no-compare --marker model-pools-sim --readme docs/measurements.md
+
+# On a CUDA machine: speculative decoding end to end, borrowing off and on, every mode in one process
+# per draft-tree size (data/decode_loop_<device>.json; recordings and a memory_viz file beside it, in
+# data/decode_loop_<device>/); about 6 minutes on one H100 or H200. --quick: a smoke run.
+decode-loop: setup-test
+	$(PY) benchmarks/decode_loop.py
+
+# CPU: the same grid on the layout-only simulated device, 2 steps a point (a dry run of the GPU script).
+decode-loop-sim: setup-test
+	$(PY) benchmarks/decode_loop.py --device sim --out output/decode_loop_sim.json
 
 # On a CUDA machine: record more of the differential corpus (random programs of the operations model
 # code uses, CUDA's capture rules, one-operation probes, ordinary transformers scripts), each in a

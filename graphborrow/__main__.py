@@ -66,8 +66,10 @@ def _overrides(pairs) -> dict:
     return {name: parse_value(value) for name, value in (pairs or [])}
 
 
-def _sweep(args: argparse.Namespace) -> int:
-    from graphborrow.run.sweep import Grid, run_sweep
+def _sweep_grid(args: argparse.Namespace) -> tuple:
+    """The notebook and the :class:`~graphborrow.run.sweep.Grid` a ``sweep`` command line names
+    (their values are checked by run_sweep)."""
+    from graphborrow.run.sweep import Grid
     from graphborrow.studies.shipped import example_grid
 
     if args.scheduler and args.workers is not None:
@@ -78,6 +80,13 @@ def _sweep(args: argparse.Namespace) -> int:
     notebook = args.notebook or grid.notebook
     if not notebook:
         raise ParameterError(f"name a notebook (argument, or 'notebook:' in the grid file, as in {example_grid()})")
+    return notebook, grid
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from graphborrow.run.sweep import run_sweep
+
+    notebook, grid = _sweep_grid(args)
     report = run_sweep(notebook, grid, name=args.name, out=args.out, workers=args.workers or 1,
                        scheduler=args.scheduler, timeout=args.timeout, plot_y=args.plot_y,
                        progress=not args.quiet)
@@ -179,9 +188,9 @@ def _simulate(args: argparse.Namespace) -> int:
     from graphborrow.run.simulate import parse_bytes, simulate_script
 
     result = simulate_script(args.script, args.args, capacity=parse_bytes(args.capacity), out=args.out,
-                             backed=args.backed)
+                             backed=args.backed, at_process_exit=lambda done: print(done.summary(), flush=True))
     print(result.summary())
-    return 1 if result.error else 0
+    return result.status
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -196,30 +205,6 @@ def _build(args: argparse.Namespace) -> int:
     names = ", ".join(path.name for path in paths.values())
     folder = next(iter(paths.values())).parent
     print(f"compiled allocator model: {names} in {folder}" + (" (already built)" if existed and not args.force else ""))
-    if args.launchers or _cuda_torch():
-        return _build_launchers()
-    return 0
-
-
-def _cuda_torch() -> bool:
-    """Whether this torch is a CUDA build (where the fused kernels' launchers are used)."""
-    import torch
-
-    return torch.version.cuda is not None
-
-
-def _build_launchers() -> int:
-    """The fused verification's compiled launch paths: the direct launcher (C) and the compiled
-    eager short path (C++ against this torch), each built unless an intact build exists."""
-    from graphborrow.eagle.triton import direct, eager_call
-
-    for what, module in (("direct launcher", direct), ("compiled eager path", eager_call)):
-        try:
-            path = module.build()
-        except RuntimeError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-        print(f"{what}: {path.name} in {path.parent}")
     return 0
 
 
@@ -227,11 +212,24 @@ def _replay_corpus(args: argparse.Namespace) -> int:
     """Replay every trace of a corpus folder on the simulated allocator; print and record the agreement."""
     from graphborrow.fidelity import corpus
 
-    paths = corpus.trace_files(Path(args.corpus), args.only.split(",") if args.only else None)
+    paths = corpus.trace_files(Path(args.corpus) if args.corpus else corpus.default_corpus(),
+                               args.only.split(",") if args.only else None)
+    if args.json:
+        try:
+            corpus.check_record(Path(args.json))  # before the replay: its result must have a place to go
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
 
     def show(row: dict) -> None:
-        result = row.get("refused") or (f"{row['agreement']:.4f} ({row['checks']} checks, "
-                                         f"{row['unverifiable']} not made)")
+        if "refused" in row:
+            result = f"refused: {row['refused']}"
+        else:
+            agreement = "undefined" if row["agreement"] is None else f"{row['agreement']:.4f}"
+            result = f"{agreement} ({row['checks']} checks, {row['unverifiable']} not made"
+            if row["stats_checked"]:
+                result += f", stats {row['stats_checked'] - row['stats_mismatches']}/{row['stats_checked']}"
+            result += ")"
         print(f"{row['name']:<24} {row['variant'] or '':<14} {result}", flush=True)
 
     rows = corpus.replay_corpus(paths, progress=show)
@@ -263,14 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("notebook", nargs="?", help="an .ipynb path, or a shipped notebook's name (e.g. 06_capacity_sweep)")
     sweep.add_argument("--grid", help="YAML grid file (see notebooks/sweep_example.yaml)")
     sweep.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUES"),
-                       help="a parameter and comma-separated values, e.g. -p batch_size 1,8,32")
+                       help="a parameter and comma-separated values, e.g. -p VOCAB 2048,4096")
     sweep.add_argument("--name", help="sweep name (its folder under --out)")
     sweep.add_argument("--out", default=str(DEFAULT_OUT), help="folder holding sweeps (default: output)")
     sweep.add_argument("--workers", type=_positive_int, default=None,
                        help="processes of the local Dask cluster, each running one point at a time (default 1)")
     sweep.add_argument("--scheduler", metavar="ADDRESS",
-                       help="run the points on an existing Dask cluster, e.g. tcp://10.0.0.5:8786")
-    sweep.add_argument("--timeout", type=_positive_float, default=None, help="per-cell timeout, seconds")
+                       help="run the points on an existing Dask cluster: tcp://HOST:PORT (or HOST:PORT, "
+                            "tls://HOST:PORT), e.g. tcp://10.0.0.5:8786; waits for it as long as "
+                            "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT says (30 s)")
+    sweep.add_argument("--timeout", type=_positive_float, default=None,
+                       help="per-cell timeout in seconds (default 600; inf: no limit); a point whose cell runs "
+                            "longer is recorded failed and the others go on")
     sweep.add_argument("--plot-y", help="results column to plot (default: the first numeric one)")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
     sweep.set_defaults(func=_sweep)
@@ -320,17 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
         own = sub.add_parser(name, help=text, add_help=False)  # each owns its options (see main)
         own.add_argument("rest", nargs=argparse.REMAINDER)
 
-    build = sub.add_parser("build", help="compile the simulated allocator with Cython, and the fused kernels' "
-                                         "launchers with a CUDA torch (no-op when built)")
+    build = sub.add_parser("build", help="compile the simulated allocator with Cython (no-op when built)")
     build.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")
     build.add_argument("--verbose", action="store_true", help="show Cython's and the compiler's output")
-    build.add_argument("--launchers", action="store_true",
-                       help="also build the fused kernels' direct launcher and compiled eager path (the default "
-                            "with a CUDA build of torch)")
     build.set_defaults(func=_build)
 
     replay = sub.add_parser("replay-corpus", help="replay a folder of recorded traces on the simulated allocator")
-    replay.add_argument("--corpus", default="data/traces/corpus", help="the folder of traces (default data/traces/corpus)")
+    replay.add_argument("--corpus", default=None,
+                        help="the folder of traces (default: the checkout's data/traces/corpus, from any folder)")
     replay.add_argument("--json", help="add this run to a JSON file of labelled runs (e.g. data/traces/corpus_agreement.json)")
     replay.add_argument("--label", default="current", help="the run's name in that file (replaces a run of that name)")
     replay.add_argument("--commit", help="the simulator's commit, when it is not this checkout's HEAD")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
 import sys
 import weakref
 from pathlib import Path
@@ -41,15 +40,11 @@ FREE_NEGATIVE, FREE_UNKNOWN, FREE_TWICE, FREE_SIZE = -10, -11, -12, -13
 NO_MEMORY = -9
 
 
-def _compiler() -> str:
-    return native.compiler("the bump arena")
-
-
 def library_path() -> Path:
     """Build the arena library if no intact build of this source exists; return its path.
 
     The name carries a hash of the source and the platform; the build cache
-    (:mod:`graphborrow.core.native`) verifies it before use and publishes a new build
+    (:func:`graphborrow.core.native.build`) verifies it before use and publishes a new build
     atomically, so a damaged build is rebuilt, never loaded.
 
     Returns:
@@ -61,18 +56,14 @@ def library_path() -> Path:
     """
     tag = native.content_tag(SOURCE.read_bytes(), sys.platform.encode(), os.uname().machine.encode())
     target = native.cache_dir() / f"libgbarena-{tag}.so"
-    if native.is_intact(target):
-        return target
-    native.prepare(target.parent, "the arena build cache")
-    with native.temporary_dir(target.parent) as build:
-        library = build / target.name
-        cmd = [_compiler(), "-O2", "-shared", "-fPIC", "-pthread", "-o", str(library), str(SOURCE)]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"building the bump arena failed ({' '.join(cmd)}):\n{result.stderr}"
-            )
-        return native.publish(library, target)
+
+    def make(folder: Path) -> list[Path]:
+        library = folder / target.name
+        native.compile_command("the bump arena", [native.compiler("the bump arena"), "-O2", "-shared", "-fPIC",
+                                                  "-pthread", "-o", str(library), str(SOURCE)])
+        return [library]
+
+    return native.build([target], make, "the arena build cache")[0]
 
 
 _lib = None

@@ -310,7 +310,7 @@ class BorrowState:
     def can_fit(self, nbytes: int) -> bool:
         """Could one more tensor of ``nbytes`` be borrowed right now? (The single-tensor question:
         whether a whole step fits depends on its allocation sequence; ask
-        :func:`graphborrow.planning.capacity.plan_verify` or :func:`graphborrow.planning.planner.plan`.)
+        :func:`graphborrow.eagle.plan.plan_verify` or :func:`graphborrow.planning.planner.plan`.)
 
         Applies the allocator's rounding: a request gets a 512-byte-rounded block, from a
         cached free block of the borrow pool (a precarved segment included), or in a new
@@ -689,10 +689,10 @@ class BorrowScope(_SlotScope):
         s = self.state
         if s.mem_pool is not None:
             if s._stream_key() != s.stream_key:
-                raise WrongStreamError(
-                    f"{self.user!r} borrows on stream {s.backend.current_stream()} but the "
-                    f"borrow pool was built on stream {s.stream}; borrow on that stream, or "
-                    "call retire() first so the next borrow builds a pool on the new one"
+                raise WrongStreamError(  # streams by the id torch gives them (cuda_stream, a snapshot's "stream")
+                    f"{self.user!r} borrows on stream {s._stream_key()} but the borrow pool was built on "
+                    f"stream {s.stream_key}; borrow on that stream, or call retire() first so the next borrow "
+                    "builds a pool on the new one"
                 )
             s.backend.touch()  # lets the allocator finish completed cross-stream frees
             s._check_arena(f"the start of {self.user!r}")

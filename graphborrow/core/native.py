@@ -1,5 +1,4 @@
-"""The cache of native builds: the C arena, the compiled allocator model and the fused kernels'
-launchers, built once per content.
+"""The cache of native builds (the C arena, the compiled allocator model), built once per content.
 
 A build is named by a tag, a hash of everything it is built from (:func:`content_tag`), so a
 build can never be stale: change a source, a compiler flag or the interpreter and the old
@@ -8,27 +7,27 @@ A file is loaded only when it matches its digest (:func:`problem`): loading a tr
 overwritten shared library can crash the interpreter (SIGBUS on a page past the end of the
 file). Builds happen in temporaries in the cache directory and appear by atomic renames,
 the file first and its digest last (:func:`publish`), so concurrent processes either find a
-complete, verified build or build their own copy and race harmlessly on the renames.
+complete, verified build or build their own copy and race harmlessly on the renames. Every
+native build goes through :func:`build`, which holds that recipe once.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
-import platform
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
-__all__ = ["build_extension", "cache_dir", "compiler", "content_tag", "cxx_compiler", "digest_path", "is_intact",
-           "load_extension", "prepare", "problem", "publish", "temporary_dir"]
+from . import variables
+
+__all__ = ["build", "cache_dir", "compile_command", "compiler", "content_tag", "digest_path", "is_intact", "prepare",
+           "problem", "publish", "temporary_dir"]
 
 CACHE_ENV = "GRAPHBORROW_CACHE_DIR"
 TEMPORARY_PREFIX = ".build-"  # every temporary a build leaves while it runs starts with this
@@ -43,10 +42,10 @@ def cache_dir() -> Path:
     Returns:
         The directory (not created here); ``$XDG_CACHE_HOME/graphborrow`` when that is set.
     """
-    env = os.environ.get(CACHE_ENV)
+    env = variables.read(CACHE_ENV)
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = variables.read("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "graphborrow"
 
 
@@ -60,80 +59,54 @@ def compiler(what: str) -> str:
     Raises:
         RuntimeError: none of them is found.
     """
-    return _program(os.environ.get("CC") or sysconfig.get_config_var("CC"), ("cc", "gcc", "clang"),
-                    f"no C compiler found to build {what}; install gcc (or set CC)")
-
-
-def cxx_compiler(what: str) -> str:
-    """The C++ compiler: ``$CXX``'s program, else Python's own, else the first of c++, g++ and
-    clang++ on the PATH (as :func:`compiler` finds the C one).
-
-    Raises:
-        RuntimeError: none of them is found.
-    """
-    return _program(os.environ.get("CXX") or sysconfig.get_config_var("CXX"), ("c++", "g++", "clang++"),
-                    f"no C++ compiler found to build {what}; install g++ (or set CXX)")
-
-
-def _program(setting: str | None, fallbacks: tuple, missing: str) -> str:
-    """The program ``setting`` names (flags after it are not part of its name), else the first
-    of ``fallbacks`` on the PATH; RuntimeError(``missing``) when none is found."""
-    name = (setting or fallbacks[0]).split()[0]
+    name = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(name) is not None:
         return name
-    for fallback in fallbacks:
+    for fallback in ("cc", "gcc", "clang"):
         if shutil.which(fallback):
             return fallback
-    raise RuntimeError(missing)
+    raise RuntimeError(f"no C compiler found to build {what}; install gcc (or set CC)")
 
 
-def build_extension(what: str, name: str, source: Path, find_compiler: Callable[[str], str],
-                    command: Callable[[str, Path, str], list], *tag_parts: bytes) -> Path:
-    """A Python extension module compiled from one source file into the cache, unless an intact
-    build of it exists (the fused kernels' direct launcher and compiled eager path).
+def build(targets: Sequence[Path], make: Callable[[Path], Sequence[Path]], cache: str,
+          force: bool = False) -> list[Path]:
+    """The files ``targets`` (in one cache directory) from one build, unless intact builds of
+    them all exist.
+
+    ``make(folder)`` builds into ``folder``, a private temporary of the cache directory
+    removed afterwards whatever happens, and returns the built files in the order of
+    ``targets``; each is then published by atomic renames (:func:`publish`).
 
     Args:
-        what: what is being built, for the messages (e.g. ``"the direct launcher"``).
-        name: the module's name (its ``PyInit_`` name); the file is ``<name>-<tag><EXT_SUFFIX>``.
-        source: the source file.
-        find_compiler: :func:`compiler` or :func:`cxx_compiler`.
-        command: ``command(compiler, output, python_include)``, the compile command.
-        tag_parts: what else the build depends on (beside the source, the interpreter, the
-            machine and Python's headers).
+        targets: where the built files go (``cache_dir() / name``, the name carrying a
+            :func:`content_tag` of everything the build depends on).
+        make: the build itself; raises RuntimeError naming what failed.
+        cache: the cache's name, for the message when it cannot be written
+            (e.g. ``"the arena build cache"``).
+        force: build even when intact builds exist.
 
     Returns:
-        The built file's path.
+        ``targets``, each a verified build.
 
     Raises:
-        RuntimeError: no compiler, no Python headers, or the compile failed (its message).
+        RuntimeError: the cache cannot be written (the message names the setting that moves
+            it), or ``make`` failed.
     """
-    include = sysconfig.get_paths()["include"]
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    tag = content_tag(source.read_bytes(), f"{sys.implementation.cache_tag}{suffix}".encode(),
-                      platform.machine().encode(), include.encode(), *tag_parts)
-    target = cache_dir() / f"{name}-{tag}{suffix}"
-    if is_intact(target):
-        return target
-    program = find_compiler(what)
-    if not (Path(include) / "Python.h").exists():
-        raise RuntimeError(f"building {what} needs Python's headers (no Python.h in {include}); install the "
-                           "python3-dev package of this interpreter")
-    prepare(target.parent, f"{what}'s build cache")
-    with temporary_dir(target.parent) as tmp:
-        built = tmp / target.name
-        compile_command = command(program, built, include)
-        result = subprocess.run(compile_command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"building {what} failed ({' '.join(compile_command)}):\n{result.stderr}")
-        return publish(built, target)
+    targets = [Path(t) for t in targets]
+    if not force and all(is_intact(t) for t in targets):
+        return targets
+    directory = targets[0].parent
+    prepare(directory, cache)
+    with temporary_dir(directory) as folder:
+        built = make(folder)
+        return [publish(b, t) for b, t in zip(built, targets)]
 
 
-def load_extension(name: str, path: Path):
-    """The extension module ``name`` loaded from ``path`` (a file :func:`build_extension` made)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
-    return loaded
+def compile_command(what: str, command: list[str]) -> None:
+    """Run one compiler command; RuntimeError with the command and the compiler's own output when it fails."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"building {what} failed ({' '.join(command)}):\n{result.stderr}")
 
 
 def content_tag(*parts: bytes) -> str:

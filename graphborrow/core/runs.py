@@ -28,7 +28,10 @@ POLICIES = ("runs", "whole_segments")
 
 
 def _runs_of(segment, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Maximal stretches of free blocks in one segment, less the nested segments' ranges."""
+    """Maximal stretches of free blocks in one segment, less the nested segments' ranges.
+
+    The nested segments lie in free blocks and apart from each other: one pass over both,
+    by address, cuts them out (however many one run holds)."""
     runs = []
     start = length = 0
     for block in segment["blocks"]:
@@ -41,19 +44,21 @@ def _runs_of(segment, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
             length = 0
     if length:
         runs.append((start, length))
-    for hole_start, hole_size in holes:
-        hole_end = hole_start + hole_size
-        cut = []
-        for a, n in runs:
-            if hole_end <= a or a + n <= hole_start:
-                cut.append((a, n))
-                continue
-            if a < hole_start:
-                cut.append((a, hole_start - a))
-            if hole_end < a + n:
-                cut.append((hole_end, a + n - hole_end))
-        runs = cut
-    return runs
+    if not holes:
+        return runs
+    holes = sorted(holes)
+    cut, k = [], 0
+    for a, n in runs:
+        at, end = a, a + n
+        while k < len(holes) and holes[k][0] < end:  # the holes of this run (none lies between runs)
+            hole_start, hole_size = holes[k]
+            if at < hole_start:
+                cut.append((at, hole_start - at))
+            at = hole_start + hole_size
+            k += 1
+        if at < end:
+            cut.append((at, end - at))
+    return cut
 
 
 def _holes(segments: list) -> dict[int, list[tuple[int, int]]]:

@@ -1,7 +1,7 @@
 """One validated reader for allocator snapshots in torch's format, whatever their source.
 
 A snapshot comes as a path to a file: a pickle (``torch.cuda.memory._dump_snapshot``, or
-:func:`graphborrow.sim.export.dump_snapshot`) or the same dict as JSON (``.json``), either
+:meth:`graphborrow.sim.SimBackend.dump_snapshot`) or the same dict as JSON (``.json``), either
 gzipped when the name ends in ``.gz``; as the dict of ``torch.cuda.memory._snapshot()``;
 or as the segment list of ``torch.cuda.memory_snapshot()``. :func:`load_snapshot` accepts
 all of them, checks every segment and block, and returns ``{"segments": [...], ...}``
@@ -173,7 +173,7 @@ def read_snapshot_file(path: str | os.PathLike) -> Any:
         kind = "JSON" if is_json else "pickle"
         raise SnapshotFormatError(
             f"{path} is not a readable snapshot {kind} ({type(exc).__name__}: {exc}); "
-            "write it with torch.cuda.memory._dump_snapshot or graphborrow.sim.export.dump_snapshot"
+            "write it with torch.cuda.memory._dump_snapshot or SimBackend.dump_snapshot"
         ) from exc
 
 

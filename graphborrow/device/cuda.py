@@ -18,6 +18,7 @@ import torch
 from graphborrow.core.arena import BumpArena
 from graphborrow.core.device_api import DeviceAPI, ExternalBuffer
 from graphborrow.core.interrupts import CRITICAL, CRITICAL_ENTRY
+from graphborrow.sim.cuda_api import gpu_available
 
 __all__ = ["CudaBackend", "ExternalBuffer"]
 
@@ -25,7 +26,7 @@ __all__ = ["CudaBackend", "ExternalBuffer"]
 class CudaBackend(DeviceAPI):
     """The real device: thin wrappers over ``torch.cuda`` (the contract: :class:`DeviceAPI`).
 
-    Get it from :func:`get_backend` (one per process, as the device is). Sizes are bytes
+    Get it from :func:`~graphborrow.device.select.get_backend` (one per process, as the device is). Sizes are bytes
     and streams are ``torch.cuda.Stream`` objects throughout.
 
     Raises:
@@ -35,10 +36,11 @@ class CudaBackend(DeviceAPI):
     name = "cuda"
     device = "cuda"
     backed = True
+    simulated = False
     OutOfMemoryError = torch.cuda.OutOfMemoryError
 
     def __init__(self) -> None:
-        if not torch.cuda.is_available():
+        if not gpu_available():  # torch's own answer: a simulated device answering torch.cuda is no GPU
             raise RuntimeError(
                 "CUDA backend requested but torch.cuda.is_available() is False; "
                 "use device='sim' (or 'auto') to run on the simulated device"

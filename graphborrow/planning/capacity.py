@@ -17,6 +17,7 @@ import torch
 
 from graphborrow.core.borrow import BorrowState
 from graphborrow.core.sizes import MB, size_class
+from graphborrow.device import get_backend
 
 from .planner import AllocationSequence, PoolImage, replay
 
@@ -115,10 +116,12 @@ class FitPolicyPool:
     so the arena alone decides.
 
     Args:
-        backend: the device (any :class:`~graphborrow.core.device_api.DeviceAPI`; active if simulated).
+        backend: the device (any :class:`~graphborrow.core.device_api.DeviceAPI`; active if
+            simulated); None for the one ``torch.cuda`` is (:func:`graphborrow.use_device`).
     """
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend=None) -> None:
+        backend = backend if backend is not None else get_backend("auto")
         self.backend = backend
         self.state = BorrowState(backend, pool_id=backend.graph_pool_handle(), precarve=False)
         self.pool_id = self.state.pool_id
@@ -144,11 +147,12 @@ class FitPolicyPool:
         return self.backend.memory_snapshot(self.pool_id)
 
 
-def fit_policy_pool(backend) -> FitPolicyPool:
+def fit_policy_pool(backend=None) -> FitPolicyPool:
     """A pool where best fit and first fit change what fits (see :class:`FitPolicyPool`).
 
     Args:
-        backend: the device (any :class:`~graphborrow.core.device_api.DeviceAPI`; active if simulated).
+        backend: the device (any :class:`~graphborrow.core.device_api.DeviceAPI`; active if
+            simulated); None for the one ``torch.cuda`` is.
 
     Returns:
         The :class:`FitPolicyPool`, its ``state`` ready to borrow.

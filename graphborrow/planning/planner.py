@@ -14,19 +14,29 @@ first-fit extent choice all apply exactly as they will when the step runs.
     result = plan(state, sequence)      # or plan(state, fn, inputs=...)
     result.fits, result.peak_bytes, result.reason
 
+A replay serves the requests one at a time (:func:`replaying`), and the first one the pool
+cannot serve ends it. A step not recorded yet can be replayed while it is recorded: a phase
+recorded with a listener hands each request to it as the allocator sees it, and once the
+listener has had enough the step's code stops at its next torch call
+(:class:`RecordingStopped`), so a step that cannot fit is refused after the requests up to
+the first one that does not fit, however many follow.
+
 Failure reasons name the allocator's size classes (:func:`graphborrow.core.sizes.size_class`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import itertools
 import threading
+import traceback
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from graphborrow.allocator.caching import CachingAllocator
 from graphborrow.allocator.config import AllocatorConfig
@@ -51,17 +61,19 @@ __all__ = [
     "FailedAllocation",
     "PoolImage",
     "Recording",
+    "RecordingStopped",
     "Replay",
+    "Replayer",
     "plan",
     "record",
     "recording",
     "renumbered",
     "replay",
+    "replaying",
 ]
 
 ALLOC, FREE = "alloc", "free"
 LAYOUT_CAPACITY = 1 << 50  # the recording device never runs out
-MAX_TRACE = 10_000_000
 
 
 # ----------------------------------------------------------------------------- sequences
@@ -144,8 +156,12 @@ def _layout_device():
     return _DEVICE
 
 
+class RecordingStopped(Exception):
+    """Raised into a recorded step at its next torch call once the phase's listener has had enough."""
+
+
 class Recording:
-    """Phases recorded on the layout-only device; a free in one phase of a block allocated
+    """Phases recorded on a simulated device; a free in one phase of a block allocated
     in an earlier one keeps that allocation's id."""
 
     def __init__(self, device) -> None:
@@ -153,38 +169,79 @@ class Recording:
         self._ids: dict[int, int] = {}  # live block address -> allocation id
 
     @contextlib.contextmanager
-    def phase(self) -> Iterator[list]:
+    def phase(self, listener: Optional[Callable[[tuple], bool]] = None) -> Iterator[list]:
         """Record everything allocated and freed in the block; the yielded list gets the events.
 
-        Yields:
-            A list, filled when the block ends with ``(ALLOC, id, nbytes, stream)`` and
-            ``(FREE, id, 0, stream)`` tuples in the order the allocator saw them.
+        Args:
+            listener: called with each event as the allocator makes it; once it returns False
+                the block's code stops at its next torch call with :class:`RecordingStopped`
+                (events after that are not handed to it). The phase is complete when the block
+                ends without that error.
 
-        Raises:
-            RuntimeError: the phase overflowed the trace buffer (record smaller phases).
+        Yields:
+            A list, filled as the block runs with ``(ALLOC, id, nbytes, stream)`` and
+            ``(FREE, id, 0, stream)`` tuples in the order the allocator saw them.
         """
         events: list = []
-        self.device.record_memory_history(True, max_entries=MAX_TRACE)
+        observer = _TraceObserver(self, events, listener)
+        self.device.record_memory_history(True, max_entries=1)
+        self.device.allocator.history = observer  # entries come to the observer, none is kept
         try:
-            yield events
+            with _StopAtNextCall(observer) if listener is not None else contextlib.nullcontext():
+                yield events
         finally:
-            trace = self.device.full_snapshot()["device_traces"][0]
             self.device.record_memory_history(False)
-        if len(trace) >= MAX_TRACE:
-            raise RuntimeError(f"a recorded phase exceeded {MAX_TRACE} allocator events; record smaller phases")
-        events.extend(self._events(trace))
 
-    def _events(self, trace: list[dict]) -> Iterator[tuple]:
-        for entry in trace:
-            action = entry["action"]
-            if action == "alloc":
-                ident = next(_IDS)
-                self._ids[entry["addr"]] = ident
-                yield (ALLOC, ident, entry["size"], entry["stream"])
-            elif action == "free_completed":
-                ident = self._ids.pop(entry["addr"], None)
-                if ident is not None:  # blocks from before the recording are not the step's
-                    yield (FREE, ident, 0, entry["stream"])
+    def event(self, entry: dict) -> Optional[tuple]:
+        """The event of one trace entry: an allocation, or the completed free of one this recording made.
+
+        Args:
+            entry: an allocator trace entry (``action``, ``addr``, ``size``, ``stream``).
+
+        Returns:
+            ``(ALLOC, id, size, stream)``, ``(FREE, id, 0, stream)``, or None for an entry that is neither.
+        """
+        action = entry["action"]
+        if action == "alloc":
+            ident = next(_IDS)
+            self._ids[entry["addr"]] = ident
+            return (ALLOC, ident, entry["size"], entry["stream"])
+        if action == "free_completed":
+            ident = self._ids.pop(entry["addr"], None)
+            if ident is not None:  # blocks from before the recording are not the step's
+                return (FREE, ident, 0, entry["stream"])
+        return None
+
+
+class _TraceObserver(collections.deque):
+    """Stands in for the allocator's trace buffer: each entry becomes an event at once, none is kept."""
+
+    def __init__(self, recording: Recording, events: list, listener) -> None:
+        super().__init__(maxlen=0)
+        self.recording, self.events, self.listener = recording, events, listener
+        self.stopped = False
+
+    def append(self, entry: dict) -> None:
+        event = self.recording.event(entry)
+        if event is None:
+            return
+        self.events.append(event)
+        if self.listener is not None and not self.stopped:
+            self.stopped = not self.listener(event)
+
+
+class _StopAtNextCall(TorchFunctionMode):
+    """Ends a recorded step between two torch calls once its listener has had enough: the allocator
+    and the device are never left half way through a call."""
+
+    def __init__(self, observer: _TraceObserver) -> None:
+        super().__init__()
+        self.observer = observer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.observer.stopped:
+            raise RecordingStopped("the listener of the recorded phase has had enough")
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -192,16 +249,20 @@ def recording() -> Iterator[Recording]:
     """The layout-only device, active on this thread under inference mode, for recordings.
 
     Tensors created with ``device="cuda"`` inside land on it (shapes only). One recording
-    at a time per process; the device's cache is emptied afterwards.
+    at a time per process; the device's cache is emptied before and afterwards.
 
     Yields:
         A :class:`Recording`; record with its ``phase()``.
     """
     with _RECORD_LOCK:
         device = _layout_device()
+        device.empty_cache()  # what a stopped recording's frames held until they were dropped
         try:
             with device.activated(), torch.inference_mode():
                 yield Recording(device)
+        except RecordingStopped as stopped:
+            traceback.clear_frames(stopped.__traceback__)  # the stopped step's tensors go back now
+            raise
         finally:
             device.empty_cache()
 
@@ -392,6 +453,147 @@ _REPLAY_LOCK = threading.Lock()
 _REPLAY_ARENA: Optional[BumpArena] = None
 
 
+class Replayer:
+    """A replay under way against a copy of one pool: requests are served one at a time, and the
+    first one the pool cannot serve ends it (later ones are ignored). Made by :func:`replaying`."""
+
+    def __init__(self, image: PoolImage, describe: Optional[Callable[[int], str]], arena: Optional[BumpArena]) -> None:
+        self.image, self.describe, self.arena = image, describe, arena
+        self.failed: Optional[FailedAllocation] = None
+        self._final: Optional[Replay] = None
+        self._live: dict[int, Any] = {}
+        self._streams: dict[int, int] = {}
+        self._held = self._peak = self._index = 0
+        if image.disabled is not None:
+            self._final = Replay(False, 0, 0, 0, None, disabled=image.disabled)
+            return
+        self.allocator = CachingAllocator(PhysicalMemory(capacity=SMALL_BUFFER, backed=False), Clockwork(),
+                                          image.config)
+        if image.segments:
+            self.pool_id = _restore(self.allocator, image, arena)
+        else:
+            self.pool_id = self.allocator.new_pool_id("handle")
+            self.allocator.create_or_incref_pool(self.pool_id, arena)
+        self.allocator.begin_allocate_to_pool(self.pool_id, lambda _stream, _thread: True)
+        try:
+            seeds = [self.allocator.malloc(s, image.stream) for s in image.seeds]
+        except torch.OutOfMemoryError:
+            self.failed = self._failure(-1, max(image.seeds))
+            return
+        for block in seeds:
+            self.allocator.free(block)
+
+    @property
+    def done(self) -> bool:
+        """Whether the replay has ended: a request was not served, or the pool lends nothing."""
+        return self.failed is not None or self.image.disabled is not None
+
+    def serve(self, event: tuple) -> bool:
+        """Serve one ``(ALLOC | FREE, id, nbytes, stream)`` request; False once the replay has ended.
+
+        Args:
+            event: the request, as :meth:`Recording.event` makes it.
+
+        Returns:
+            True while the replay goes on; False once a request could not be served (or it had ended).
+
+        Raises:
+            ValueError: a free of an id the replay has not allocated (or has freed already).
+        """
+        if self.done:
+            return False
+        kind, ident, nbytes, recorded_stream = event
+        stream = self.image.stream
+        on = self._streams.setdefault(recorded_stream, stream if not self._streams else stream + 1000 + len(self._streams))
+        if kind == ALLOC:
+            try:
+                block = self.allocator.malloc(nbytes, on)
+            except torch.OutOfMemoryError:
+                self.failed = self._failure(self._index, nbytes)
+                return False
+            self._live[ident] = block
+            self._held += block.size
+            self._peak = max(self._peak, self._held)
+            self._index += 1
+            return True
+        block = self._live.pop(ident, None)
+        if block is None:
+            raise ValueError(
+                f"the sequence frees id {ident}, which it has not allocated (or has freed already); "
+                "a composed sequence must free only what its own parts allocate")
+        self._held -= block.size
+        self.allocator.free(block)
+        return True
+
+    def feed(self, sequence: AllocationSequence) -> bool:
+        """Serve a sequence's requests in order, up to the first that cannot be served.
+
+        Args:
+            sequence: the recorded requests of one phase of a step.
+
+        Returns:
+            True while the replay goes on; False once it has ended.
+        """
+        for event in sequence.events:
+            if not self.serve(event):
+                return False
+        return not self.done
+
+    def result(self) -> Replay:
+        """The outcome so far.
+
+        Returns:
+            The :class:`Replay` (one that has not ended fits what it was given).
+        """
+        if self._final is not None:
+            return self._final
+        return Replay(self.failed is None, self._peak, self.arena.cursor_bytes, self._index, self.failed)
+
+    def close(self) -> None:
+        """Keep the outcome: the arena and the allocator model go to the next replay."""
+        self._final = self.result()
+
+    def _failure(self, index: int, nbytes: int) -> FailedAllocation:
+        kind = "small" if round_size(nbytes) <= SMALL_SIZE else "large"
+        cached = max((b["size"] for s in self.allocator.snapshot(self.pool_id) if s["segment_type"] == kind
+                      for b in s["blocks"] if b["state"] == "inactive"), default=0)
+        rooms = [n - c for (_, n), c in zip(self.arena.extents, self.arena.extent_cursors())]
+        return FailedAllocation(index, size_class(nbytes), self._held, cached, max(rooms, default=0),
+                                self.image.largest_run, self.describe(nbytes) if self.describe else "")
+
+
+@contextlib.contextmanager
+def replaying(image: PoolImage, describe: Optional[Callable[[int], str]] = None) -> Iterator[Replayer]:
+    """A :class:`Replayer` against a copy of the pool ``image``, for the block (one replay at a time
+    per process: the model's arena is shared). Its ``result()`` stays readable afterwards.
+
+    Args:
+        image: the pool (see :meth:`PoolImage.of`).
+        describe: names a request of n bytes for the reason (e.g. "a [64, 128256] float32 matrix").
+
+    Returns:
+        A context manager that yields the :class:`Replayer`.
+    """
+    if image.disabled is not None:
+        replayer = Replayer(image, describe, None)
+        yield replayer
+        return
+    global _REPLAY_ARENA
+    with _REPLAY_LOCK:
+        if _REPLAY_ARENA is None:
+            _REPLAY_ARENA = BumpArena()
+        arena = _REPLAY_ARENA
+        arena.set_extents([])
+        arena.align = image.align
+        arena.best_fit = image.best_fit
+        arena.set_extents(image.extents)
+        replayer = Replayer(image, describe, arena)
+        try:
+            yield replayer
+        finally:
+            replayer.close()
+
+
 def replay(sequence: AllocationSequence, image: PoolImage,
            describe: Optional[Callable[[int], str]] = None) -> Replay:
     """Run ``sequence`` against a copy of the pool ``image`` in the allocator model.
@@ -404,65 +606,9 @@ def replay(sequence: AllocationSequence, image: PoolImage,
     Returns:
         A :class:`Replay`: fits, peak and carved bytes, and the failed request if any.
     """
-    if image.disabled is not None:
-        return Replay(False, 0, 0, 0, None, disabled=image.disabled)
-
-    global _REPLAY_ARENA
-    with _REPLAY_LOCK:
-        if _REPLAY_ARENA is None:
-            _REPLAY_ARENA = BumpArena()
-        arena = _REPLAY_ARENA
-        arena.set_extents([])
-        arena.align = image.align
-        arena.best_fit = image.best_fit
-        arena.set_extents(image.extents)
-        allocator = CachingAllocator(PhysicalMemory(capacity=SMALL_BUFFER, backed=False), Clockwork(), image.config)
-        stream = image.stream
-        if image.segments:
-            pool_id = _restore(allocator, image, arena)
-        else:
-            pool_id = allocator.new_pool_id("handle")
-            allocator.create_or_incref_pool(pool_id, arena)
-        allocator.begin_allocate_to_pool(pool_id, lambda _stream, _thread: True)
-
-        def failure(index: int, nbytes: int, held: int) -> FailedAllocation:
-            kind = "small" if round_size(nbytes) <= SMALL_SIZE else "large"
-            cached = max((b["size"] for s in allocator.snapshot(pool_id) if s["segment_type"] == kind
-                          for b in s["blocks"] if b["state"] == "inactive"), default=0)
-            rooms = [n - c for (_, n), c in zip(arena.extents, arena.extent_cursors())]
-            return FailedAllocation(index, size_class(nbytes), held, cached, max(rooms, default=0),
-                                    image.largest_run, describe(nbytes) if describe else "")
-
-        try:
-            seeds = [allocator.malloc(s, stream) for s in image.seeds]
-        except torch.OutOfMemoryError:
-            return Replay(False, 0, arena.cursor_bytes, 0, failure(-1, max(image.seeds), 0))
-        for block in seeds:
-            allocator.free(block)
-        del seeds
-        streams = {}
-        live: dict[int, Any] = {}
-        held = peak = index = 0
-        for kind, ident, nbytes, recorded_stream in sequence.events:
-            on = streams.setdefault(recorded_stream, stream if not streams else stream + 1000 + len(streams))
-            if kind == ALLOC:
-                try:
-                    block = allocator.malloc(nbytes, on)
-                except torch.OutOfMemoryError:
-                    return Replay(False, peak, arena.cursor_bytes, index, failure(index, nbytes, held))
-                live[ident] = block
-                held += block.size
-                peak = max(peak, held)
-                index += 1
-            else:
-                block = live.pop(ident, None)
-                if block is None:
-                    raise ValueError(
-                        f"the sequence frees id {ident}, which it has not allocated (or has freed already); "
-                        "a composed sequence must free only what its own parts allocate")
-                held -= block.size
-                allocator.free(block)
-        return Replay(True, peak, arena.cursor_bytes, index, None)
+    with replaying(image, describe) as replayer:
+        replayer.feed(sequence)
+    return replayer.result()
 
 
 def _restore(allocator, image: PoolImage, arena: BumpArena) -> tuple[int, int]:

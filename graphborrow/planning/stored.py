@@ -14,10 +14,15 @@ settings record afresh. Read back, a sequence gets new allocation ids of this pr
 (:func:`graphborrow.planning.planner.renumbered`), so it composes with this process's own
 recordings. A file that cannot be read, or names another key, is recorded again;
 ``GRAPHBORROW_SEQUENCE_CACHE=0`` turns the store off (every phase is recorded).
+
+:class:`PhaseStore` keeps one kind of phases in memory too (the most recent ones), and can
+record a phase it lacks while a replay listens (:meth:`PhaseStore.get`): a recording the
+listener stopped is incomplete, and nothing of it is kept.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -27,17 +32,18 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
 from graphborrow.allocator.compiled import PURE_ENV
 from graphborrow.allocator.config import ENVIRONMENT as ALLOC_CONF
+from graphborrow.core import variables
 from graphborrow.core.native import cache_dir
 
 from .planner import AllocationSequence, renumbered
 
-__all__ = ["STORE_ENV", "store_enabled", "store_folder", "stored_sequences"]
+__all__ = ["PhaseStore", "STORE_ENV", "store_enabled", "store_folder", "stored_sequences"]
 
 STORE_ENV = "GRAPHBORROW_SEQUENCE_CACHE"
 FORMAT = 1
@@ -48,7 +54,7 @@ _VERSION_LOCK = threading.Lock()
 
 def store_enabled() -> bool:
     """Whether recorded sequences are kept on disk (``GRAPHBORROW_SEQUENCE_CACHE``, default on)."""
-    return os.environ.get(STORE_ENV, "1") != "0"
+    return variables.read(STORE_ENV, "1") != "0"
 
 
 def _version() -> str:
@@ -85,16 +91,85 @@ def stored_sequences(kind: str, key: Sequence, record: Callable[[], Sequence[All
     Returns:
         The phases, their allocation ids new in this process.
     """
-    if not store_enabled():
-        return tuple(record())
-    name = json.dumps([kind, list(key)], separators=(",", ":"))
-    path = store_folder() / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.json"
-    found = _read(path, name)
+    found = _stored(kind, key)
     if found is not None:
-        return renumbered(found)
+        return found
     phases = tuple(record())
-    _write(path, name, phases)
+    _keep(kind, key, phases)
     return phases
+
+
+def _path(kind: str, key: Sequence) -> tuple[Path, str]:
+    name = json.dumps([kind, list(key)], separators=(",", ":"))
+    return store_folder() / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.json", name
+
+
+def _stored(kind: str, key: Sequence) -> Optional[tuple[AllocationSequence, ...]]:
+    """The phases the store holds for ``(kind, key)`` with ids new to this process, or None."""
+    if not store_enabled():
+        return None
+    path, name = _path(kind, key)
+    found = _read(path, name)
+    return None if found is None else renumbered(found)
+
+
+def _keep(kind: str, key: Sequence, phases: tuple[AllocationSequence, ...]) -> None:
+    if store_enabled():
+        _write(*_path(kind, key), phases)
+
+
+class PhaseStore:
+    """One kind of recorded phases: the most recent ``size`` in memory, all of them on disk.
+
+    Args:
+        kind: what is recorded (names the files, with the key).
+        record: ``record(*args, listener=None)`` records the phases for ``args``, handing the first
+            phase's events to ``listener`` when given (see :meth:`graphborrow.planning.planner.Recording.phase`).
+        key: the JSON values naming ``args`` on disk.
+        size: how many keys are kept in memory.
+    """
+
+    def __init__(self, kind: str, record: Callable[..., Sequence[AllocationSequence]],
+                 key: Callable[..., list], size: int = 1024) -> None:
+        self.kind, self._record, self._key, self.size = kind, record, key, size
+        self._memory: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Hashable) -> tuple[AllocationSequence, ...]:
+        """The phases for ``args``: kept, stored, or recorded now."""
+        return self.get(args)[0]
+
+    def get(self, args: tuple, listener: Optional[Callable[[tuple], bool]] = None
+            ) -> tuple[tuple[AllocationSequence, ...], bool]:
+        """The phases for ``args``, and whether ``listener`` heard the first one.
+
+        A kept or stored phase is returned unheard; one recorded now is recorded with
+        ``listener`` listening to its first phase (heard: True).
+
+        Raises:
+            RecordingStopped: the listener stopped the recording; nothing is kept.
+        """
+        with self._lock:
+            found = self._memory.get(args)
+            if found is not None:
+                self._memory.move_to_end(args)
+                return found, False
+        key = self._key(*args)
+        found, heard = _stored(self.kind, key), False
+        if found is None:
+            found = tuple(self._record(*args, listener=listener))
+            heard = listener is not None
+            _keep(self.kind, key, found)
+        with self._lock:
+            self._memory[args] = found
+            while len(self._memory) > self.size:
+                self._memory.popitem(last=False)
+        return found, heard
+
+    def cache_clear(self) -> None:
+        """Forget the phases kept in memory (the store on disk stays)."""
+        with self._lock:
+            self._memory.clear()
 
 
 def _read(path: Path, name: str) -> tuple[AllocationSequence, ...] | None:

@@ -2,9 +2,10 @@
 
 A variable is read where it takes effect (the arena build, the allocator model, a sweep
 worker), often long after a command started: a typo found there costs a capture, a notebook
-or a whole sweep. :func:`check_environment` reads each of them up front, through the same
-function that later uses it where there is one, and refuses a bad value with the variable,
-its value and the fix. The command line, :func:`graphborrow.run.suite.run_suite` and
+or a whole sweep. :func:`check_environment` reads each of them up front, with the one rule
+its reader applies when it is used (:mod:`graphborrow.core.variables` for the library's own
+variables, so Python use refuses them too), and refuses a bad value with the variable, its
+value and the fix. The command line, :func:`graphborrow.run.suite.run_suite` and
 :func:`graphborrow.run.sweep.run_sweep` call it first. ``docs/reliability.md`` has the table.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from graphborrow.core.errors import ParameterError
+from graphborrow.core.variables import RULES
 
 __all__ = ["Variable", "VARIABLES", "check_environment", "max_point_bytes", "MAX_POINT_ENV", "FORK_ENV", "STORE_ENV",
            "PURE_ENV", "ALLOC_CONF"]
@@ -70,23 +72,10 @@ class Variable:
     check: Callable[[str, Mapping[str, str]], None] | None = None
 
 
-def _absolute_folder(name: str) -> Callable[[str, Mapping[str, str]], None]:
-    def check(value: str, _env: Mapping[str, str]) -> None:
-        if not value:
-            return  # empty counts as unset, as the reader treats it
-        if not os.path.isabs(os.path.expanduser(value)):
-            raise ValueError(f"{name}={value!r} is a relative path; notebook kernels and sweep workers run in "
-                             "other folders, so give an absolute path")
-        if os.path.exists(value) and not os.path.isdir(value):
-            raise ValueError(f"{name}={value!r} is a file, not a folder; point it at a folder")
-    return check
-
-
-def _one_of(name: str, allowed: tuple[str, ...]) -> Callable[[str, Mapping[str, str]], None]:
-    def check(value: str, _env: Mapping[str, str]) -> None:
-        if value not in allowed:
-            raise ValueError(f"{name}={value!r} must be one of {', '.join(repr(a) for a in allowed)}")
-    return check
+def _rule(name: str) -> Callable[[str, Mapping[str, str]], None]:
+    """The variable's one rule, the one its reader in the library applies (graphborrow.core.variables)."""
+    rule = RULES[name]
+    return lambda value, _env: rule(value)
 
 
 def _allocator_settings(_value: str, env: Mapping[str, str]) -> None:
@@ -100,24 +89,19 @@ def _max_point_mb(_value: str, env: Mapping[str, str]) -> None:
 
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("GRAPHBORROW_CACHE_DIR", "graphborrow.core.arena", "where the bump arena and the compiled "
-             "allocator model are built (default ~/.cache/graphborrow)", _absolute_folder("GRAPHBORROW_CACHE_DIR")),
-    Variable("XDG_CACHE_HOME", "graphborrow.core.arena", "the cache folder's parent when GRAPHBORROW_CACHE_DIR is "
-             "unset", _absolute_folder("XDG_CACHE_HOME")),
+    Variable("GRAPHBORROW_CACHE_DIR", "graphborrow.core.native", "where the bump arena and the compiled "
+             "allocator model are built (default ~/.cache/graphborrow)", _rule("GRAPHBORROW_CACHE_DIR")),
+    Variable("XDG_CACHE_HOME", "graphborrow.core.native", "the cache folder's parent when GRAPHBORROW_CACHE_DIR is "
+             "unset", _rule("XDG_CACHE_HOME")),
     # not checked here: a build runs the compiler before anything else and names CC when it fails
     # (the arena falls back to cc, gcc or clang when CC names no program: the build code's rule)
     Variable("CC", "graphborrow.core.arena and the allocator build", "the C compiler of the native builds"),
-    Variable("CXX", "graphborrow.eagle.triton.eager_call", "the C++ compiler of the compiled eager path"),
     Variable(PURE_ENV, "graphborrow.allocator.compiled", "1 runs the pure-Python allocator model instead of the "
-             "compiled one", _one_of(PURE_ENV, ("", "0", "1"))),
+             "compiled one", _rule(PURE_ENV)),
     Variable(ALLOC_CONF, "graphborrow.allocator.config (the simulated device, the planner)", "torch's allocator "
              "settings; the simulated device follows them as torch does", _allocator_settings),
-    Variable("TRITON_INTERPRET", "graphborrow.eagle.triton", "1 runs the fused kernels in Triton's interpreter "
-             "(set by graphborrow when there is no GPU)", _one_of("TRITON_INTERPRET", ("", "0", "1"))),
-    Variable("GRAPHBORROW_DIRECT_LAUNCH", "graphborrow.eagle.triton.launch", "0 launches the fused kernels through "
-             "Triton's C launcher and the graph path's graphs through CUDAGraph.replay instead of the direct "
-             "launcher (graphborrow.eagle.triton.direct), and keeps the eager short path in Python (no compiled "
-             "router, graphborrow.eagle.triton.eager_call)", _one_of("GRAPHBORROW_DIRECT_LAUNCH", ("", "0", "1"))),
+    Variable("TRITON_INTERPRET", "graphborrow.eagle.triton.runtime", "1 runs the fused kernels in Triton's interpreter "
+             "(set by graphborrow when there is no GPU)", _rule("TRITON_INTERPRET")),
     Variable(MAX_POINT_ENV, "graphborrow.run.sweep.execute", "MiB of executed notebook and results one sweep "
              "point may send back (default 64)", _max_point_mb),
     Variable("CUDA_VISIBLE_DEVICES", "graphborrow.run.sweep.cluster", "the GPUs local sweep workers get, one "
@@ -128,9 +112,9 @@ VARIABLES: tuple[Variable, ...] = (
              "backend so executed notebooks hold their figures"),
     Variable("JUPYTER_PATH", "graphborrow.run.sweep.execute", "extended with the kernelspec of each point's run"),
     Variable(FORK_ENV, "graphborrow.run.kernels", "0 starts every notebook kernel from scratch instead of forking "
-             "it from a warm kernel server", _one_of(FORK_ENV, ("", "0", "1"))),
+             "it from a warm kernel server", _rule(FORK_ENV)),
     Variable(STORE_ENV, "graphborrow.planning.stored", "0 records every verification step's allocation sequence "
-             "instead of reading the ones stored in the cache folder", _one_of(STORE_ENV, ("", "0", "1"))),
+             "instead of reading the ones stored in the cache folder", _rule(STORE_ENV)),
 )
 
 

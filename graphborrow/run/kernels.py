@@ -32,6 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Mapping
 
+from graphborrow.core import variables
+
 from .environment import FORK_ENV
 
 try:
@@ -55,7 +57,7 @@ SPAWN_SECONDS = 30.0
 
 def fork_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether kernels may come from a kernel server (``GRAPHBORROW_FORK_KERNELS``, default on)."""
-    return (os.environ if environ is None else environ).get(FORK_ENV, "1") != "0"
+    return variables.read(FORK_ENV, "1", environ) != "0"
 
 
 # What a notebook may import and still start its kernel from scratch: graphborrow's results files.

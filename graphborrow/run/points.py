@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 from graphborrow.studies.shipped import notebooks_dir
 
@@ -47,15 +49,23 @@ def _failure(ran, timeout: float) -> str:
     return lines[-1] if lines else f"papermill exited {ran.returncode}"
 
 
-def cell_seconds(notebook: bytes) -> tuple[float, float]:
+def cell_seconds(notebook: bytes) -> tuple[Optional[float], Optional[float]]:
     """Seconds the executed notebook's cells ran (papermill's per-cell durations): all of them
-    together, and the slowest one."""
+    together, and the slowest one; ``(None, None)`` when no cell has a duration (no executed
+    notebook, or none of its cells ran)."""
     try:
         nb = json.loads(notebook) if notebook else {}
     except ValueError:
-        return 0.0, 0.0
-    times = [cell.get("metadata", {}).get("papermill", {}).get("duration") or 0.0 for cell in nb.get("cells", [])]
-    return round(sum(times), 1), round(max(times, default=0.0), 1)
+        return None, None
+    times = [cell.get("metadata", {}).get("papermill", {}).get("duration") for cell in nb.get("cells", [])]
+    times = [t for t in times if isinstance(t, (int, float))]
+    if not times:
+        return None, None
+    return round(sum(times), 1), round(max(times), 1)
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.0f} s"
 
 
 def run_point(path: Path, label: str, params: dict, out: Path, timeout: float, fork: bool = True) -> dict:
@@ -95,6 +105,28 @@ def run_point(path: Path, label: str, params: dict, out: Path, timeout: float, f
             "slowest_cell_seconds": slowest}
 
 
+def _cell_limit(text: str) -> float:
+    """A per-cell limit: a positive number of seconds (inf: none), as sweep and suite take it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds (inf: no limit)")
+    return value
+
+
+def _gigabytes(text: str) -> float:
+    """An address-space limit: a finite number of GiB, 0 for none."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of GiB, 0 or more (0: no limit)")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m graphborrow points", description=__doc__.splitlines()[0])
     parser.add_argument("--notebooks", type=Path, default=None, help="folder of the numbered notebooks")
@@ -103,13 +135,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random points")
     parser.add_argument("--jobs", type=int, default=2, help="points run at the same time")
     parser.add_argument("--out", type=Path, default=Path("output/points"))
-    parser.add_argument("--timeout", type=float, default=300, help="seconds one cell may run")
+    parser.add_argument("--timeout", type=_cell_limit, default=300, help="seconds one cell may run (inf: no limit)")
     parser.add_argument("--skip-defaults", action="store_true",
                         help="leave out the defaults point (nbval runs the defaults)")
     parser.add_argument("--labels", nargs="*", default=None,
                         help="only these points (defaults low high h200 random-0 ...)")
     parser.add_argument("--no-h200", action="store_true", help="leave out the H200-preset point")
-    parser.add_argument("--memory-gb", type=float, default=6,
+    parser.add_argument("--memory-gb", type=_gigabytes, default=6,
                         help="address-space limit of each notebook's kernel (0: none); a point that needs "
                              "more fails with a MemoryError instead of swapping a shared machine")
     return parser
@@ -141,9 +173,21 @@ def _run(args) -> int:
     if not paths:
         print(f"no numbered notebooks matched in {folder}", file=sys.stderr)
         return 2
-    todo = [(p, pt) for p in paths for pt in notebook_points(p, args.samples, args.seed, not args.no_h200)
+    points = [(p, pt) for p in paths for pt in notebook_points(p, args.samples, args.seed, not args.no_h200)]
+    labels = list(dict.fromkeys(pt.label for _, pt in points))
+    unknown = [label for label in args.labels or [] if label not in labels]
+    if unknown:  # a typo must not quietly check less, or nothing, and pass
+        print(f"error: --labels {' '.join(unknown)}: no point of these {len(paths)} notebooks has that name; "
+              f"their points are {' '.join(labels)} (random-N up to --samples)", file=sys.stderr)
+        return 2
+    todo = [(p, pt) for p, pt in points
             if (args.labels is None or pt.label in args.labels)
             and not (args.skip_defaults and pt.label == "defaults")]
+    if not todo:  # a run that checks nothing must not pass
+        print(f"no point of {len(paths)} notebooks matched --labels {' '.join(args.labels or [])}"
+              f"{' with --skip-defaults' if args.skip_defaults else ''}: nothing to run; name points the "
+              f"notebooks have ({' '.join(labels)})", file=sys.stderr)
+        return 2
     print(f"{len(todo)} points of {len(paths)} notebooks, {args.jobs} at a time", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -156,7 +200,7 @@ def _run(args) -> int:
             records.append(rec)
             status = "ok  " if rec["ok"] else "FAIL"
             print(f"{status} {rec['notebook']} [{rec['label']}] {rec['seconds']:.0f} s "
-                  f"(cells {rec['cell_seconds']:.0f} s)  {pt.describe()}", flush=True)
+                  f"(cells {_seconds(rec['cell_seconds'])})  {pt.describe()}", flush=True)
             for line in rec["problems"]:
                 print(f"       {line[:400]}", flush=True)
     failed = [r for r in records if not r["ok"]]

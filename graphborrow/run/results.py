@@ -1,6 +1,6 @@
 """Results files: what each notebook (or sweep point) measured, as JSON.
 
-Every notebook ends with ``save(name, results, OUTPUT_DIR, backend=backend)``. The file
+Every notebook ends with ``save(name, results, OUTPUT_DIR)`` (as ``graphborrow.save_results``). The file
 records how many device allocations the run made (``device_work``), so a guard
 (:func:`check_results`) can tell a notebook that really ran on the device from one that
 skipped its work. Reading and checking results does not import torch.
@@ -84,15 +84,23 @@ def save(
     """Write ``output_dir/<name>.json`` holding ``data`` plus run metadata.
 
     Pass the ``backend`` the run used (its allocation counter becomes ``device_work``), or
-    ``device_work`` directly. A run that made no device allocation is refused here already.
+    ``device_work`` directly; with neither, ``torch.cuda``'s counter is read (the GPU, or the
+    simulated device :func:`graphborrow.use_device` installed). A run that made no device
+    allocation is refused here already.
     """
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"results name must be a plain file stem like '01_free_runs', got {name!r}")
+    if device_work is None and backend is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            from graphborrow.device import get_backend  # torch is imported already: reading results does not
+
+            backend = get_backend("auto")  # the device torch.cuda is
     if device_work is None:
         if backend is None:
             raise ValueError(
-                "save() needs backend= (the backend the notebook used) or device_work= "
-                "(allocations made on the device) so the guard can tell the work ran"
+                "save() needs backend= (the backend the notebook used), device_work= (allocations made "
+                "on the device) or a CUDA device (graphborrow.use_device) so the guard can tell the work ran"
             )
         device_work = device_allocations(backend)
     if int(device_work) <= 0:

@@ -8,9 +8,27 @@ models (:class:`~graphborrow.workloads.models.ModelLadder`) build the graphs.
 
 from __future__ import annotations
 
-from graphborrow.core.errors import ParameterError
+import contextlib
 
-__all__ = ["Ladder"]
+from graphborrow.core.errors import ParameterError
+from graphborrow.sim.cuda_ops import device_queries
+
+__all__ = ["Ladder", "model_code_queries"]
+
+
+def model_code_queries(backend):
+    """What model code asks the device while it runs, answered for ``backend``.
+
+    Args:
+        backend: the device the model code runs on.
+
+    Returns:
+        A context manager: on the simulated device it answers the CUDA capability query as an
+        H200 does; on a GPU it does nothing (the GPU answers).
+    """
+    if backend.name == "sim":
+        return device_queries()
+    return contextlib.nullcontext()
 
 
 class Ladder:

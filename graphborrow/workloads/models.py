@@ -28,7 +28,6 @@ down (same architecture) so a backed simulated device can run it with real value
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Optional, Sequence
 
@@ -36,9 +35,8 @@ import torch
 
 from graphborrow.core.borrow import BorrowState
 from graphborrow.core.errors import ParameterError
-from graphborrow.sim.cuda_ops import device_queries
 
-from .base import Ladder
+from .base import Ladder, model_code_queries
 
 __all__ = [
     "MODELS",
@@ -184,13 +182,6 @@ def _spec(name: str) -> ModelSpec:
     if spec is None:
         raise ParameterError(f"unknown model {name!r}; choose one of {sorted(MODELS)} (or 'synthetic')")
     return spec
-
-
-def _device_queries(backend):
-    """On the simulated device, answer model code's CUDA capability query as an H200."""
-    if backend.name == "sim":
-        return device_queries()
-    return contextlib.nullcontext()
 
 
 def _head_dim(config) -> int:
@@ -346,7 +337,7 @@ class ModelLadder(Ladder):
     def _run_captured(self, key, run, cache, position: int) -> None:
         """Warm up ``run`` twice on the capture stream, then capture it into the shared pool."""
         b = self.backend
-        with torch.inference_mode(), _device_queries(b):
+        with torch.inference_mode(), model_code_queries(b):
             b.synchronize()
             with b.stream(self._capture_stream):
                 for _ in range(2):

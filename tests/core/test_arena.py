@@ -514,14 +514,14 @@ def test_the_compiler_comes_from_cc_then_the_usual_names(monkeypatch):
     found = {"gcc": "/usr/bin/gcc", "clang": "/usr/bin/clang", "mycc": "/opt/mycc"}
     monkeypatch.setattr(native.shutil, "which", lambda name: found.get(name))  # (the rule lives in native)
     monkeypatch.setenv("CC", "mycc -pthread -O2")
-    assert arena_module._compiler() == "mycc"  # the flags of $CC are not part of its name
+    assert native.compiler("the bump arena") == "mycc"  # the flags of $CC are not part of its name
     monkeypatch.setenv("CC", "missing-cc")
-    assert arena_module._compiler() == "gcc"  # cc is absent here: gcc is next
+    assert native.compiler("the bump arena") == "gcc"  # cc is absent here: gcc is next
     del found["gcc"]
-    assert arena_module._compiler() == "clang"
+    assert native.compiler("the bump arena") == "clang"
     del found["clang"]
-    with pytest.raises(RuntimeError, match="no C compiler found.*set CC"):
-        arena_module._compiler()
+    with pytest.raises(RuntimeError, match="no C compiler found to build the bump arena.*set CC"):
+        native.compiler("the bump arena")
 
 
 def test_repr_and_describe_report_the_state(arena):

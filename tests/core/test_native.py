@@ -103,20 +103,42 @@ def test_an_unwritable_cache_names_the_setting_that_moves_it(tmp_path):
         native.prepare(blocker / "cache", "the test cache")
 
 
-def test_the_cxx_compiler_comes_from_cxx_then_the_usual_names(monkeypatch):
-    """$CXX's program (not its flags), else Python's own C++ compiler, else c++, g++, clang++."""
-    found = {"g++": "/usr/bin/g++", "clang++": "/usr/bin/clang++", "myc++": "/opt/myc++"}
-    monkeypatch.setattr(native.shutil, "which", lambda name: found.get(name))
-    monkeypatch.setattr(native.sysconfig, "get_config_var", lambda name: None)
-    monkeypatch.setenv("CXX", "myc++ -O3")
-    assert native.cxx_compiler("x") == "myc++"
-    monkeypatch.setenv("CXX", "missing++")
-    assert native.cxx_compiler("x") == "g++"  # c++ is absent here: g++ is next
-    monkeypatch.delenv("CXX")
-    found["c++"] = "/usr/bin/c++"
-    assert native.cxx_compiler("x") == "c++"  # (no $CXX, no Python setting: c++)
-    del found["c++"], found["g++"]
-    assert native.cxx_compiler("x") == "clang++"
-    del found["clang++"]
-    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found to build the router; install g\+\+ .or set CXX."):
-        native.cxx_compiler("the router")
+def test_a_build_makes_its_targets_once_and_a_failed_one_leaves_nothing(tmp_path):
+    """native.build: the first call makes every target in a private temporary and publishes
+    them (file and digest each); later calls find them intact and make nothing, unless
+    forced; a make that raises leaves neither targets nor temporaries; a damaged target is
+    made again."""
+    targets = [tmp_path / "cache" / "a-0123.so", tmp_path / "cache" / "b-0123.so"]
+    made = []
+
+    def make(folder):
+        assert folder.parent == targets[0].parent and folder.name.startswith(native.TEMPORARY_PREFIX)
+        made.append(folder)
+        for target, text in zip(targets, ("first", "second")):
+            (folder / target.name).write_text(text)
+        return [folder / t.name for t in targets]
+
+    assert native.build(targets, make, "the test cache") == targets and len(made) == 1
+    assert [t.read_text() for t in targets] == ["first", "second"] and all(native.is_intact(t) for t in targets)
+    assert native.build(targets, make, "the test cache") == targets and len(made) == 1  # intact: not made
+    native.build(targets, make, "the test cache", force=True)
+    assert len(made) == 2
+    targets[1].write_text("damaged")
+    native.build(targets, make, "the test cache")
+    assert len(made) == 3 and targets[1].read_text() == "second"
+    assert sorted(p.name for p in targets[0].parent.iterdir()) == sorted(
+        [t.name for t in targets] + [native.digest_path(t).name for t in targets])
+
+    def broken(folder):
+        (folder / "half-written.so").write_text("x")
+        raise RuntimeError("building the test failed")
+
+    other = [tmp_path / "other" / "c-0123.so"]
+    with pytest.raises(RuntimeError, match="building the test failed"):
+        native.build(other, broken, "the test cache")
+    assert list(other[0].parent.iterdir()) == []
+
+
+def test_a_failing_compile_command_names_the_command_and_the_compilers_output():
+    with pytest.raises(RuntimeError, match=r"building the test failed \(sh -c echo oops >&2; exit 3\):\noops"):
+        native.compile_command("the test", ["sh", "-c", "echo oops >&2; exit 3"])

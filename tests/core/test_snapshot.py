@@ -40,23 +40,27 @@ blocks_st = st.lists(st.tuples(st.sampled_from(STATES), st.integers(1, 12)), min
 
 @st.composite
 def snapshots(draw):
-    """Disjoint segments at random gaps, some with a segment nested in one of their free blocks."""
+    """Disjoint segments at random gaps, some with segments nested in their free blocks (several
+    in one block too, side by side or apart, as a borrow pool's arena carves them)."""
     segments, at = [], 1 << 30
     for layout in draw(st.lists(blocks_st, min_size=0, max_size=6)):
         at += draw(st.integers(0, 8)) * UNIT
         outer = make_segment(at, [(s, n * UNIT) for s, n in layout])
         segments.append(outer)
         at += outer["total_size"]
-        free = [b for b in outer["blocks"] if b["state"] == "inactive" and b["size"] >= 2 * UNIT]
-        if free and draw(st.booleans()):
-            host = free[draw(st.integers(0, len(free) - 1))]
+        for host in [b for b in outer["blocks"] if b["state"] == "inactive" and b["size"] >= 2 * UNIT]:
+            if not draw(st.booleans()):
+                continue
             units = host["size"] // UNIT
-            skip = draw(st.integers(0, units - 1))
-            inner_units = draw(st.integers(1, units - skip))
-            cuts = sorted(draw(st.sets(st.integers(1, max(inner_units - 1, 1)), max_size=3)) - {inner_units})
-            sizes = [b - a for a, b in zip([0, *cuts], [*cuts, inner_units])]
-            inner_blocks = [(draw(st.sampled_from(STATES)), n * UNIT) for n in sizes]
-            segments.append(make_segment(host["address"] + skip * UNIT, inner_blocks, pool=(0, 5)))
+            points = sorted(draw(st.sets(st.integers(0, units), min_size=2, max_size=6)))
+            for lo, hi in zip(points, points[1:]):  # consecutive ranges, each nested or not
+                if not draw(st.booleans()):
+                    continue
+                inner_units = hi - lo
+                cuts = sorted(draw(st.sets(st.integers(1, max(inner_units - 1, 1)), max_size=3)) - {inner_units})
+                sizes = [b - a for a, b in zip([0, *cuts], [*cuts, inner_units])]
+                inner_blocks = [(draw(st.sampled_from(STATES)), n * UNIT) for n in sizes]
+                segments.append(make_segment(host["address"] + lo * UNIT, inner_blocks, pool=(0, 5)))
     order = draw(st.permutations(range(len(segments))))
     return [segments[k] for k in order]
 

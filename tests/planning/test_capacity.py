@@ -291,7 +291,8 @@ def test_the_plan_echoes_its_step_and_its_replay(layout):
     assert (p.requests_per_chunk, p.largest_run, p.reason) == (2, 64 * MB, "")
     assert p.carved_bytes >= 2 * MB and p.allocations > 0 and p.peak_bytes > 2 * 4 * 32000
     empty = plan_verify(state, 0, 4, 32000, "lean", top_p=True)
-    assert empty == type(empty)(True, 0, 0, "", "lean", 0, 4, 32000, False, True, largest_run=64 * MB)
+    assert empty == type(empty)(True, 0, "", "lean", 0, 4, 32000, False, True, largest_run=64 * MB)
+    assert empty.peak_bytes == 0
     assert plan_verify(state, 0, 4, 32000, impl="fused").impl == "fused"  # an empty step names its path too
 
 
@@ -318,7 +319,7 @@ def test_the_pool_image_of_a_state_fresh_and_built(layout):
 
 def run_fused_allocations(state, device, bs, d, vocab, renorm) -> bool:
     """The fused path's body as eagle_verify runs it, without launching: its allocations, in the borrow scope."""
-    from graphborrow.eagle.modes import VerifyResult
+    from graphborrow.eagle.step import VerifyResult
     from graphborrow.eagle.step import VerifyStep
     from graphborrow.eagle.triton import fused
 
@@ -694,7 +695,7 @@ def test_auto_plans_the_fused_kernels_on_cuda():
     """On a CUDA device with Triton, eagle_verify(impl="auto") runs the fused kernels, so the plan
     is the fused step's; the plan holds against the same allocations made on the device."""
     from graphborrow.device import get_backend
-    from graphborrow.eagle.verify import fused_available
+    from graphborrow.eagle.step import fused_available
 
     backend = get_backend("cuda")
     buffer = backend.external_alloc(3 * MB)

@@ -10,7 +10,9 @@ import pytest
 from sweep_notebooks import executions, tiny_notebook
 
 from graphborrow.allocator.config import AllocatorConfig
+from graphborrow.core import native, variables
 from graphborrow.core.errors import ParameterError
+from graphborrow.core.variables import RULES
 from graphborrow.run.environment import VARIABLES, check_environment, max_point_bytes
 from graphborrow.run.sweep import Grid, run_sweep
 from graphborrow.sim import SimBackend
@@ -27,11 +29,13 @@ def names_read(path: Path) -> set[str]:
     for node in ast.walk(tree):
         key = None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
-            # os.environ.get(...), (os.environ if e is None else e).get(...), os.getenv(...)
+            # os.environ.get(...), (os.environ if e is None else e).get(...), os.getenv(...),
+            # variables.read(...) (graphborrow.core.variables: the value checked by its rule)
             receiver = node.func.value
             reads_environ = node.func.attr in ("get", "setdefault", "pop") and any(
                 isinstance(n, ast.Attribute) and n.attr == "environ" for n in ast.walk(receiver))
-            if reads_environ or node.func.attr == "getenv":
+            checked = node.func.attr == "read" and isinstance(receiver, ast.Name) and receiver.id == "variables"
+            if reads_environ or checked or node.func.attr == "getenv":
                 key = node.args[0]
         elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "environ":
             key = node.slice
@@ -46,9 +50,10 @@ def names_read(path: Path) -> set[str]:
 
 
 def test_every_variable_the_package_reads_is_in_the_table():
-    read = set()
+    read = set(RULES)  # graphborrow.core.variables reads the variable it is asked for, by its rule
     for path in PACKAGE.rglob("*.py"):
-        read |= names_read(path)
+        if path != PACKAGE / "core" / "variables.py":
+            read |= names_read(path)
     listed = {v.name for v in VARIABLES}
     assert read - listed == set(), "read but not listed (add to graphborrow/run/environment.py and the docs)"
     assert len(read) >= 8
@@ -61,7 +66,6 @@ def test_the_table_in_the_docs_lists_every_variable():
 
 
 BAD = [
-    ("GRAPHBORROW_DIRECT_LAUNCH", "off", "must be one of"),
     ("GRAPHBORROW_MAX_POINT_MB", "abc", "must be a positive number of MiB"),
     ("GRAPHBORROW_MAX_POINT_MB", "0", "must be a positive number of MiB"),
     ("GRAPHBORROW_MAX_POINT_MB", "-5", "must be a positive number of MiB"),
@@ -85,7 +89,7 @@ GOOD = [
     ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64"), ("PYTORCH_CUDA_ALLOC_CONF", ""),
     ("GRAPHBORROW_SIM_PURE", "1"), ("GRAPHBORROW_SIM_PURE", "0"), ("GRAPHBORROW_SIM_PURE", ""),
     ("TRITON_INTERPRET", "1"), ("GRAPHBORROW_CACHE_DIR", "/tmp/graphborrow-cache"), ("GRAPHBORROW_CACHE_DIR", ""),
-    ("CC", "cc"), ("CXX", "c++"), ("CUDA_VISIBLE_DEVICES", "anything"), ("OMP_NUM_THREADS", "1"),
+    ("CC", "cc"), ("CUDA_VISIBLE_DEVICES", "anything"), ("OMP_NUM_THREADS", "1"),
     ("GRAPHBORROW_FORK_KERNELS", "0"), ("GRAPHBORROW_SEQUENCE_CACHE", "0"),
 ]
 
@@ -166,3 +170,59 @@ def test_the_simulated_device_follows_pytorch_cuda_alloc_conf_as_torch_does(monk
     with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF='expandable_segments:yes': expandable_segments"):
         SimBackend(capacity=1 << 30)
     assert AllocatorConfig.from_environment({}).expandable_segments is False
+
+
+def test_the_library_readers_use_the_tables_rules():
+    """One rule per variable: the reader deep in the library and the command line's check refuse a
+    bad value with the same message, so a Python user meets the refusal the command line gives."""
+    readers = set()
+    for name, value, _ in BAD:
+        if name not in RULES:
+            continue
+        with pytest.raises(ParameterError) as table:
+            check_environment({name: value})
+        with pytest.raises(ParameterError) as reader:
+            variables.read(name, environ={name: value})
+        assert str(reader.value) == str(table.value)
+        readers.add(name)
+    assert readers == set(RULES), "every variable with a rule in the library has a bad case above"
+
+
+@pytest.mark.parametrize("name, value", [("GRAPHBORROW_CACHE_DIR", "relative/dir"), ("XDG_CACHE_HOME", "rel")])
+def test_the_build_cache_refuses_a_relative_folder(name, value, monkeypatch):
+    monkeypatch.delenv("GRAPHBORROW_CACHE_DIR", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ParameterError, match=f"{name}='{value}' is a relative path"):
+        native.cache_dir()
+
+
+def test_the_sequence_store_and_the_kernel_fork_refuse_a_typo(monkeypatch):
+    from graphborrow.planning.stored import store_enabled
+    from graphborrow.run.kernels import fork_enabled
+
+    monkeypatch.setenv("GRAPHBORROW_SEQUENCE_CACHE", "maybe")
+    with pytest.raises(ParameterError, match="GRAPHBORROW_SEQUENCE_CACHE='maybe' must be one of"):
+        store_enabled()
+    monkeypatch.setenv("GRAPHBORROW_SEQUENCE_CACHE", "0")
+    assert store_enabled() is False
+    with pytest.raises(ParameterError, match="GRAPHBORROW_FORK_KERNELS='2' must be one of"):
+        fork_enabled({"GRAPHBORROW_FORK_KERNELS": "2"})
+    assert fork_enabled({"GRAPHBORROW_FORK_KERNELS": "0"}) is False and fork_enabled({}) is True
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("GRAPHBORROW_SIM_PURE", "yes", "GRAPHBORROW_SIM_PURE='yes' must be one of"),
+    ("GRAPHBORROW_CACHE_DIR", "relative/dir", "GRAPHBORROW_CACHE_DIR='relative/dir' is a relative path"),
+])
+def test_python_use_of_the_simulated_device_refuses_a_bad_variable(name, value, message, tmp_path):
+    """No command line in between: the library itself refuses, and makes no relative cache folder."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GRAPHBORROW_SIM_PURE", "GRAPHBORROW_CACHE_DIR")}
+    code = "from graphborrow import SimBackend; SimBackend(backed=False)"
+    ran = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, name: value},
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode != 0 and message in ran.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing was created under the working folder"

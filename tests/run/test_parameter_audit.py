@@ -31,7 +31,8 @@ def outside(rule) -> list:
     """Values the rule must refuse."""
     if isinstance(rule, Range):
         kinds = [True, "1", [1]] + ([1.5] if rule.integer else []) + ([] if rule.none_ok else [None])
-        return [rule.lo - 1 if rule.integer else rule.lo / 2, rule.hi + 1, *kinds]
+        below = rule.lo - 1 if rule.integer else (rule.lo / 2 if rule.lo > 0 else rule.lo - 0.5)
+        return [below, rule.hi + 1, *kinds]
     if isinstance(rule, IntList):
         return [[], [rule.hi + 1], [rule.lo - 1], [1.5], [True], "1,2"] + ([] if rule.none_ok else [None])
     if isinstance(rule, Choice):

@@ -55,3 +55,14 @@ def test_every_command_in_the_readme_exists():
             sub = command.split()[3]
             proc = subprocess.run([sys.executable, "-m", "graphborrow", sub, "--help"], capture_output=True, text=True)
             assert proc.returncode == 0, f"{command}: {proc.stderr[-500:]}"
+
+
+def test_the_fused_steps_ratio_is_the_records():
+    """The README's 'replayed from a graph ... x one softmax(x / T)' range is the H200 record's, at its
+    baseline (softmax of the logits over the temperature, as notebook 05's table shows it)."""
+    from graphborrow.studies import measured
+
+    table = measured.fused_kernel_table(measured.load("verify_kernels_h200"))
+    ratios = [r["vs_softmax_t"] for r in table]
+    low, high = re.search(r"\*\*([\d.]+)–([\d.]+)× one `softmax\(x / T\)`\*\*", README).groups()
+    assert (low, high) == (f"{min(ratios):.2f}", f"{max(ratios):.2f}"), (low, high, min(ratios), max(ratios))

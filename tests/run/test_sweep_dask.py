@@ -141,12 +141,17 @@ def test_killed_worker_point_recorded_failed_when_no_retry_is_allowed(tmp_path):
     assert [r["status"] for r in read_csv(report.csv_path)] == ["ok", "ok", "failed", "ok"]
 
 
-def test_gpu_points_need_a_gpu_worker(tmp_path):
+def test_a_cluster_without_gpus_or_a_workers_address_is_refused(tmp_path):
+    """GPU points need a GPU worker; and a worker's address, which answers Dask too, is named as
+    a worker's, not taken for the scheduler."""
     nb = tiny_notebook(tmp_path / "tiny.ipynb", fail_at=None, declare='DEVICE = "auto"')
-    with local_cluster(tmp_path, workers=1) as (address, _):
+    with local_cluster(tmp_path, workers=1) as (address, workers):
         with pytest.raises(ParameterError, match="no worker of .* offers one; start one worker per GPU"):
             run_sweep(nb, Grid(fixed={"DEVICE": "cuda"}), out=tmp_path / "out", scheduler=address,
                       progress=False)
+        worker = next(iter(workers))
+        with pytest.raises(ParameterError, match=f"{worker} is a Dask worker, not the scheduler"):
+            run_sweep(nb, Grid(), out=tmp_path / "out", scheduler=worker, progress=False)
     assert executions(nb) == []
 
 

@@ -1,13 +1,13 @@
 """Parameter sweeps over a notebook: papermill runs each point on a kernel of its own, points on Dask.
 
-    python -m graphborrow sweep 06_capacity_sweep --grid notebooks/sweep_example.yaml
-    python -m graphborrow sweep 02_borrowing -p batch_size 1,8,32 -p draft_tokens 4,8 --workers 2
+    python -m graphborrow sweep --grid notebooks/sweep_example.yaml
+    python -m graphborrow sweep 06_capacity_sweep -p vocab 2048,4096 -p mode standard,lean --workers 2
     python -m graphborrow sweep --grid big.yaml --scheduler tcp://10.0.0.5:8786
 
 Or from Python::
 
     from graphborrow.run.sweep import Grid, run_sweep
-    report = run_sweep("02_borrowing", Grid(axes={"BATCH_SIZE": [1, 8, 32]}), workers=2)
+    report = run_sweep("06_capacity_sweep", Grid(axes={"MODE": ["standard", "lean", "chunked"]}), workers=2)
     print(report.summary())
 
 Every value is checked against :data:`PARAMETERS` and the notebook's parameters cell before
@@ -33,7 +33,8 @@ from graphborrow.studies.shipped import find_notebook
 
 from ..environment import check_environment
 from ..folders import output_folder
-from .execute import Execution, NotebookJob
+from .cluster import check_scheduler_address
+from .execute import DEFAULT_CELL_TIMEOUT, Execution, NotebookJob
 from .grid import Grid, check_sweep_name, parse_cli_values, parse_value
 from .parameters import (
     PARAMETERS,
@@ -56,6 +57,7 @@ from .points import (
 __all__ = [
     "run_sweep", "SweepReport", "Grid", "PointResult", "PARAMETERS", "validate", "canonical", "argument_type",
     "declared_parameters", "parse_value", "parse_cli_values", "read_csv", "write_csv", "DEFAULT_OUT",
+    "DEFAULT_CELL_TIMEOUT", "check_sweep",
 ]
 
 DEFAULT_OUT = Path("output")
@@ -105,35 +107,32 @@ def _acquire(lock, name: str, directory: Path, log: Callable[[str], None]) -> No
         lock.acquire()
 
 
-def run_sweep(notebook: str | Path, grid: Grid, *, name: str | None = None, out: str | Path = DEFAULT_OUT,
-              workers: int = 1, scheduler: str | None = None, timeout: float | None = None,
-              plot_y: str | None = None, progress: bool = True,
-              log: Callable[[str], None] = _stderr) -> SweepReport:
-    """Run ``notebook`` at every point of ``grid``; everything is validated first.
+@dataclass(frozen=True)
+class _Plan:
+    """A sweep checked and ready to run: the notebook, its points and their names."""
 
-    Args:
-        notebook: a path to an ``.ipynb`` or a shipped notebook's name (``06_capacity_sweep``).
-        grid: fixed parameters and axes (:class:`Grid`).
-        name: the sweep's folder under ``out`` (default: the grid's name, else the notebook's).
-        out: the folder holding sweeps.
-        workers: processes of the embedded Dask cluster (ignored with ``scheduler``).
-        scheduler: address of an existing Dask scheduler to run the points on.
-        timeout: papermill's per-cell timeout in seconds.
-        plot_y: the results column ``sweep.png`` shows (default: the grid's, else the first
-            numeric ``results.*`` column).
-        progress: show a progress bar driven by completed points.
-        log: where messages (rerun reasons, waiting for a lock) go.
+    nb_path: Path
+    known: set[str]
+    points: list[dict]
+    sweep_name: str
+    digest: str
+    identities: list[str]
+    ids: list[str]
+    scheduler: str | None
+    timeout: float
 
-    Returns:
-        A :class:`SweepReport`. Points that failed are in it, not raised.
 
-    Raises:
-        ParameterError: a bad grid, value, notebook, environment variable, output folder or
-            cluster, before any point runs.
-    """
+def _plan(notebook: str | Path, grid: Grid, name: str | None, scheduler: str | None,
+          timeout: float | None) -> _Plan:
+    """Every check of a sweep's input, before anything is written or connected to."""
     check_environment()
-    if timeout is not None and not timeout > 0:
-        raise ParameterError(f"timeout={timeout!r} must be a positive number of seconds per cell")
+    if timeout is None:
+        timeout = DEFAULT_CELL_TIMEOUT
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ParameterError(f"timeout={timeout!r} must be a positive number of seconds per cell "
+                             "(math.inf for no limit)")
+    if scheduler is not None:
+        scheduler = check_scheduler_address(scheduler)
     nb_path = find_notebook(notebook)
     nb = read_notebook(nb_path)
     known = declared_parameters(nb)
@@ -151,6 +150,63 @@ def run_sweep(notebook: str | Path, grid: Grid, *, name: str | None = None, out:
     if len(set(identities)) != len(identities):
         raise ParameterError("the grid has duplicate points; list each value once per axis")
     ids = point_ids(points, list(grid.axes), identities)
+    return _Plan(nb_path, known, points, sweep_name, digest, identities, ids, scheduler, float(timeout))
+
+
+def check_sweep(notebook: str | Path, grid: Grid, *, name: str | None = None, scheduler: str | None = None,
+                timeout: float | None = None) -> list[dict]:
+    """Every check :func:`run_sweep` makes before it runs anything, and nothing more.
+
+    Writes nothing and connects to nothing (a scheduler address is checked for its form only).
+
+    Args:
+        notebook: a path to an ``.ipynb`` or a shipped notebook's name.
+        grid: fixed parameters and axes (:class:`Grid`).
+        name: the sweep's name (default: the grid's, else the notebook's).
+        scheduler: a Dask scheduler address (its form).
+        timeout: the per-cell timeout in seconds (None: the default).
+
+    Returns:
+        The points the sweep would run, each a dict of parameters.
+
+    Raises:
+        ParameterError: as :func:`run_sweep` does.
+    """
+    return _plan(notebook, grid, name, scheduler, timeout).points
+
+
+def run_sweep(notebook: str | Path, grid: Grid, *, name: str | None = None, out: str | Path = DEFAULT_OUT,
+              workers: int = 1, scheduler: str | None = None, timeout: float | None = None,
+              plot_y: str | None = None, progress: bool = True,
+              log: Callable[[str], None] = _stderr) -> SweepReport:
+    """Run ``notebook`` at every point of ``grid``; everything is validated first.
+
+    Args:
+        notebook: a path to an ``.ipynb`` or a shipped notebook's name (``06_capacity_sweep``).
+        grid: fixed parameters and axes (:class:`Grid`).
+        name: the sweep's folder under ``out`` (default: the grid's name, else the notebook's).
+        out: the folder holding sweeps.
+        workers: processes of the embedded Dask cluster (ignored with ``scheduler``).
+        scheduler: address of an existing Dask scheduler to run the points on
+            (``tcp://HOST:PORT``, ``HOST:PORT`` or ``tls://HOST:PORT``).
+        timeout: papermill's per-cell timeout in seconds (default
+            :data:`~.execute.DEFAULT_CELL_TIMEOUT`, 600; ``math.inf``: no limit). A point whose
+            cell runs longer is recorded failed with that reason, and the others go on.
+        plot_y: the results column ``sweep.png`` shows (default: the grid's, else the first
+            numeric ``results.*`` column).
+        progress: show a progress bar driven by completed points.
+        log: where messages (rerun reasons, waiting for a lock) go.
+
+    Returns:
+        A :class:`SweepReport`. Points that failed are in it, not raised.
+
+    Raises:
+        ParameterError: a bad grid, value, notebook, environment variable, output folder or
+            cluster, before any point runs.
+    """
+    plan = _plan(notebook, grid, name, scheduler, timeout)
+    nb_path, known, points, sweep_name = plan.nb_path, plan.known, plan.points, plan.sweep_name
+    digest, identities, ids, scheduler, timeout = plan.digest, plan.identities, plan.ids, plan.scheduler, plan.timeout
     directory = output_folder(Path(out) / sweep_name)
 
     from filelock import FileLock

@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import threading
+import urllib.parse
 import uuid
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
@@ -34,7 +35,111 @@ from graphborrow.core.errors import ParameterError
 
 from .execute import Execution, NotebookJob, execute
 
-__all__ = ["dask_client", "run_jobs", "run_point_on_worker", "describe_failure", "gpu_for_worker", "free_slots"]
+__all__ = ["dask_client", "run_jobs", "run_point_on_worker", "describe_failure", "gpu_for_worker", "free_slots",
+           "check_scheduler_address", "ADDRESS_FORMS"]
+
+ADDRESS_FORMS = "tcp://HOST:PORT, HOST:PORT or tls://HOST:PORT (e.g. tcp://10.0.0.5:8786, what 'dask scheduler' prints)"
+
+
+def check_scheduler_address(address) -> str:
+    """The Dask scheduler address to connect to, checked before anything connects.
+
+    Args:
+        address: ``tcp://HOST:PORT``, ``HOST:PORT`` (Dask's default scheme, tcp) or ``tls://HOST:PORT``.
+
+    Returns:
+        The address with its scheme (``tcp://`` added to a bare ``HOST:PORT``).
+
+    Raises:
+        ParameterError: any other form, naming the accepted ones.
+    """
+    if not isinstance(address, str):
+        raise ParameterError(f"scheduler address {address!r} is not text; write {ADDRESS_FORMS}")
+    scheme, sep, rest = address.strip().partition("://")
+    if not sep:
+        scheme, rest = "tcp", address.strip()
+    if scheme not in ("tcp", "tls"):
+        raise ParameterError(f"scheduler address {address!r}: a Dask scheduler listens on tcp:// (or tls://), "
+                             f"not {scheme}://; write {ADDRESS_FORMS}")
+    try:
+        parts = urllib.parse.urlsplit("//" + rest)
+        port = parts.port
+    except ValueError:  # a port that is not a number, or past 65535
+        parts, port = None, None
+    if (parts is None or port is None or port < 1 or not parts.hostname or any(c.isspace() for c in rest)
+            or parts.path or parts.query or parts.fragment or parts.username or parts.password):
+        raise ParameterError(f"scheduler address {address!r} is not HOST:PORT; write {ADDRESS_FORMS}")
+    return f"{scheme}://{rest}"
+
+
+def _ask_scheduler(address: str, timeout: float) -> None:
+    """Connect, shake hands and ask who answers, all within ``timeout`` seconds.
+
+    Dask bounds only the TCP connect: a peer that accepts and never answers (a firewall, a
+    proxy, another service) would hold ``Client(...)`` for ever, and one that answers in another
+    protocol fails deep inside its reader. Runs on a private event loop in a thread, so it
+    works under a running loop too (Jupyter).
+
+    Raises:
+        ParameterError: nothing reachable, nothing answered in time, or not a Dask scheduler.
+    """
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed.comm import connect
+    from distributed.security import Security
+
+    parts = urllib.parse.urlsplit(address)
+
+    async def reach():  # a plain TCP connection first: "nothing there" is another fix than "not Dask"
+        _, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        writer.close()
+
+    async def identity():
+        comm = await connect(address, timeout=timeout, **Security().get_connection_args("client"))
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    def bounded(step):
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(asyncio.wait_for(step(), timeout))
+        finally:
+            loop.close()  # does not wait for a name lookup still running in the loop's executor
+
+    def reason(exc: BaseException) -> str:
+        first = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {first[0]}" if first else type(exc).__name__
+
+    with ThreadPoolExecutor(1, thread_name_prefix="graphborrow-scheduler-check") as pool:
+        try:
+            pool.submit(bounded, reach).result()
+        except (asyncio.TimeoutError, TimeoutError, OSError) as exc:
+            why = f"within {timeout:.0f} s" if not isinstance(exc, OSError) else f"({reason(exc)})"
+            raise ParameterError(
+                f"cannot reach the Dask scheduler at {address} {why}; start one with 'dask scheduler' and its "
+                "workers with 'dask worker ADDRESS', or leave out --scheduler (scheduler=) to run locally") from None
+        try:
+            reply = pool.submit(bounded, identity).result()
+        except (asyncio.TimeoutError, TimeoutError):
+            raise ParameterError(
+                f"no Dask scheduler answered at {address} within {timeout:.0f} s: something accepts connections "
+                "there but does not answer as Dask does (a firewall, a proxy or another service?); check the "
+                "address 'dask scheduler' printed, or wait longer with DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT=120s"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - closed on us, or another protocol's bytes read as Dask's
+            raise ParameterError(f"what answers at {address} is not a Dask scheduler ({reason(exc)}); check the "
+                                 "address and port 'dask scheduler' printed") from None
+    kind = reply.get("type") if isinstance(reply, dict) else None
+    if kind == "Worker":
+        raise ParameterError(f"{address} is a Dask worker, not the scheduler; pass the scheduler's address "
+                             "(the worker's log names it: 'Registered to: tcp://...')")
+    if kind != "Scheduler":
+        raise ParameterError(f"what answers at {address} is not a Dask scheduler (it says it is {kind!r}); "
+                             "check the address and port 'dask scheduler' printed")
 
 
 def gpu_for_worker(name, visible: str | None) -> str:
@@ -129,8 +234,8 @@ def dask_client(scheduler: str | None = None, workers: int = 1, *, gpu: bool = F
         gpu: some points need a GPU: the local cluster's workers get one each; an existing
             cluster must offer a ``GPU`` resource.
 
-    How long to wait for the scheduler and for its first worker is Dask's
-    ``distributed.comm.timeouts.connect`` (30 s by default; environment variable
+    How long to wait for the scheduler (to connect and to answer) and for its first worker is
+    Dask's ``distributed.comm.timeouts.connect`` (30 s by default; environment variable
     ``DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT``).
 
     Yields:
@@ -145,9 +250,11 @@ def dask_client(scheduler: str | None = None, workers: int = 1, *, gpu: bool = F
         import dask
         from dask.utils import parse_timedelta
 
+        scheduler = check_scheduler_address(scheduler)
         connect_timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+        _ask_scheduler(scheduler, connect_timeout)
         try:
-            client = Client(scheduler)
+            client = Client(scheduler, timeout=connect_timeout)
         except (OSError, TimeoutError) as exc:
             raise ParameterError(
                 f"cannot reach the Dask scheduler at {scheduler} ({exc}); start one with 'dask scheduler' "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -41,9 +42,13 @@ from graphborrow.studies.shipped import data_dir
 from .. import kernels
 from ..environment import max_point_bytes
 
-__all__ = ["NotebookJob", "Execution", "PointCancelled", "execute", "max_point_bytes", "count_images"]
+__all__ = ["NotebookJob", "Execution", "PointCancelled", "execute", "max_point_bytes", "count_images",
+           "DEFAULT_CELL_TIMEOUT"]
 
 KERNEL_NAME = "graphborrow-point"
+# A sweep's limit on one cell when none is given: a point of the shipped notebooks runs in well
+# under a minute, so a cell still running after ten is hung, and its sweep should go on without it.
+DEFAULT_CELL_TIMEOUT = 600.0
 MAX_LOG_BYTES = 256 << 10
 DEAD_KERNEL = 138  # papermill's exit status for a kernel that died
 RETRY_EXIT_CODES = (DEAD_KERNEL,)
@@ -61,7 +66,7 @@ class NotebookJob:
     notebook_source: bytes      # the notebook file as the client read it
     params: dict                # checked parameters; OUTPUT_DIR is set by the worker
     label: str                  # the point id, for messages
-    timeout: float | None = None          # papermill's per-cell timeout, seconds
+    timeout: float | None = None          # papermill's per-cell timeout, seconds (None or inf: no limit)
     set_data_dir: bool = False            # the notebook declares DATA_DIR and none was given
     gpu: bool = False                     # DEVICE=cuda: asks the cluster for a GPU resource
     threads: int | None = None            # OMP_NUM_THREADS for the kernel, unless already set
@@ -94,8 +99,25 @@ def count_images(notebook: bytes) -> int:
                for cell in nb.get("cells", []) for out in cell.get("outputs", []))
 
 
+def _cell_seconds(timeout: float | None) -> int | None:
+    """Papermill's per-cell limit (whole seconds, at least 1); None for no limit."""
+    return None if timeout is None or math.isinf(timeout) else max(1, math.ceil(timeout))
+
+
+def _reason(exc: BaseException, job: NotebookJob) -> str:
+    """Why papermill stopped, in one line: a cell's timeout said as such, else the exception's first line."""
+    from nbclient.exceptions import CellTimeoutError
+
+    if isinstance(exc, CellTimeoutError):
+        return (f"a cell ran longer than the per-cell timeout of {_cell_seconds(job.timeout)} s (CellTimeoutError); "
+                "raise it with --timeout (run_sweep's timeout=)")
+    first = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[0]}" if first else type(exc).__name__
+
+
 def _error_from(notebook: bytes, log: str) -> str:
-    """The executed notebook's first error output as ``Name: value``, else the log's last line."""
+    """The executed notebook's first error output as ``Name: value``, else the log's last line
+    that is not a separator."""
     try:
         nb = json.loads(notebook) if notebook else {}
         for cell in nb.get("cells", []):
@@ -104,7 +126,7 @@ def _error_from(notebook: bytes, log: str) -> str:
                     return f"{out.get('ename')}: {out.get('evalue')}"
     except ValueError:
         pass
-    lines = [ln for ln in log.strip().splitlines() if ln.strip()]
+    lines = [ln for ln in log.strip().splitlines() if ln.strip() and set(ln.strip()) - set("-=")]
     return lines[-1] if lines else "papermill failed without output"
 
 
@@ -141,6 +163,27 @@ class _Canceller:
         self._done.set()
 
 
+def _settle_cancelled_tasks() -> None:
+    """Let the tasks a stopped cell left behind finish on this thread's event loop.
+
+    nbclient cancels its output poll when a cell times out, but the loop stops before the
+    cancellation runs; the task is then destroyed pending ("Task was destroyed but it is
+    pending!" on stderr). Everything on this loop belonged to that notebook client.
+    """
+    import asyncio
+
+    from jupyter_core.utils import ensure_event_loop
+
+    loop = ensure_event_loop()
+    if loop.is_running():
+        return
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=5))
+
+
 def _engine() -> str:
     """Papermill's nbclient engine, on a kernel manager the caller started and nbclient stops."""
     from papermill.clientwrap import PapermillNotebookClient
@@ -155,7 +198,11 @@ def _engine() -> str:
                 nb_man, km=kwargs["km"], timeout=execution_timeout, startup_timeout=start_timeout,
                 kernel_name=kernel_name, log=logger, log_output=log_output, stdout_file=stdout_file,
                 stderr_file=stderr_file, shutdown_kernel="immediate")
-            return client.execute(cleanup_kc=True)  # kills the kernel and closes the channels
+            try:
+                return client.execute(cleanup_kc=True)  # kills the kernel and closes the channels
+            except BaseException:
+                _settle_cancelled_tasks()
+                raise
 
     papermill_engines.register("graphborrow", Engine)
     return "graphborrow"
@@ -177,13 +224,13 @@ def _papermill_messages(text) -> Iterator[None]:
 
 
 def _papermill(source: Path, executed: Path, params: dict, job: NotebookJob, tmp: Path, env: Mapping[str, str],
-               log_path: Path, should_stop: Callable[[], bool] | None) -> tuple[int, str]:
-    """Run papermill once on a new kernel; (its status, the log)."""
+               log_path: Path, should_stop: Callable[[], bool] | None) -> tuple[int, str, str | None]:
+    """Run papermill once on a new kernel; (its status, the log, why it stopped unless a cell raised)."""
     import papermill
     from nbclient.exceptions import DeadKernelError
     from papermill.exceptions import PapermillExecutionError
 
-    cancel, km = _Canceller(should_stop), None
+    cancel, km, reason = _Canceller(should_stop), None, None
     with open(log_path, "ab") as log, open(log_path, "a", encoding="utf-8", errors="replace") as text, \
             _papermill_messages(text):
         try:
@@ -198,7 +245,7 @@ def _papermill(source: Path, executed: Path, params: dict, job: NotebookJob, tmp
             papermill.execute_notebook(
                 str(source), str(executed), parameters=params, engine_name=_engine(), kernel_name=KERNEL_NAME,
                 progress_bar=False, stdout_file=text, stderr_file=text, start_timeout=60,
-                execution_timeout=int(job.timeout) if job.timeout else None, km=km)
+                execution_timeout=_cell_seconds(job.timeout), km=km)
             code = 0
         except PapermillExecutionError:
             code = 1  # a cell raised: the executed notebook holds the error
@@ -207,6 +254,7 @@ def _papermill(source: Path, executed: Path, params: dict, job: NotebookJob, tmp
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             code = DEAD_KERNEL if isinstance(exc, DeadKernelError) else 1
+            reason = _reason(exc, job)
         finally:
             cancel.done()
             if km is not None and km.has_kernel:  # nbclient did not get to stop it
@@ -214,7 +262,7 @@ def _papermill(source: Path, executed: Path, params: dict, job: NotebookJob, tmp
     if cancel.fired:
         raise PointCancelled("the point was cancelled while it ran")
     data = log_path.read_bytes()
-    return code, data[-MAX_LOG_BYTES:].decode(errors="replace")
+    return code, data[-MAX_LOG_BYTES:].decode(errors="replace"), reason
 
 
 def execute(job: NotebookJob, *, should_stop: Callable[[], bool] | None = None, worker: str = "local",
@@ -259,13 +307,14 @@ def execute(job: NotebookJob, *, should_stop: Callable[[], bool] | None = None, 
         if gpu_index is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu_index
         for _ in range(retries + 1):
-            code, log = _papermill(source, executed, params, job, tmp, env, tmp / "papermill.log", should_stop)
+            code, log, reason = _papermill(source, executed, params, job, tmp, env, tmp / "papermill.log",
+                                           should_stop)
             retry = code in RETRY_EXIT_CODES or any(m in log for m in RETRY_MARKERS)
             if code == 0 or not retry:
                 break
         notebook = _restore_kernelspec(executed.read_bytes(), job.notebook_source) if executed.exists() else b""
         results = {f"results/{p.name}": p.read_bytes() for p in sorted(results_dir.glob("*.json"))}
-    error = None if code == 0 else _error_from(notebook, log)
+    error = None if code == 0 else (reason or _error_from(notebook, log))
     size = len(notebook) + sum(map(len, results.values()))
     if size > limit:
         code, notebook, results = (code or 1), b"", {}

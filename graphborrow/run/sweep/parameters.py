@@ -150,6 +150,7 @@ PARAMETERS: dict[str, Any] = {
     "DRAFT_TOKENS": Range(1, 64, none_ok=True),
     "DRAFT_TOKENS_LIST": IntList(1, 64),
     "BRANCHING": Range(1, 16),            # children per expanded draft-tree node (EAGLE's "topk")
+    "DRAFT_NOISE": Range(0.0, 100.0, integer=False),  # 05: the draft model's distance from the target
     "MODEL": Choice(MODEL_NAMES),
     "SNAPSHOT": OptionalPath(),
     "FIT_POLICY": Choice(("best", "first")),
@@ -161,6 +162,8 @@ PARAMETERS: dict[str, Any] = {
     "TOP_P": Range(1e-6, 1.0, integer=False, none_ok=True),
     "BUSY_MS": Range(1, 10_000),          # 03: how long the side stream works before it uses the borrowed tensor
     "SAMPLES": Range(1, 100_000),       # copies for 05's distribution checks: 12 categories need thousands
+    "AGREEMENT": Range(0.0, 1.0, integer=False),  # 09: the draft's weights, a target + (1 - a) fresh
+    "NEW_TOKENS": Range(1, 256),        # 09: new tokens per request of the decode loop
     "LAYOUT_ONLY": Choice((True, False, None)),
     "SWEEP_DIR": OptionalPath(),
     "DATA_DIR": Text(),

@@ -213,7 +213,7 @@ def _fit_one_device(p: dict, declared, defaults: Mapping[str, Any]) -> None:
         steps.append(steps.pop(0))  # shrink the axes in turn
 
 
-def _defaults(notebook, stem: str = "") -> dict[str, Any]:
+def _defaults(notebook) -> dict[str, Any]:
     """The values the parameters cell assigns (literals only; others are left out), shape
     parameters left at None replaced by the teaching preset's (what the notebook then runs)."""
     import ast
@@ -227,8 +227,7 @@ def _defaults(notebook, stem: str = "") -> dict[str, Any]:
                 out[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:
                 pass
-    stem = stem or (Path(notebook).stem if isinstance(notebook, (str, Path)) else "")
-    preset = {**presets.PRESETS["teaching"], **presets.NOTEBOOK_PRESETS.get(stem[:2], {}).get("teaching", {})}
+    preset = presets.PRESETS["teaching"]
     return {**out, **{k: v for k, v in preset.items() if k in out and out[k] is None}}
 
 
@@ -250,7 +249,7 @@ def notebook_points(notebook, samples: int = 2, seed: int = 0, h200: bool = True
     if unknown:
         raise ParameterError(f"the parameters cell declares {unknown}, which have no range in "
                              "graphborrow/run/sweep/parameters.py; add them there")
-    defaults = _defaults(nb, Path(notebook).stem if isinstance(notebook, (str, Path)) else "")
+    defaults = _defaults(nb)
     points = [Point("defaults", {})]
     for which in ("low", "high"):
         points.append(Point(which, derive(corner(declared, which), declared, defaults)))

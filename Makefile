@@ -223,7 +223,7 @@ mutation-capacity: setup-test
 # Mutation testing of the verification's sampling rules: the target probabilities' formula, top-k /
 # top-p, the tree walk and acceptance theory (not in CI; about 20 minutes on 2 cores). Fails like
 # mutation-capacity when a survivor is neither killed nor reviewed as harmless.
-SAMPLING_MUTANTS = 'graphborrow.eagle.probs.*' 'graphborrow.eagle.renorm.*' 'graphborrow.eagle.kernel.*' 'graphborrow.eagle.acceptance.*'
+SAMPLING_MUTANTS = 'graphborrow.eagle.probs.*' 'graphborrow.eagle.renorm.*' 'graphborrow.eagle.tree_sampling.*' 'graphborrow.eagle.acceptance.*'
 mutation-sampling: setup-test
 	$(PY) -m pip install -q -e ".[mutation]"
 	rm -rf mutants

@@ -166,7 +166,7 @@ def run_one(name: str, spec: dict, out_dir: Path, command: str, device: str = "c
 
     from graphborrow.device import get_backend
     from graphborrow.fidelity.compare import recording, save_recording
-    from graphborrow.studies.pools import study
+    from graphborrow.studies.model_pools import study
     from graphborrow.workloads.ladder import build_ladder
 
     cuda = device == "cuda"

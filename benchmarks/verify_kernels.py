@@ -100,7 +100,7 @@ def make_case(bs, d, vocab, seed, temperature=1.0):
 
 def kernel_over(probs, tree, coins, coins_final):
     """Upstream's kernel semantics (the reference kernel) over full [bs, D, V] probabilities."""
-    from graphborrow.eagle.kernel import tree_speculative_sampling_target_only
+    from graphborrow.eagle.tree_sampling import tree_speculative_sampling_target_only
 
     bs, d = tree.candidates.shape
     out = (torch.zeros(bs * d, dtype=torch.int32, device="cuda"),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphborrow.studies.pools import markdown_table, replace_between_markers  # noqa: E402
+from graphborrow.studies.model_pools import markdown_table, replace_between_markers  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -110,21 +110,21 @@ HARMLESS: dict[str, str] = {
         "equal value[0], and one-entry tensors never get there"),
     "graphborrow.eagle.acceptance.x_sample_copies__mutmut_1": (
         "the default batch of copies: results do not depend on it (test_sampling_in_batches_is_one_batch_joined)"),
-    "graphborrow.eagle.kernel.x_tree_speculative_sampling_target_only__mutmut_3": (
+    "graphborrow.eagle.tree_sampling.x_tree_speculative_sampling_target_only__mutmut_3": (
         "deterministic's default: accepted for upstream's signature, the result is deterministic either way"),
-    "graphborrow.eagle.kernel.xǁTreeTablesǁbuild__mutmut_11": (
+    "graphborrow.eagle.tree_sampling.xǁTreeTablesǁbuild__mutmut_11": (
         "one more column of children for one- and two-node trees: padding (-1), masked by valid"),
-    "graphborrow.eagle.kernel.xǁTreeTablesǁbuild__mutmut_{20,21,36,37}": (
+    "graphborrow.eagle.tree_sampling.xǁTreeTablesǁbuild__mutmut_{20,21,36,37}": (
         "a child index > 0 for >= 0: node 0 is the root, never anyone's child or sibling"),
-    "graphborrow.eagle.kernel.x_walk_tree__mutmut_11": (
+    "graphborrow.eagle.tree_sampling.x_walk_tree__mutmut_11": (
         "padding slots' p = 1 instead of 0: they follow a node's real children in the table, so they "
         "enter the running sum after every real child is judged, and valid masks their acceptance"),
-    "graphborrow.eagle.kernel.x_walk_tree__mutmut_{74,122}": (
+    "graphborrow.eagle.tree_sampling.x_walk_tree__mutmut_{74,122}": (
         "-2 for the -1 that means none: only its sign is read (>= 0)"),
-    "graphborrow.eagle.kernel.x_walk_tree__mutmut_170": (
+    "graphborrow.eagle.tree_sampling.x_walk_tree__mutmut_170": (
         "the child index of a node with no accepted child clamped to 1 instead of 0: every use is "
         "masked by step (no child accepted), and the walk has no pass for a one-node tree"),
-    "graphborrow.eagle.kernel.x_arange_like__mutmut_{6,8}": (
+    "graphborrow.eagle.tree_sampling.x_arange_like__mutmut_{6,8}": (
         "the dtype of like (always an int64 index tensor) for int64: the same"),
 }
 

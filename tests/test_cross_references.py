@@ -126,7 +126,7 @@ def test_every_name_the_pages_and_notebooks_mention_resolves():
 
 @pytest.mark.parametrize("target, module, package, expected", [
     (".fused", "graphborrow.eagle.verify", False, ["graphborrow.eagle.verify.fused", "graphborrow.eagle.fused"]),
-    (".kernel", "graphborrow.eagle", True, ["graphborrow.eagle.kernel", "graphborrow.eagle.kernel"]),
+    (".tree_sampling", "graphborrow.eagle", True, ["graphborrow.eagle.tree_sampling", "graphborrow.eagle.tree_sampling"]),
     ("..probs", "graphborrow.eagle.triton.fused", False,
      ["graphborrow.eagle.triton.fused.probs", "graphborrow.eagle.probs"]),
     ("VerifyStep", "graphborrow.eagle.step", False, ["graphborrow.eagle.step.VerifyStep"]),

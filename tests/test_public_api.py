@@ -36,7 +36,7 @@ CORE_MODULES = [
     "graphborrow.fidelity.replay",
     "graphborrow.sim.device",
     # beyond the core: the rest of what the README and notebooks call
-    "graphborrow.eagle.kernel",
+    "graphborrow.eagle.tree_sampling",
     "graphborrow.eagle.renorm",
     "graphborrow.eagle.sequence",
     "graphborrow.planning.planner",

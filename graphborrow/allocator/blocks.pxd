@@ -3,7 +3,7 @@
 # Sizes and counters fit in 64 bits; addresses, streams and free-list keys (size << 64 | ptr)
 # stay Python ints. Every class declared here must list exactly the fields of its __slots__
 # in blocks.py, and every method exactly the arguments of its definition
-# (tests/allocator/test_sim_compiled.py checks).
+# (tests/allocator/test_compiled_model.py checks).
 
 
 cdef class Segment:

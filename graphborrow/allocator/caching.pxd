@@ -7,7 +7,7 @@
 # malloc+free pair runs a few times faster with the same behaviour.
 #
 # Every field declared here must be set in CachingAllocator.__init__ and every method
-# must list exactly the arguments of its definition (tests/allocator/test_sim_compiled.py).
+# must list exactly the arguments of its definition (tests/allocator/test_compiled_model.py).
 
 cimport cython
 

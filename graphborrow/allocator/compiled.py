@@ -11,7 +11,7 @@ bytes do not match its digest (a truncated or damaged file) is never loaded.
 When ``graphborrow.allocator`` is imported, :func:`install` loads a matching, intact build of
 all three modules and otherwise runs the pure-Python model, saying so once (set
 ``GRAPHBORROW_SIM_PURE=1`` to choose pure Python on purpose, silently). Both run the same
-rules; ``tests/allocator/test_sim_compiled.py`` checks them against each other operation by
+rules; ``tests/allocator/test_compiled_model.py`` checks them against each other operation by
 operation.
 """
 

@@ -1,7 +1,7 @@
 # C types for the allocator's statistics, read by Cython only (see compiled.py and caching.pxd).
 #
 # Every class declared here must list exactly the fields of its __slots__ in stats.py, and
-# every function exactly the arguments of its definition (tests/allocator/test_sim_compiled.py).
+# every function exactly the arguments of its definition (tests/allocator/test_compiled_model.py).
 
 cimport cython
 

@@ -2,7 +2,7 @@
 
 One concept per module:
 
-- :mod:`.kernel` — the upstream kernel's semantics (:func:`tree_speculative_sampling_target_only`);
+- :mod:`.tree_sampling` — the upstream kernel's semantics (:func:`tree_speculative_sampling_target_only`);
 - :mod:`.renorm` — top-k / top-p renormalisation with flashinfer's semantics;
 - :mod:`.probs` — the target probabilities' formula, shared bit for bit by both implementations;
 - :mod:`.step` — the step record (:class:`VerifyStep`), its result (:class:`VerifyResult`)
@@ -20,7 +20,7 @@ One concept per module:
 """
 
 from .draft_tree import DraftTree, build_draft_tree, tree_from_parents
-from .kernel import tree_speculative_sampling_target_only
+from .tree_sampling import tree_speculative_sampling_target_only
 from .modes import MODES
 from .renorm import top_k_renorm_probs, top_p_renorm_probs
 from .scope import BORROW_USER

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernel import arange_like, sample_final_token, subtract_draft, walk_tree
+from .tree_sampling import arange_like, sample_final_token, subtract_draft, walk_tree
 from .probs import target_probs
 from .scope import run_borrowing
 from .step import DeviceParams, VerifyResult, VerifyStep, check_outputs, prepare

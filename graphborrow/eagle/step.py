@@ -26,7 +26,7 @@ import torch
 from graphborrow.sim.tensor import is_sim_tensor
 
 from .draft_tree import DraftTree
-from .kernel import TreeTables
+from .tree_sampling import TreeTables
 from .validate import (
     LOGIT_DTYPES,
     check_candidates,

@@ -64,7 +64,7 @@ def eagle_verify(
         generator: the generator missing coins are drawn from.
         threshold_single: a draft token whose target probability is at least this is
             accepted outright (1.0: exact sampling; see
-            :func:`~graphborrow.eagle.kernel.tree_speculative_sampling_target_only`).
+            :func:`~graphborrow.eagle.tree_sampling.tree_speculative_sampling_target_only`).
         threshold_acc: the accumulated probability is divided by this before the coin
             test (1.0: exact sampling).
         borrow: a borrow state; when enabled, every temporary lives inside

@@ -1,7 +1,7 @@
 """The checking pass: the trace replayed with inferred pools, every check made and counted.
 
 Pools the snapshot names are followed; every other segment goes to the pool
-:func:`~graphborrow.fidelity.pools.infer_pools` gave it, if that pool had no cached block for
+:func:`~graphborrow.fidelity.pool_inference.infer_pools` gave it, if that pool had no cached block for
 the request (else the real allocator would have used it), or else to the first consistent
 one: the pool of the previous allocation, the default pool, a recent private pool, or a new
 one. A choice that later evidence contradicts (the model picks a block of that segment where
@@ -22,8 +22,8 @@ from graphborrow.allocator.errors import AllocatorOutOfMemoryError, PoolReleased
 from graphborrow.core.sizes import MIN_BLOCK_SIZE, SMALL_SIZE, allocation_size, round_size
 
 from .passes import DIVERGED, GUESSED, NOT_REBUILT, Malloc, Outcome, ReplayPass, TraceInput, fmt_calls
-from .plan import Reservation, SegmentId, SegmentLife
-from .pools import DEFAULT_LABEL, Choice, Decision, PoolLabel
+from .lifetimes import Reservation, SegmentId, SegmentLife
+from .pool_inference import DEFAULT_LABEL, Choice, Decision, PoolLabel
 
 __all__ = ["CheckingPass", "Learned", "Refuted"]
 
@@ -58,8 +58,8 @@ class CheckingPass(ReplayPass):
 
     Args:
         trace: the trace and how it was recorded.
-        assignment: segment -> pool label, from :func:`~graphborrow.fidelity.pools.infer_pools`.
-        evidence: the layout pass's :class:`~graphborrow.fidelity.pools.PoolEvidence`.
+        assignment: segment -> pool label, from :func:`~graphborrow.fidelity.pool_inference.infer_pools`.
+        evidence: the layout pass's :class:`~graphborrow.fidelity.pool_inference.PoolEvidence`.
         refuted: decisions refuted by earlier replays (not made again).
         blaming: raise :class:`Refuted` on a contradiction (False in the last replay, when the
             patience for refutations has run out).

@@ -63,7 +63,7 @@ _ACTIONS = ("segment_alloc", "alloc", "free_completed", "segment_free")
 _SITE_FRAMES = 3
 # frames that say how a call was made, not which code made it (the simulator's own are its "C++")
 _SITE_SKIP = ("torch/utils/", "torch/nn/modules/module.py", "torch/_ops.py", "torch/overrides.py", "contextlib.py",
-              "<frozen", "functools.py", "graphborrow/sim/", "graphborrow/studies/pools.py")
+              "<frozen", "functools.py", "graphborrow/sim/", "graphborrow/studies/model_pools.py")
 
 
 # ------------------------------------------------------------------------ recordings

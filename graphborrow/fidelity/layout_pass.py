@@ -3,7 +3,7 @@
 The trace never names the pool of a segment; before the checking pass can follow inferred
 pools, this pass replays the trace with each segment (and each reservation) in a private
 pool of its own, releasing memory exactly when the trace does. What it sees is the evidence
-:func:`~graphborrow.fidelity.pools.infer_pools` reasons from (:class:`PoolEvidence`):
+:func:`~graphborrow.fidelity.pool_inference.infer_pools` reasons from (:class:`PoolEvidence`):
 
 - two segments conflict when one had a better block for an allocation that landed in the
   other, when an ``empty_cache`` released one and kept the other (releasable) one, or when
@@ -23,8 +23,8 @@ from graphborrow.allocator.config import SIZE_MAX
 from graphborrow.core.sizes import SMALL_BUFFER, SMALL_SIZE, round_size
 
 from .passes import STOP, Malloc, ReplayPass, TraceInput, releasable
-from .plan import Reservation, SegmentId, SegmentLife
-from .pools import DEFAULT_LABEL, Choice, PoolEvidence, PoolLabel
+from .lifetimes import Reservation, SegmentId, SegmentLife
+from .pool_inference import DEFAULT_LABEL, Choice, PoolEvidence, PoolLabel
 
 __all__ = ["LayoutPass"]
 

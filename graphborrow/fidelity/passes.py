@@ -35,8 +35,8 @@ from graphborrow.core.errors import SnapshotFormatError
 from graphborrow.core.sizes import SMALL_BUFFER, allocation_size, round_size
 
 from . import prestate
-from .plan import RELEASES, Geometry, Reservation, SegmentLife, TracePlan, reserved_before
-from .pools import DEFAULT_LABEL, Choice, PoolLabel, ReplayPool
+from .lifetimes import RELEASES, Geometry, Reservation, SegmentLife, SegmentLifetimes, reserved_before
+from .pool_inference import DEFAULT_LABEL, Choice, PoolLabel, ReplayPool
 
 __all__ = ["STOP", "Malloc", "Outcome", "ReplayPass", "TraceInput", "fmt_calls", "releasable"]
 
@@ -178,7 +178,7 @@ class ReplayPass:
         if trace.fraction is not None:
             self.sim.set_memory_fraction(trace.fraction)
         self.sim.record_history(True, max_entries=1 << 30)
-        self.plan = TracePlan(trace.entries, trace.final, trace.geometry)
+        self.plan = SegmentLifetimes(trace.entries, trace.final, trace.geometry)
         # device memory reserved before each entry, as the trace and its snapshot say (None: the snapshot
         # was taken of some pools only); the decisions a memory fraction makes depend on it
         self.reserved_before = None if trace.snapshot_pools is not None else reserved_before(trace.entries, trace.final)

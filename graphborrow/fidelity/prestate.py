@@ -3,7 +3,7 @@
 A trace recorded after history was enabled late, or by a ring buffer that wrapped, begins in
 the middle of a run. The segments it uses without creating them, the blocks it frees without
 allocating them, and the blocks alive in the snapshot that it never allocated existed before
-it (:class:`~graphborrow.fidelity.plan.TracePlan` finds them). This module lays them out:
+it (:class:`~graphborrow.fidelity.lifetimes.SegmentLifetimes` finds them). This module lays them out:
 
 - a segment's blocks (:func:`block_layout`): the known ones where they are, exact when the
   snapshot shows them, the request's rounded size when only a free says they existed (a
@@ -28,7 +28,7 @@ from sortedcontainers import SortedDict
 from graphborrow.allocator.memory import GRANULE
 from graphborrow.core.sizes import SMALL_BUFFER, round_size
 
-from .plan import Geometry, KnownBlock, Reservation, SegmentLife, TracePlan
+from .lifetimes import Geometry, KnownBlock, Reservation, SegmentLife, SegmentLifetimes
 
 __all__ = [
     "RESERVATION_ALIGNMENT", "LaidBlock", "UnexplainedRanges", "block_layout",
@@ -98,7 +98,7 @@ def block_layout(start: int, size: int, known: list[KnownBlock], divisions, lear
     return merged
 
 
-def overlapping_lives(plan: TracePlan) -> tuple[list[str], list[SegmentLife]]:
+def overlapping_lives(plan: SegmentLifetimes) -> tuple[list[str], list[SegmentLife]]:
     """Segments from before the trace that overlap another one: the trace and its snapshot disagree
     (a trace cut short, or a snapshot of another moment). A pluggable pool's segments lie inside
     other segments' memory by nature and are not compared.
@@ -130,7 +130,7 @@ def overlapping_lives(plan: TracePlan) -> tuple[list[str], list[SegmentLife]]:
     return messages, dropped
 
 
-def expandable_at_start(plan: TracePlan, geometry: Geometry) -> list[Reservation]:
+def expandable_at_start(plan: SegmentLifetimes, geometry: Geometry) -> list[Reservation]:
     """The expandable reservations mapped when the trace began, with their ranges and starts.
 
     Ranges of one stream and kind further apart than one reservation are other reservations.
@@ -193,7 +193,7 @@ def reservation_starts(groups: list[Reservation], geometry: Geometry) -> dict[st
     return decisions
 
 
-def separate_reservations(groups: list[Reservation], plan: TracePlan, geometry: Geometry) -> tuple[list[str], list[Reservation]]:
+def separate_reservations(groups: list[Reservation], plan: SegmentLifetimes, geometry: Geometry) -> tuple[list[str], list[Reservation]]:
     """Rebuilt reservations whose virtual range overlaps another's, or a device segment from before the
     trace: the trace and its snapshot disagree (pages of two reservations nearer than one reservation's
     size, or a reservation over cudaMalloc memory). Each such reservation is left out.
@@ -223,7 +223,7 @@ def separate_reservations(groups: list[Reservation], plan: TracePlan, geometry: 
     return messages, kept
 
 
-def reservation_known_blocks(plan: TracePlan) -> list[KnownBlock]:
+def reservation_known_blocks(plan: SegmentLifetimes) -> list[KnownBlock]:
     """Blocks of expandable memory from before the trace: freed by the trace, or alive in the snapshot
     (sizes exact where the snapshot shows them: expandable segments split at 512 bytes). A block inside
     a segment from before the trace (a pluggable pool's, within a reservation's free block) is that

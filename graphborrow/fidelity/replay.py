@@ -81,7 +81,7 @@ from graphborrow.core.snapshot import load_snapshot
 from .checking_pass import CheckingPass, Learned, Refuted
 from .layout_pass import LayoutPass
 from .passes import TraceInput
-from .pools import PoolEvidence, infer_pools
+from .pool_inference import PoolEvidence, infer_pools
 from .report import ReplayReport
 
 __all__ = ["DEVICE_MEMORY", "ReplayReport", "load_trace", "replay_trace"]

@@ -21,7 +21,7 @@ from graphborrow.device import get_backend
 from graphborrow.eagle import eagle_verify
 from graphborrow.eagle.draft_tree import build_draft_tree
 from graphborrow.eagle.plan import describe_plan, plan_verify
-from graphborrow.studies.pools import borrow_saving
+from graphborrow.studies.model_pools import borrow_saving
 from graphborrow.workloads.ladder import LLAMA3_8B, GraphLadder, ModelShape
 
 from .sweep.parameters import argument_type

@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 from . import autocast, graphs, host, methods
-from .pools import MemPool as SimMemPool
+from .mempool import MemPool as SimMemPool
 
 __all__ = ["REFUSED", "CudaEvent", "CudaStream", "PluggableAllocator", "SimCuda", "gpu_available", "install",
            "installed", "simulated_cuda", "uninstall"]

@@ -30,7 +30,7 @@ from . import graphs, host
 from .attention import AttentionModel
 from .cuda_ops import H200_CAPABILITY, KernelModel
 from .events import SimEvent, StreamContext
-from .pools import MemPool, SimPoolRouting
+from .mempool import MemPool, SimPoolRouting
 from .function_mode import SimFunctionMode
 from .tensor import SimStorage, SimTensor, is_sim_tensor
 from .torch_function import torch_functions_off

@@ -43,7 +43,7 @@ NOTEBOOK_EXPORTS = {
     "explorer_state": "graphborrow.studies.explorer:fresh_state",
     "format_report": "graphborrow.studies.inspection",
     "read_snapshot": "graphborrow.studies.inspection",
-    "prefill_table": "graphborrow.studies.pools",
+    "prefill_table": "graphborrow.studies.model_pools",
     "order_verdict": "graphborrow.studies.capture_order",
     "deferred_free_lanes": "graphborrow.studies.deferred",
     "early_release_on_sim": "graphborrow.studies.deferred",
@@ -71,7 +71,7 @@ NOTEBOOK_EXPORTS = {
     "fit_policy_contrast": "graphborrow.studies.capacity",
     "fit_grid_figure": "graphborrow.studies.capacity",
     "tensor_fits_run": "graphborrow.studies.capacity",
-    "vocab_of": "graphborrow.studies.pools",
+    "vocab_of": "graphborrow.studies.model_pools",
     "example_sweep_results": "graphborrow.studies.shipped",
     "read_csv": "graphborrow.run.sweep",
     # plots (a cell that calls one is tagged "figure": its image must be in the executed notebook)

@@ -239,7 +239,7 @@ def _line(row: dict) -> str:
 
 def sim_backend_for(recording: dict):
     """A layout-only simulated device with a recording's measured facts (see
-    :func:`graphborrow.studies.pools.simulate_recording`, which does the same for model pools)."""
+    :func:`graphborrow.studies.model_pools.simulate_recording`, which does the same for model pools)."""
     from graphborrow.sim import SimBackend
     from graphborrow.sim.attention import BACKENDS, AttentionModel
 

@@ -2,7 +2,7 @@
 kernels' launchers): names, digests, publishing, compilers.
 
 The builds themselves are tested where they are made (tests/core/test_arena.py builds the
-arena in fresh processes, damaged and concurrent; tests/allocator/test_sim_compiled.py the
+arena in fresh processes, damaged and concurrent; tests/allocator/test_compiled_model.py the
 compiled allocator); here are the rules both rest on.
 """
 

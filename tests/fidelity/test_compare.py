@@ -28,7 +28,7 @@ from graphborrow.fidelity.compare import (
     recording,
     save_recording,
 )
-from graphborrow.studies.pools import (
+from graphborrow.studies.model_pools import (
     README_BEGIN,
     README_END,
     markdown_table,

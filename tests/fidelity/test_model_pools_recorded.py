@@ -29,7 +29,7 @@ from graphborrow.fidelity.compare import (
     load_recording,
 )
 from graphborrow.fidelity.replay import replay_trace
-from graphborrow.studies.pools import simulate_recording
+from graphborrow.studies.model_pools import simulate_recording
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +105,7 @@ def test_planner_on_the_recorded_synthetic_pool_agrees_with_the_h200_runs():
     against it on the CPU, must give the largest batch the H200 ran at 8 draft tokens."""
     import json
 
-    from graphborrow.studies.pools import planned_largest_batch
+    from graphborrow.studies.model_pools import planned_largest_batch
 
     summary = json.loads((DATA / "summary.json").read_text())
     study = next(w["study"] for w in summary["workloads"] if w["workload"] == "synthetic")

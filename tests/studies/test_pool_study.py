@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 from graphborrow.core.errors import ParameterError  # noqa: E402
 from graphborrow.core.runs import find_free_runs  # noqa: E402
 from graphborrow.sim import SimBackend  # noqa: E402
-from graphborrow.studies.pools import (  # noqa: E402
+from graphborrow.studies.model_pools import (  # noqa: E402
     MiB,
     borrow_saving,
     build_workload,

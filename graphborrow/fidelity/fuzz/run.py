@@ -35,7 +35,7 @@ def simulate_program(program: Program, addresses: Optional[list] = None, backed:
     Args:
         program: the program.
         addresses: ``(bytes, address)`` of the GPU's cudaMallocs in order
-            (:func:`graphborrow.studies.pools.segment_addresses` of its recording), so equal
+            (:func:`graphborrow.studies.model_pools.segment_addresses` of its recording), so equal
             free blocks are told apart as on the GPU; None for the simulator's own.
         backed: run with real bytes behind every segment (default: layout only).
         capacity: device memory in bytes (default: SimBackend's).

@@ -16,7 +16,7 @@ from typing import Any
 
 from graphborrow.allocator.blocks import DEFAULT_POOL
 
-from .plan import SegmentId
+from .lifetimes import SegmentId
 
 __all__ = ["DEFAULT_LABEL", "Choice", "Decision", "PoolEvidence", "PoolLabel", "ReplayPool", "infer_pools"]
 

@@ -1,6 +1,6 @@
 """The plan of a trace: one pass over its entries that finds what each segment's life was.
 
-Before anything is replayed, :class:`TracePlan` walks the trace once and finds every
+Before anything is replayed, :class:`SegmentLifetimes` walks the trace once and finds every
 segment (or expandable reservation) it shows: created by which entry, released by which,
 and, from the final snapshot, its pool. What the trace uses without having created it
 existed before the first entry (a mid-run trace): those lives are ``pre_trace``, with the
@@ -21,7 +21,7 @@ from graphborrow.allocator.blocks import DEFAULT_POOL, pool_tuple
 from graphborrow.allocator.memory import GRANULE
 from graphborrow.core.sizes import SMALL_BUFFER
 
-__all__ = ["Geometry", "KnownBlock", "MappedRange", "Reservation", "SegmentId", "SegmentLife", "TracePlan",
+__all__ = ["Geometry", "KnownBlock", "MappedRange", "Reservation", "SegmentId", "SegmentLife", "SegmentLifetimes",
            "reserved_before"]
 
 RELEASES = frozenset({"segment_free", "segment_unmap"})
@@ -199,7 +199,7 @@ class _Walk:
     freed_before: list[KnownBlock] = field(default_factory=list)  # blocks the trace frees without allocating
 
 
-class TracePlan:
+class SegmentLifetimes:
     """One pass over the trace: segment lives, what existed before the first entry, known pools.
 
     Args:

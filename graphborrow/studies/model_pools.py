@@ -415,7 +415,7 @@ def markdown_table(summary: dict, directory, compare: bool = True) -> str:
     if compare:
         lines.append("Agreement: each recording rebuilt on the layout-only simulated device from its parameters, "
                      "with the GPU's attention backends, library workspace sizes and cudaMalloc addresses "
-                     "(`graphborrow.studies.pools.simulate_recording`), compared block for block and event by event "
+                     "(`graphborrow.studies.model_pools.simulate_recording`), compared block for block and event by event "
                      "(`graphborrow.fidelity.compare`). Events that differ, by cause: "
                      + ("; ".join(f"{n} {c}" for c, n in sorted(causes.items())) or "none") + "."
                      + (" Each is explained in `known_differences.json` beside the recordings."

@@ -18,30 +18,11 @@ from pathlib import Path
 
 from graphborrow.core.errors import ParameterError
 from graphborrow.core.snapshot import TRUST
+from graphborrow.run.arguments import seconds, whole_number
 from graphborrow.run.folders import output_folder
 
 DEVICES = ("auto", "cuda", "sim")
 DEFAULT_OUT = Path("output")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be 1 or more")
-    return value
 
 
 def _check_device(device: str) -> None:
@@ -133,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _int_list(text: str) -> list[int]:
     """A comma-separated list of whole numbers, each 1 or more (``--batches 1,4,16``)."""
-    return [_positive_int(part) for part in text.split(",")]
+    return [whole_number(part) for part in text.split(",")]
 
 
 def _modes(text: str) -> list[str]:
@@ -250,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="the main job: demo, every notebook, and the example sweep")
     run.add_argument("--out", default=str(DEFAULT_OUT), help="where executed notebooks and results go")
     run.add_argument("--device", default="auto", choices=DEVICES)
-    run.add_argument("--timeout", type=_positive_float, default=None, help="per-cell timeout, seconds")
+    run.add_argument("--timeout", type=seconds, default=None, help="per-cell timeout, seconds")
     run.set_defaults(func=_run)
 
     demo = sub.add_parser("demo", help="a short end-to-end demonstration", add_help=False)
@@ -264,13 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a parameter and comma-separated values, e.g. -p VOCAB 2048,4096")
     sweep.add_argument("--name", help="sweep name (its folder under --out)")
     sweep.add_argument("--out", default=str(DEFAULT_OUT), help="folder holding sweeps (default: output)")
-    sweep.add_argument("--workers", type=_positive_int, default=None,
+    sweep.add_argument("--workers", type=whole_number, default=None,
                        help="processes of the local Dask cluster, each running one point at a time (default 1)")
     sweep.add_argument("--scheduler", metavar="ADDRESS",
                        help="run the points on an existing Dask cluster: tcp://HOST:PORT (or HOST:PORT, "
                             "tls://HOST:PORT), e.g. tcp://10.0.0.5:8786; waits for it as long as "
                             "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT says (30 s)")
-    sweep.add_argument("--timeout", type=_positive_float, default=None,
+    sweep.add_argument("--timeout", type=seconds, default=None,
                        help="per-cell timeout in seconds (default 600; inf: no limit); a point whose cell runs "
                             "longer is recorded failed and the others go on")
     sweep.add_argument("--plot-y", help="results column to plot (default: the first numeric one)")
@@ -281,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--out", default=str(DEFAULT_OUT / "suite"), help="executed notebooks and results go here")
     suite.add_argument("--device", default="auto", choices=DEVICES)
     suite.add_argument("--only", nargs="+", help="notebook name prefixes, e.g. 01 02")
-    suite.add_argument("--timeout", type=_positive_float, default=None, help="per-cell timeout, seconds")
+    suite.add_argument("--timeout", type=seconds, default=None, help="per-cell timeout, seconds")
     suite.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                        help="override a parameter in every notebook that declares it, e.g. -p VOCAB 128256")
     suite.set_defaults(func=_suite)
@@ -297,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="batch sizes to plan, comma-separated (default 1,4,16,32,64,128)")
     inspect.add_argument("--draft-tokens", type=_int_list, default=[4, 8, 16],
                          help="draft tokens per request, comma-separated (default 4,8,16)")
-    inspect.add_argument("--vocab", type=_positive_int, default=128256, help="target vocabulary (default 128256)")
+    inspect.add_argument("--vocab", type=whole_number, default=128256, help="target vocabulary (default 128256)")
     inspect.add_argument("--modes", type=_modes, default=None,
                          help="verification modes, comma-separated (default: all of them)")
     inspect.add_argument("--pool", type=_pool, default=None,

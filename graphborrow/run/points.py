@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import resource
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+from graphborrow.run.arguments import gibibytes, seconds
 from graphborrow.studies.shipped import notebooks_dir
 
 from .results import check_figures, check_results
@@ -105,28 +105,6 @@ def run_point(path: Path, label: str, params: dict, out: Path, timeout: float, f
             "slowest_cell_seconds": slowest}
 
 
-def _cell_limit(text: str) -> float:
-    """A per-cell limit: a positive number of seconds (inf: none), as sweep and suite take it."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds (inf: no limit)")
-    return value
-
-
-def _gigabytes(text: str) -> float:
-    """An address-space limit: a finite number of GiB, 0 for none."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} must be a number of GiB, 0 or more (0: no limit)")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m graphborrow points", description=__doc__.splitlines()[0])
     parser.add_argument("--notebooks", type=Path, default=None, help="folder of the numbered notebooks")
@@ -135,13 +113,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random points")
     parser.add_argument("--jobs", type=int, default=2, help="points run at the same time")
     parser.add_argument("--out", type=Path, default=Path("output/points"))
-    parser.add_argument("--timeout", type=_cell_limit, default=300, help="seconds one cell may run (inf: no limit)")
+    parser.add_argument("--timeout", type=seconds, default=300, help="seconds one cell may run (inf: no limit)")
     parser.add_argument("--skip-defaults", action="store_true",
                         help="leave out the defaults point (nbval runs the defaults)")
     parser.add_argument("--labels", nargs="*", default=None,
                         help="only these points (defaults low high h200 random-0 ...)")
     parser.add_argument("--no-h200", action="store_true", help="leave out the H200-preset point")
-    parser.add_argument("--memory-gb", type=_gigabytes, default=6,
+    parser.add_argument("--memory-gb", type=gibibytes, default=6,
                         help="address-space limit of each notebook's kernel (0: none); a point that needs "
                              "more fails with a MemoryError instead of swapping a shared machine")
     return parser

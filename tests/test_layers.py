@@ -63,3 +63,39 @@ def test_the_check_finds_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     graph = grimp.build_graph("layered", cache_dir=None)
     assert upward_imports(graph, ["low", "high"]) == ["layered.low.base -> layered.high.user"]
+
+
+# Where the package imports by name at run time, and why: the root's lazy exports (checked above
+# against the modules that define them), the compiled allocator model's extension files, and the
+# notebook kernel server's warm-up of the modules notebooks import, before it forks kernels.
+IMPORTS_BY_NAME = {"graphborrow/__init__.py", "graphborrow/allocator/compiled.py", "graphborrow/run/kernel_server.py"}
+
+
+def imports_by_name(root) -> list[str]:
+    """Every ``importlib.import_module``, ``__import__`` or ``spec_from_file_location`` call, as "file:line"."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    for path in sorted(Path(root).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if name in ("import_module", "__import__", "spec_from_file_location"):
+                    found.append(f"{path.relative_to(Path(root).parent).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_no_module_imports_another_by_a_string():
+    from pathlib import Path
+
+    found = imports_by_name(Path(graphborrow.__file__).parent)
+    assert {place.split(":")[0] for place in found} <= IMPORTS_BY_NAME, found
+
+
+def test_the_check_finds_an_import_by_a_string(tmp_path):
+    package = tmp_path / "graphborrow"
+    package.mkdir()
+    (package / "verify.py").write_text("import importlib\n\ndef f():\n    return importlib.import_module('graphborrow.x')\n")
+    (package / "other.py").write_text("def g():\n    return __import__('graphborrow.y')\n")
+    assert imports_by_name(package) == ["graphborrow/other.py:2", "graphborrow/verify.py:4"]

@@ -41,7 +41,7 @@ from .errors import (
 )
 from .interrupts import CRITICAL, CRITICAL_ENTRY
 from .runs import POLICIES, find_free_runs
-from .sizes import LARGE_BUFFER, MB, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, allocation_size, is_small, round_size
+from .sizes import LARGE_BUFFER, MB, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, allocation_size, format_size, is_small, round_size
 
 __all__ = ["BorrowState", "BorrowScope", "CaptureScope", "ReplayScope", "CAPTURE_USER", "REPLAY_USER"]
 
@@ -514,7 +514,7 @@ class BorrowState:
         live = self.live_borrowed_bytes()
         if live:
             raise BorrowLeakError(
-                f"graph-pool borrow leak at {event}: {live} bytes borrowed from the graph pool "
+                f"graph-pool borrow leak at {event}: {format_size(live)} ({live} bytes) borrowed from the graph pool "
                 f"are still referenced, and {event} would overwrite them. Delete (or copy out "
                 "of the scope) every tensor created inside the borrow before this point."
             )

@@ -624,9 +624,9 @@ class SimBackend(DeviceAPI):
         """The device in words, for tables and plots.
 
         Returns:
-            Capacity, backed or layout-only, and the torch version.
+            Capacity, real bytes or layout only (the glossary's words), and the torch version.
         """
-        kind = "backed" if self.backed else "layout only"
+        kind = "real bytes" if self.backed else "layout only"
         return f"simulated CUDA device ({self.capacity / GiB:g} GiB, {kind}; torch {torch.__version__})"
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""The course the nine notebooks make: what each teaches and how long it takes, in a three-hour
+"""The course the ten notebooks make: what each teaches and how long it takes, in a three-hour
 and a two-hour class.
 
 One table, read by notebook 00 (which renders it), by ``docs/teaching.md`` (whose class plan a
@@ -32,32 +32,32 @@ LESSONS = (
     Lesson("00_overview", "overview", 10, 10,
            "the problem on the H200's numbers; one borrow takes no device memory, while `memory_reserved` "
            "counts it twice", "all of it"),
-    Lesson("01_free_runs", "free runs", 25, 20,
+    Lesson("01_free_runs", "free runs", 20, 20,
            "two graphs captured into one `graph_pool_handle()`, a segment of `memory_snapshot()`; free runs "
            "against whole segments; capture order; real model code",
-           "skip *Your own model code* (homework)"),
-    Lesson("02_borrowing", "borrowing", 25, 20,
+           "pass over *Your own model code* (homework)"),
+    Lesson("02_borrowing", "borrowing", 20, 20,
            "a `MemPool` over a `CUDAPluggableAllocator` and `use_mem_pool`, then `BorrowState`: capacity, "
            "where tensors land, best against first fit, a memory history for memory_viz",
            "the best/first-fit host calls are read, not run"),
     Lesson("03_deferred_frees", "deferred frees", 15, 10,
            "`record_stream`, `active_pending_free`, a measured two-stream timeline, why retirement "
-           "synchronises, stream pinning", "skip stream pinning"),
+           "synchronises, stream pinning", "pass over stream pinning"),
     Lesson("04_capture_retirement", "capture and retirement", 15, 10,
            "the owner slot, leak detection, an escaped borrow overwritten by replay",
-           "skip the capture that retires the pool"),
-    Lesson("05_eagle_sampling", "EAGLE sampling", 30, 20,
+           "pass over the capture that retires the pool"),
+    Lesson("05_eagle_sampling", "EAGLE sampling", 25, 20,
            "tree verification in borrowed memory: a step refused, standard, lean and chunked agree; "
-           "chi-square of the first and second token", "skip the fused kernels' table"),
-    Lesson("06_capacity_sweep", "capacity", 25, 15,
+           "chi-square of the first and second token", "pass over the fused kernels' table"),
+    Lesson("06_capacity_sweep", "capacity", 20, 15,
            "which steps fit (checked by running the boundary), size classes, fit policy, your own "
-           "snapshot, a sweep's table", "skip the sweep and the H200 table"),
+           "snapshot, a sweep's table", "pass over the sweep and the H200 table"),
     Lesson("07_explorer", "explorer", 15, 0,
            "an interactive memory map and capacity grid (ipywidgets), with static figures",
            "homework: move the controls"),
     Lesson("08_why_not_borrow", "why not borrow", 20, 15,
            "why upstream stopped borrowing for EAGLE: library workspaces, kept masks, the lean verifier; "
-           "when borrowing pays", "skip the rehearsal"),
+           "when borrowing pays", "pass over the rehearsal"),
     Lesson("09_whole_loop", "the whole loop", 20, 0,
            "speculative decoding end to end with transformers models: memory over the steps with borrowing off "
            "and on, acceptance against draft agreement, what upstream's choice costs on the H200",
@@ -65,7 +65,7 @@ LESSONS = (
 )
 
 # the two classes: name -> total minutes
-PATHS = {"three-hour class": 200, "two-hour class": 120}
+PATHS = {"three-hour class": 180, "two-hour class": 120}
 
 
 def lesson(notebook: str) -> Lesson:

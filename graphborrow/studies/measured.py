@@ -184,7 +184,8 @@ def fused_summary_text(summary: Mapping[str, Any]) -> str:
     leaves to borrow."""
     n = summary["points"]
     if n:
-        lines = [f"- Fused verification on the H200: every goal met at {summary['goals_met_replayed']} of {n} points "
+        goals = ", ".join(FUSED_GOALS)
+        lines = [f"- Fused verification on the H200: every goal ({goals}) met at {summary['goals_met_replayed']} of {n} points "
                  f"replayed from a CUDA graph, at {summary['goals_met_eager']} of {n} launched eagerly (at small "
                  "batches the eager step is launch-bound: its host time, not the kernels, sets its time)."]
     else:

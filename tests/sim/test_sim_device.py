@@ -165,7 +165,7 @@ def test_stats_snapshot_and_memory_viz_file(sim, tmp_path):
 
 
 def test_describe_and_repr(sim):
-    assert "simulated" in sim.describe()
+    assert "simulated" in sim.describe() and ("real bytes" in sim.describe()) == sim.backed
     layout = SimBackend(capacity=2**30, backed=False)
     try:
         assert "layout only" in layout.describe()

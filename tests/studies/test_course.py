@@ -48,3 +48,10 @@ def test_the_course_table_links_every_notebook():
         course.lesson("42")
     with pytest.raises(KeyError, match="not a class"):
         course.path_minutes("one hour")
+
+
+def test_the_classes_last_what_they_are_called_and_the_readme_gives_the_same_minutes():
+    assert course.PATHS == {"three-hour class": 180, "two-hour class": 120}
+    readme = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\d\d_\w+)` \| (\d+) \|", readme, re.M))
+    assert rows == {x.notebook: str(x.minutes) for x in course.LESSONS}

@@ -20,10 +20,18 @@ import gc
 import importlib.util
 import os
 import random
+import signal
 from pathlib import Path
 
 import torch
 from hypothesis import HealthCheck, settings
+
+# A runner that starts the suite as a background job (a shell without job control, nohup in a
+# script) leaves SIGINT ignored, and every process it starts inherits that: Python then installs
+# no KeyboardInterrupt handler, and the tests of Ctrl-C (in this process and in the commands they
+# start) would test nothing. Python's own handler, as an interactive start gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if not torch.cuda.is_available():
     # The fused kernels run in Triton's interpreter here, which must be chosen before anything

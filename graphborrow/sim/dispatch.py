@@ -128,7 +128,17 @@ def _origin(sims) -> str | None:
     return None
 
 
+# A simulated tensor's torch storage is the wrapper's empty one, never its device memory: a tensor
+# set onto it would read memory that does not exist (the interpreter crashed).
+_STORAGE_SOURCES = {_aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset}
+
+
 def dispatch(func, args, kwargs):
+    if func in _STORAGE_SOURCES:
+        raise NotImplementedError(
+            "set_(storage) onto a simulated CUDA tensor is not simulated: the simulated device's tensors have no "
+            "torch storage (untyped_storage() is an empty placeholder). Share memory with a view or "
+            "set_(other_tensor) instead")
     sims: list[SimTensor] = []
     inner_args = _unwrap(args, sims)
     inner_kwargs = {k: _unwrap(v, sims) for k, v in kwargs.items()} if kwargs else kwargs
@@ -295,14 +305,12 @@ def _adopt(o: torch.Tensor, index: int, sims: list[SimTensor], twins, backend, f
 
 
 def _take_storage(s: SimTensor, inner: torch.Tensor, sims: list[SimTensor]) -> None:
-    """``s.set_(source)``: ``s`` now lives in the source's storage."""
-    source = next((t for t in sims if t is not s and t.sim_storage is not None and _same_storage(t.sim_inner, inner)),
-                  None)
+    """``s.set_(source)``: ``s`` now lives in the source's storage (its inner tensor's, or on a layout-only
+    device the META twin's a source with values lends to shape-only data)."""
+    key = inner.untyped_storage()._cdata
+    source = next((t for t in sims if t is not s and t.sim_storage is not None
+                   and key in (t.sim_inner.untyped_storage()._cdata, t.sim_storage.meta_key)), None)
     s.sim_storage = None if source is None else source.sim_storage
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
 def _base_of(storage: SimStorage, sims: list[SimTensor]) -> SimTensor:

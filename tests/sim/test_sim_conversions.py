@@ -91,3 +91,18 @@ def test_set_gives_a_tensor_another_storage(device):
     assert a.shape == (4, 4) and a.sim_storage is b.sim_storage
     a.unsqueeze_(0)
     assert a.shape == (1, 4, 4) and a.sim_inner.shape == (1, 4, 4)
+
+
+def test_a_tensor_set_onto_a_simulated_storage_is_refused_by_name_not_a_crash(device):
+    with torch.device("cuda"):
+        t = torch.ones(1024)
+        storage = t.untyped_storage()  # the wrapper's placeholder, not the block in device memory
+        for call in (lambda: torch.empty(0).set_(storage), lambda: torch.empty(0).set_(storage, 0, (4,), (1,))):
+            with pytest.raises(NotImplementedError,
+                               match=r"set_\(storage\) onto a simulated CUDA tensor .* set_\(other_tensor\)"):
+                call()
+        shared = torch.empty(0).set_(t)  # a tensor as the source is simulated
+    assert shared.data_ptr() == t.data_ptr()
+    if device.backed:
+        assert shared[:4].tolist() == [1.0] * 4
+

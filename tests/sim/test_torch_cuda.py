@@ -260,3 +260,17 @@ def test_every_torch_cuda_function_answers_or_is_refused_by_name(name):
 ANSWERED_BY_TORCH = {"memory_summary", "max_memory_cached", "memory_cached", "reset_max_memory_allocated",
                      "reset_max_memory_cached", "device", "device_of", "get_gencode_flags", "make_graphed_callables",
                      "cudaStatus"}
+
+
+@pytest.mark.parametrize("layout_only", [False, True], ids=["real-bytes", "layout-only"])
+def test_dlpack_export_of_a_simulated_tensor_is_refused_by_name(layout_only):
+    """Another library would read memory the simulated device does not have (the interpreter crashed)."""
+    use_device("sim", layout_only=layout_only)
+    try:
+        t = torch.ones(8, device="cuda")
+        for export in (lambda: torch.from_dlpack(t), t.__dlpack__, lambda: torch.utils.dlpack.to_dlpack(t)):
+            with pytest.raises(BufferError, match="DLPack"):
+                export()
+        assert torch.from_dlpack(torch.ones(2)).tolist() == [1.0, 1.0]  # host tensors are torch's own
+    finally:
+        cuda_api.uninstall(cuda_api.installed())

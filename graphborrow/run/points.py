@@ -129,8 +129,9 @@ def main(argv=None) -> int:
     """The command line (see the module docstring); returns the exit status."""
     args = _parser().parse_args(argv)
     for name in ("samples", "jobs"):
-        if getattr(args, name) < (0 if name == "samples" else 1):
-            print(f"error: --{name} {getattr(args, name)} is too small", file=sys.stderr)
+        least = 0 if name == "samples" else 1
+        if getattr(args, name) < least:
+            print(f"error: --{name} {getattr(args, name)} is too small; it must be {least} or more", file=sys.stderr)
             return 2
     # the limit is inherited by the notebooks' kernels (and their kernel server), and lifted again at the end
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)

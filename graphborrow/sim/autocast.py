@@ -11,10 +11,11 @@ autocast's cache of lower-precision casts of float32 leaf tensors that require g
 weights) until the outermost autocast region ends (``torch.clear_autocast_cache``). The casting
 rules are torch's own, of the installed version; nothing here lists them.
 
-Ops reach the simulated device whole in inference mode and under ``no_grad`` through the
-Python-level CUDA models (``linear``, ``softmax``, ``layer_norm``, ...); with autograd on, a
-composite op (``softmax``) reaches it already decomposed, and its pieces are cast by their own
-rules.
+Ops reach the simulated device whole in inference mode; with autograd on, a composite op
+(``group_norm``) reaches it already decomposed, and its pieces are cast by their own rules. The
+Python-level CUDA models (``linear``, ``softmax``, ``layer_norm``, ``rms_norm``, ...) see the op
+whole in every mode and apply its plan before the kernels under it, as CUDA's autocast kernel
+runs before autograd.
 """
 
 from __future__ import annotations

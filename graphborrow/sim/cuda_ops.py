@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from . import host
+from . import autocast, host
 from .autograd import KernelFunction, records_grad, reference_grads
 from .dispatch import dispatch, launch_kernel
 from .tensor import SimTensor, non_overlapping_and_dense, register_cuda_model, register_factory_model
@@ -643,6 +643,14 @@ def _kernel_copy(x):
     return None
 
 
+def _autocast_first(op, args):
+    """CUDA's autocast kernel for ``op`` runs before autograd decomposes it, and the models below call
+    the kernels under it: with autocast on, its casts and then ``op`` (None: autocast leaves it)."""
+    if autocast.enabled():
+        return autocast.plan_call(op, args, {}, SimTensor)
+    return None
+
+
 _FUSED_RMS_NORM = getattr(_aten, "_fused_rms_norm", None)
 
 
@@ -654,6 +662,9 @@ def _rms_norm(func, args, kwargs):
     records it."""
     params = _named(args, kwargs, ("input", "normalized_shape", "weight", "eps"))
     x, shape, weight, eps = params["input"], tuple(params["normalized_shape"]), params.get("weight"), params.get("eps")
+    planned = _autocast_first(_aten.rms_norm.default, (x, list(shape), weight, eps))
+    if planned is not None:
+        return planned()
     if _FUSED_RMS_NORM is None or (weight is not None and weight.dtype != x.dtype):
         with torch_functions_off(subclasses_only=True):
             return torch.rms_norm(x, shape, weight, eps)
@@ -708,6 +719,10 @@ def _layer_norm(func, args, kwargs):
     records it and keeps its mean and rstd); the composite keeps only the output."""
     params = _named(args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps"))
     x, shape = params["input"], tuple(params["normalized_shape"])
+    planned = _autocast_first(_aten.layer_norm.default, (x, list(shape), params.get("weight"), params.get("bias"),
+                                                          params.get("eps", 1e-5)))
+    if planned is not None:
+        return planned()
     return _aten.native_layer_norm.default(x, shape, params.get("weight"), params.get("bias"),
                                            params.get("eps", 1e-5))[0]
 
@@ -782,6 +797,10 @@ def _softmax(func, args, kwargs):
     kernel = _aten._log_softmax.default if func in _LOG_SOFTMAX else _aten._softmax.default
     if dim is None:
         dim = 0 if x.dim() in (0, 1, 3) else 1  # torch's legacy implicit dim
+    planned = _autocast_first(_aten.log_softmax.int if func in _LOG_SOFTMAX else _aten.softmax.int,
+                              (x, dim) if dtype is None else (x, dim, dtype))
+    if planned is not None:
+        return planned()
     if x.dtype == torch.float16 and dtype == torch.float32:
         return kernel(x, dim, True)
     return kernel(x if dtype is None else x.to(dtype), dim, False)

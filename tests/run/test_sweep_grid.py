@@ -105,6 +105,9 @@ def test_cli_values_refuse_empty_and_unknown():
         grid.add_cli([("batch_size", " , ")])
     with pytest.raises(ParameterError, match="unknown parameter 'batchsize'"):
         grid.add_cli([("batchsize", "1,2")])
+    with pytest.raises(ParameterError, match=r"SEED is already given \('1'\); give it once, .*\(-p seed 1,2\)"):
+        grid.add_cli([("SEED", "1"), ("seed", "2")])  # the second had replaced the first, silently
+    assert "SEED" not in grid.fixed and "SEED" not in grid.axes  # refused before anything is set
 
 
 def test_duplicate_axis_values_are_refused():

@@ -207,14 +207,21 @@ class Grid:
             pairs: ``(name, values)`` pairs as argparse collects them; ``values`` is a comma list.
 
         Raises:
-            ParameterError: an unknown parameter name, or no values.
+            ParameterError: an unknown parameter name, no values, or a parameter given twice.
         """
+        given: dict[str, tuple[str, list]] = {}  # every pair checked before any is set
         for raw, text in pairs:
             name = canonical(raw)
             self._check_name(name, raw, "-p")
+            if name in given:
+                first = given[name][0]
+                raise ParameterError(f"-p {raw} {text!r}: {name} is already given ({first!r}); give it once, "
+                                     f"with every value in one comma list (-p {raw} {first},{text})")
             values = parse_cli_values(text)
             if not values:
                 raise ParameterError(f"-p {raw} {text!r}: no values; give one value or a comma list")
+            given[name] = (text, values)
+        for name, (_, values) in given.items():
             self.fixed.pop(name, None)
             self.axes.pop(name, None)
             if len(values) == 1:

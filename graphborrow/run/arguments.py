@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+__all__ = ["gibibytes", "seconds", "whole_number"]
+
 
 def _number(text: str, what: str) -> float:
     try:

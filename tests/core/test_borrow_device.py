@@ -91,8 +91,8 @@ def test_a_leaked_tensor_makes_replay_raise_until_released(ladder):
     backend, state = ladder.backend, ladder.state
     with state.borrow("test"):
         leaked = torch.ones(MiB, dtype=torch.uint8, device=backend.device)
-    with pytest.raises(BorrowLeakError, match=r"leak at graph replay: \d+ bytes .* still referenced, "
-                                               r"and graph replay would overwrite them"):
+    with pytest.raises(BorrowLeakError, match=r"leak at graph replay: 1024.00 KiB \(1048576 bytes\) borrowed .* "
+                                               r"still referenced, and graph replay would overwrite them"):
         ladder.replay()
     with pytest.raises(BorrowLeakError):  # stays refused while the tensor lives
         ladder.replay()

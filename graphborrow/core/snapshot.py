@@ -242,10 +242,15 @@ def _check_segment(i: int, segment: Any, block_addresses: bool = True) -> Mappin
     total = _integer(segment["total_size"], where, "total_size")
     if total <= 0:
         raise SnapshotFormatError(f"{where}: total_size {total} is not positive")
-    if address + total > ADDRESS_LIMIT:
+    if address + total >= ADDRESS_LIMIT:  # a range's end lies below the limit too, as the arena's extents
         raise SnapshotFormatError(
             f"{where}: its {total} bytes run past the end of the 64-bit address space "
             f"(to {address + total:#x}); no device address lies there")
+    pool = segment.get("segment_pool_id")
+    if pool is not None and (not isinstance(pool, (list, tuple)) or len(pool) != 2
+                             or any(isinstance(x, bool) or not hasattr(type(x), "__index__") for x in pool)):
+        raise SnapshotFormatError(f"{where}: segment_pool_id {pool!r:.60} is not a pool id; torch writes two "
+                                  "integers, e.g. (0, 1)")
     blocks = segment["blocks"]
     if not isinstance(blocks, (list, tuple)) or not blocks:
         raise SnapshotFormatError(f"{where}: 'blocks' must be a non-empty list, got {blocks!r:.60}")
@@ -341,6 +346,11 @@ def nested_in(segments: list) -> dict[int, int]:
                     f"[{h['address']:#x}, {h['address'] + h['total_size']:#x}) overlap partly; "
                     "segments are disjoint, or one lies inside a free block of the other"
                 )
+            if (start, end) == (h["address"], h["address"] + h["total_size"]) and \
+                    tuple(segments[k].get("segment_pool_id", ())) == tuple(h.get("segment_pool_id", ())):
+                raise SnapshotFormatError(
+                    f"segment {k} repeats segment {host} [{start:#x}, {end:#x}) in the same pool; a snapshot lists "
+                    "each segment once (were two snapshots joined?)")
             block, at = _block_at(h, start, starts)
             if block["state"] != FREE_STATE or end > at + block["size"]:
                 raise SnapshotFormatError(

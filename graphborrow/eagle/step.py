@@ -171,6 +171,10 @@ class VerifyStep:
         bs, d = c.shape
         if d < 1:
             raise ValueError("candidates must hold at least the root (D >= 1)")
+        table = getattr(self.tree, "retrive_index", None)
+        if isinstance(table, torch.Tensor) and tuple(table.shape) != (bs, d):
+            raise ValueError(f"candidates are [{bs}, {d}] but the tree's tables are {list(table.shape)}: pass "
+                             "candidates=None for the tree's own, or candidates of the tree's [bs, D]")
         logits = self.logits
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != bs * d:
             raise ValueError(
@@ -186,6 +190,11 @@ class VerifyStep:
         tree = self.tree
         for t, name in zip((tree.retrive_index, tree.retrive_next_token, tree.retrive_next_sibling), TREE_TABLES):
             expect(t, name, c.shape, torch.int64)
+        for t, name in ((c, "candidates"), (tree.retrive_index, "the tree"), (self.coins, "coins"),
+                        (self.coins_final, "coins_final")):
+            if isinstance(t, torch.Tensor) and t.device != logits.device:
+                raise ValueError(f"{name} on {t.device} and the logits on {logits.device}: the step's tensors live on "
+                                 "one device; move them there with .to(logits.device)")
         depth = self.tree.tree_depth
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"tree.tree_depth must be an int >= 1 (the accept width S), got {depth!r}")

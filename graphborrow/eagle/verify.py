@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from graphborrow.core.checks import as_flag
 from graphborrow.core.errors import BorrowCapacityError
 from graphborrow.sim.tensor import is_sim_tensor
 
@@ -96,9 +97,11 @@ def eagle_verify(
 
     Raises:
         ValueError: a bad argument, named.
+        TypeError: ``validate`` or ``graph`` not a bool (a string such as 'no' would read as true).
         BorrowCapacityError: chunked mode, when not even one request's step fits the
             borrow pool (raised before anything is allocated).
     """
+    validate, graph = as_flag(validate, "validate"), as_flag(graph, "graph")
     if graph:
         if out is not None:
             raise ValueError("graph=True returns its captured step's own outputs (rewritten by each replay), so it "

@@ -449,3 +449,18 @@ def test_what_is_not_a_snapshot_is_named_with_its_origin(tmp_path):
     with pytest.raises(SnapshotFormatError) as info:
         check_segments("not a list")
     assert str(info.value) == "'segments' is a str; expected a list of segment dicts"
+
+
+def test_a_segment_listed_twice_in_its_pool_is_refused_and_other_pools_may_share_a_range():
+    """The summary had counted the repeated segment's bytes twice."""
+    host = make_segment(1 << 30, [("inactive", 1024)], pool=(0, 1))
+    with pytest.raises(SnapshotFormatError, match=r"segment 1 repeats segment 0 \[0x40000000, 0x40000400\) in the same pool"):
+        check_segments([host, dict(host)])
+    assert len(nested_in([make_segment(1 << 30, [("inactive", 1024)], pool=(0, 5)), host])) == 1  # one hosts the other
+
+
+@pytest.mark.parametrize("pool", [(0, "x"), (0,), "0,1", (0, 1.5), (True, 1)])
+def test_a_pool_id_that_is_not_two_integers_is_refused(pool):
+    with pytest.raises(SnapshotFormatError, match=r"segment 0 .*segment_pool_id .* is not a pool id; torch writes two integers"):
+        check_segments([make_segment(1 << 30, [("inactive", 1024)], pool=pool)])
+

@@ -106,7 +106,9 @@ def compile_command(what: str, command: list[str]) -> None:
     """Run one compiler command; RuntimeError with the command and the compiler's own output when it fails."""
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"building {what} failed ({' '.join(command)}):\n{result.stderr}")
+        hint = (f"\n(the compiler is CC={os.environ['CC']!r} from the environment: unset CC to use cc, gcc or clang)"
+                if os.environ.get("CC") else "")
+        raise RuntimeError(f"building {what} failed ({' '.join(command)}):\n{result.stderr}{hint}")
 
 
 def content_tag(*parts: bytes) -> str:

@@ -88,6 +88,19 @@ def _max_point_mb(_value: str, env: Mapping[str, str]) -> None:
     max_point_bytes(env)
 
 
+def _dask_connect_timeout(value: str, _env: Mapping[str, str]) -> None:
+    try:
+        from dask.utils import parse_timedelta
+    except ImportError:  # no Dask, no sweep: nothing reads it
+        return
+    try:
+        seconds = parse_timedelta(value, "s")
+    except (KeyError, ValueError, TypeError):
+        seconds = None
+    if seconds is None or not seconds > 0:
+        raise ValueError("is not a positive time: write seconds (30) or a number and a unit (30s, 2m)")
+
+
 VARIABLES: tuple[Variable, ...] = (
     Variable("GRAPHBORROW_CACHE_DIR", "graphborrow.core.native", "where the bump arena and the compiled "
              "allocator model are built (default ~/.cache/graphborrow)", _rule("GRAPHBORROW_CACHE_DIR")),
@@ -106,6 +119,8 @@ VARIABLES: tuple[Variable, ...] = (
              "point may send back (default 64)", _max_point_mb),
     Variable("CUDA_VISIBLE_DEVICES", "graphborrow.run.sweep.cluster", "the GPUs local sweep workers get, one "
              "each (checked against --workers when the cluster starts)"),
+    Variable("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "graphborrow.run.sweep.cluster", "how long a sweep "
+             "waits for a --scheduler to answer (Dask's setting, default 30 s)", _dask_connect_timeout),
     Variable("OMP_NUM_THREADS", "graphborrow.run.sweep.execute", "kept for notebook kernels when set; else set "
              "to the CPU cores per worker"),
     Variable("MPLBACKEND", "graphborrow.run.sweep.execute", "removed for notebook kernels, which keep the inline "

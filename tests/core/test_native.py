@@ -142,3 +142,16 @@ def test_a_build_makes_its_targets_once_and_a_failed_one_leaves_nothing(tmp_path
 def test_a_failing_compile_command_names_the_command_and_the_compilers_output():
     with pytest.raises(RuntimeError, match=r"building the test failed \(sh -c echo oops >&2; exit 3\):\noops"):
         native.compile_command("the test", ["sh", "-c", "echo oops >&2; exit 3"])
+
+
+def test_a_failing_compiler_from_cc_says_how_to_use_the_usual_one(tmp_path, monkeypatch):
+    bad = tmp_path / "badcc"
+    bad.write_text("#!/bin/sh\necho broken compiler >&2\nexit 1\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("CC", str(bad))
+    with pytest.raises(RuntimeError, match=r"(?s)broken compiler.*CC=.*badcc.* unset CC to use cc, gcc or clang"):
+        native.compile_command("the test library", [str(bad), "-c", "x.c"])
+    monkeypatch.delenv("CC")
+    with pytest.raises(RuntimeError) as failed:
+        native.compile_command("the test library", [str(bad), "-c", "x.c"])
+    assert "unset CC" not in str(failed.value)

@@ -66,6 +66,8 @@ def test_the_table_in_the_docs_lists_every_variable():
 
 
 BAD = [
+    ("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "banana", "is not a positive time: write seconds (30)"),
+    ("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "0", "is not a positive time"),
     ("GRAPHBORROW_MAX_POINT_MB", "abc", "must be a positive number of MiB"),
     ("GRAPHBORROW_MAX_POINT_MB", "0", "must be a positive number of MiB"),
     ("GRAPHBORROW_MAX_POINT_MB", "-5", "must be a positive number of MiB"),
@@ -85,6 +87,7 @@ BAD = [
     ("GRAPHBORROW_SEQUENCE_CACHE", "off", "must be one of"),
 ]
 GOOD = [
+    ("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "120s"), ("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "30"),
     ("GRAPHBORROW_MAX_POINT_MB", "0.5"), ("GRAPHBORROW_MAX_POINT_MB", "128"),
     ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64"), ("PYTORCH_CUDA_ALLOC_CONF", ""),
     ("GRAPHBORROW_SIM_PURE", "1"), ("GRAPHBORROW_SIM_PURE", "0"), ("GRAPHBORROW_SIM_PURE", ""),

@@ -203,7 +203,9 @@ def _replay_corpus(args: argparse.Namespace) -> int:
             return 2
 
     def show(row: dict) -> None:
-        if "refused" in row:
+        if "unreadable" in row:
+            result = f"unreadable: {row['unreadable']}"
+        elif "refused" in row:
             result = f"refused: {row['refused']}"
         else:
             agreement = "undefined" if row["agreement"] is None else f"{row['agreement']:.4f}"
@@ -214,12 +216,17 @@ def _replay_corpus(args: argparse.Namespace) -> int:
         print(f"{row['name']:<24} {row['variant'] or '':<14} {result}", flush=True)
 
     rows = corpus.replay_corpus(paths, progress=show)
-    print(json.dumps(corpus.summarize(rows)))
+    summary = corpus.summarize(rows)
+    print(json.dumps(summary))
     if args.json:
         command = "python -m graphborrow replay-corpus " + shlex.join(args.argv)
         commit = args.commit or corpus.current_commit(Path.cwd())
         corpus.record_run(Path(args.json), args.label, commit, command, rows)
         print(f"wrote {args.json} (run {args.label!r})")
+    if summary["unreadable"]:
+        print(f"error: {summary['unreadable']} of {len(rows)} files are not traces (above: 'unreadable'); move them "
+              "out of the corpus folder, or name the traces with --only", file=sys.stderr)
+        return 1
     return 0
 
 

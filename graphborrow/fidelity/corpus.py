@@ -82,15 +82,16 @@ def trace_files(folder: Path, only: Iterable[str] | None = None) -> list[Path]:
 
 
 def replay_file(path: Path) -> dict:
-    """Replay one trace file; its row. A file the reader or the replay refuses (malformed, code in a
-    pickle, no trace) gets ``refused`` and the reason, and the corpus goes on.
+    """Replay one trace file; its row. A file the reader cannot read as a trace (junk, truncated, code
+    in a pickle) gets ``unreadable`` and the reason, a trace the replay refuses gets ``refused``, and
+    the corpus goes on.
 
     Args:
         path: a ``_snapshot()`` pickle, gzipped or not, perhaps with a ``corpus`` record.
 
     Returns:
-        ``name`` (the file's, before its first dot), ``variant``, ``settings``, ``fraction`` and either
-        ``refused`` or ``agreement`` (None when no check could be made; ``unchecked`` says why),
+        ``name`` (the file's, before its first dot), ``variant``, ``settings``, ``fraction`` and one of
+        ``unreadable``, ``refused`` or ``agreement`` (None when no check could be made; ``unchecked`` says why),
         ``checks``, ``mismatches`` (a count), ``first_mismatch``, ``unverifiable``,
         ``unverifiable_reasons``, ``stats_checked``, ``stats_mismatches`` (a count), ``inferred`` (a
         count) and ``cpu_s``.
@@ -99,6 +100,10 @@ def replay_file(path: Path) -> dict:
     start = time.process_time()
     try:
         snapshot = load_trace(Path(path))  # the restricted reader: a corpus from elsewhere runs no code
+    except Exception as error:  # not a trace at all (junk, truncated, code in a pickle): named apart
+        row["unreadable"] = f"{type(error).__name__}: {str(error)[:300]}"
+        return row
+    try:
         meta = snapshot.get("corpus") or {}
         row.update(variant=meta.get("variant"), settings=meta.get("settings"), fraction=meta.get("fraction"))
         report = replay_trace(snapshot)
@@ -115,7 +120,7 @@ def replay_file(path: Path) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """How many rows fall in each agreement band, how many were refused, how many made no check
+    """How many rows fall in each agreement band, how many were unreadable or refused, how many made no check
     (agreement undefined: counted apart, never in a band), how many agreed at every check while their
     recorded statistics did not (:data:`STATS_DISAGREE`, never in the 1.0 band), and how many in all.
 
@@ -123,11 +128,15 @@ def summarize(rows: list[dict]) -> dict:
         rows: rows of :func:`replay_file`.
 
     Returns:
-        ``{band: count, STATS_DISAGREE: count, "refused": count, "unchecked": count, "traces": count}``.
+        ``{band: count, STATS_DISAGREE: count, "refused": count, "unchecked": count, "unreadable": count,
+        "traces": count}``.
     """
     summary = {label: 0 for label, _, _ in BANDS}
-    summary[STATS_DISAGREE] = summary["refused"] = summary["unchecked"] = 0
+    summary[STATS_DISAGREE] = summary["refused"] = summary["unchecked"] = summary["unreadable"] = 0
     for row in rows:
+        if "unreadable" in row:
+            summary["unreadable"] += 1
+            continue
         if "refused" in row:
             summary["refused"] += 1
             continue

@@ -290,6 +290,9 @@ def test_trace_errors_name_the_entry_exactly():
     assert str(info.value) == "device_traces[0][1] (alloc): 'stream' is None (NoneType); it must be an integer"
     with pytest.raises(SnapshotFormatError, match="one per device"):
         load_snapshot({"segments": segments, "device_traces": [[entry], {"a": 1}]})
+    far = {**entry, "action": "segment_map", "addr": 1 << 70}  # replayed at 0.9983 before, as if mapped
+    with pytest.raises(SnapshotFormatError, match=r"device_traces\[0\]\[0\] \(segment_map\): .* runs past the end"):
+        load_snapshot({"segments": segments, "device_traces": [[far]]})
 
 
 def test_of_two_segments_with_the_same_range_the_wholly_free_one_hosts():

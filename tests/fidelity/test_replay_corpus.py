@@ -44,9 +44,9 @@ def test_a_file_that_is_no_record_of_runs_is_refused(tmp_path):
 
 def test_the_summary_counts_bands_refusals_and_traces_that_made_no_check():
     rows = [{"agreement": 1.0}, {"agreement": 0.995}, {"agreement": 0.95}, {"agreement": 0.5}, {"refused": "x"},
-            {"agreement": None}]
+            {"agreement": None}, {"unreadable": "y"}]
     assert corpus.summarize(rows) == {"1.0": 1, "[0.99, 1)": 1, "[0.9, 0.99)": 1, "< 0.9": 1, "refused": 1,
-                                      "unchecked": 1, corpus.STATS_DISAGREE: 0, "traces": 6}
+                                      "unchecked": 1, "unreadable": 1, corpus.STATS_DISAGREE: 0, "traces": 7}
 
 
 def test_a_trace_that_makes_no_check_is_shown_undefined_never_in_a_band(tmp_path, capsys):
@@ -81,18 +81,21 @@ class _Reducer:
         return (print, ("code ran",))
 
 
-def test_a_bad_file_in_a_corpus_is_a_refused_row_and_the_good_traces_still_replay(tmp_path, capsys):
+def test_a_file_that_is_no_trace_is_an_unreadable_row_and_the_good_traces_still_replay(tmp_path, capsys):
+    """Junk had been counted with the traces the simulator refuses, and the run exited 0."""
     folder = _corpus_with_bad_files(tmp_path)
-    assert main(["replay-corpus", "--corpus", str(folder)]) == 0
-    out = capsys.readouterr().out
+    assert main(["replay-corpus", "--corpus", str(folder)]) == 1
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "4 of 6 files are not traces" in captured.err and "--only" in captured.err
     assert "code ran" not in out
     lines = {line.split()[0]: line for line in out.splitlines() if line and not line.startswith("{")}
     assert "1.0000 (" in lines["seed000"] and "1.0000 (" in lines["seed001_ring"]
     for name in ("junk", "evil", "no_trace", "sub"):
-        assert "refused: " in lines[name], lines[name]
+        assert "unreadable: " in lines[name], lines[name]
     assert "builtins.print" in lines["evil"] and "device_traces" in lines["no_trace"]
     summary = json.loads(out.splitlines()[-1])
-    assert summary["refused"] == 4 and summary["1.0"] == 2 and summary["traces"] == 6
+    assert summary["unreadable"] == 4 and summary["refused"] == 0 and summary["1.0"] == 2 and summary["traces"] == 6
 
 
 def test_rows_are_named_after_their_file(tmp_path):

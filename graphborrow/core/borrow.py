@@ -705,3 +705,20 @@ class BorrowScope(_SlotScope):
         routing = s._route(s.mem_pool)
         routing.__enter__()
         s._routing = routing
+
+    def __exit__(self, kind, error, trace) -> bool:
+        left = super().__exit__(kind, error, trace)
+        if isinstance(error, self.state.backend.OutOfMemoryError) and hasattr(error, "add_note"):  # Python 3.11+
+            _note_full_borrow_pool(error, self.state, self.user)
+        return left
+
+
+def _note_full_borrow_pool(error: BaseException, state: BorrowState, user: str) -> None:
+    """Torch's out-of-memory message speaks of the device; say that the borrow pool is what is full."""
+    try:
+        largest = state.largest_run()
+    except Exception:  # the message must not be lost to a second failure
+        return
+    error.add_note(f"graphborrow: inside {user!r} every allocation comes from the borrow pool, whose largest free run "
+                   f"is {format_size(largest)}; the device's free memory is not used. Ask state.can_fit(nbytes) "
+                   "before the borrow, or make the step smaller (lean or chunked verification).")

@@ -147,6 +147,12 @@ def _inspect(args: argparse.Namespace) -> int:
     )
 
     out = output_folder(args.out)
+    stem = Path(args.snapshot).stem
+    figure, table = out / f"{stem}_memory_map.png", out / f"{stem}_fit.json"
+    for target in (figure, table):  # before the work: its results must have a place to go
+        if target.is_dir():
+            raise ParameterError(f"{target} is a folder, where inspect writes a file; move it, or choose another "
+                                 "--out")
     try:
         report = inspect_snapshot(args.snapshot, batches=args.batches, draft_tokens=args.draft_tokens,
                                   vocab=args.vocab, modes=args.modes, pool_id=args.pool,
@@ -154,10 +160,7 @@ def _inspect(args: argparse.Namespace) -> int:
     except SnapshotFormatError as exc:
         raise ParameterError(str(exc)) from None
     print(format_report(report))
-    stem = Path(args.snapshot).stem
-    figure = out / f"{stem}_memory_map.png"
     plot_report(report).savefig(figure, dpi=110)
-    table = out / f"{stem}_fit.json"
     table.write_text(json.dumps({"snapshot": str(args.snapshot), "pool": list(report.planned_pool),
                                  "vocab": report.vocab, "fit": report.fit}, indent=1))
     print(f"\nmemory map: {figure}\nfit table:  {table}")

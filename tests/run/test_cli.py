@@ -164,3 +164,11 @@ def test_inspect_refuses_steps_no_device_holds_before_reading_the_file(capsys, t
     missing = tmp_path / "not-read.pickle"  # the arguments are checked before the file is opened
     code, err = exit_code(["inspect", str(missing), "--out", str(tmp_path / "out"), *args], capsys)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_inspect_refuses_an_output_file_name_taken_by_a_folder_before_reading_the_snapshot(capsys, tmp_path):
+    """The report printed, then savefig's IsADirectoryError, and the fit table was never written."""
+    (tmp_path / "h200_ladder_segments_memory_map.png").mkdir()
+    code, err = exit_code(["inspect", "data/h200_ladder_segments.pickle", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "h200_ladder_segments_memory_map.png is a folder, where inspect writes a file" in err
+    assert "Traceback" not in err and capsys.readouterr().out == ""

@@ -279,14 +279,16 @@ def _plot(path: Path, points: Sequence[PointResult], axes: Sequence[str], plot_y
     if not ok or not axes:
         return None
     if plot_y is not None and not any(plot_y in p.results or plot_y in p.params for p in ok):
-        columns = sorted({k for p in ok for k in p.results if k.startswith("results.")})
-        log(f"no plot: no point has a column {plot_y!r} (--plot-y / plot_y); its results columns are "
+        columns = sorted({k for p in ok for k in [*p.results, *p.params]})
+        log(f"no plot: no point has a column {plot_y!r} (--plot-y / plot_y); its columns are "
             f"{', '.join(columns) or 'none'}")
         return None
     if plot_y is None:
         numeric = [k for k, v in ok[0].results.items()
                    if k.startswith("results.") and isinstance(v, (int, float)) and not isinstance(v, bool)]
         if not numeric:
+            log("no plot: the points saved no numeric results.* value (save_results); name a column to plot "
+                "with --plot-y")
             return None
         plot_y = numeric[0]
     from graphborrow.studies.plots import sweep_plot

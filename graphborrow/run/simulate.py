@@ -4,9 +4,10 @@ The script runs as ``__main__`` (its folder first on ``sys.path``, as ``python S
 it) with ``torch.cuda`` installed onto a fresh layout-only simulated H200
 (:func:`graphborrow.sim.cuda_api.install`): its ``torch.cuda`` calls, graphs, streams, threads
 and ``PYTORCH_CUDA_ALLOC_CONF`` (read at its first CUDA call, as torch reads it) behave as on the
-GPU, as far as ``data/fuzz`` shows. When it ends (returning, raising, ``sys.exit`` or
-``os._exit``, after the threads it started that are not daemons, as an interpreter waits for
-them; the working directory and environment it changed are put back), the device's snapshot with the allocator trace is written as a pickle PyTorch's
+GPU, as far as ``data/fuzz`` shows. When it ends (returning, raising, ``sys.exit``, ``os._exit``
+or a SIGTERM, which ends it with status 143 as a shell reports it; after the threads it started
+that are not daemons, as an interpreter waits for them; the working directory and environment it
+changed are put back), the device's snapshot with the allocator trace is written as a pickle PyTorch's
 memory_viz opens, and every graph pool it left is summarised: reserved bytes, idle runs, the
 largest run, and which EAGLE verification steps the planner fits into it
 (:func:`graphborrow.studies.inspection.inspect_snapshot`).
@@ -18,8 +19,10 @@ import dataclasses
 import math
 import os
 import runpy
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -127,11 +130,11 @@ class Simulation:
 
 
 class _ProcessExit(BaseException):
-    """``os._exit`` inside the script: the snapshot is taken where it was called."""
+    """``os._exit`` (or a SIGTERM) inside the script: the snapshot is taken where it happened."""
 
-    def __init__(self, status: int, snapshot: dict) -> None:
+    def __init__(self, status: int, snapshot: dict, cause: str) -> None:
         super().__init__(status)
-        self.status, self.snapshot = status, snapshot
+        self.status, self.snapshot, self.cause = status, snapshot, cause
 
 
 def simulate_script(script: str | os.PathLike, args: Sequence[str] = (), capacity: int = H200_MEMORY,
@@ -176,12 +179,16 @@ def simulate_script(script: str | os.PathLike, args: Sequence[str] = (), capacit
                    for pool in private]
         return Simulation(str(script), snapshot_path, reports, error, backend.describe(), snapshot, status)
 
-    def process_exit(status: int = 0) -> None:
+    def process_exit(status: int = 0, cause: Optional[str] = None) -> None:
         snapshot = backend.dump_snapshot(snapshot_path)
+        cause = cause or (None if status == 0 else f"os._exit({status})")
         if at_process_exit is None:
-            raise _ProcessExit(status, snapshot)
-        at_process_exit(finish(snapshot, None if status == 0 else f"os._exit({status})", status))
+            raise _ProcessExit(status, snapshot, cause)
+        at_process_exit(finish(snapshot, cause, status))
         real_exit(status)
+
+    def terminated(signum: int, _frame) -> None:  # the process would end here: the device as it is now
+        process_exit(128 + signum, f"terminated by {signal.Signals(signum).name}")
 
     saved = sys.argv, list(sys.path), os.getcwd(), dict(os.environ)
     real_exit, error, status, snapshot = os._exit, None, None, None
@@ -192,6 +199,8 @@ def simulate_script(script: str | os.PathLike, args: Sequence[str] = (), capacit
             sys.path.insert(0, str(path.parent))
             namespace: dict = {}
             os._exit = process_exit
+            main = threading.current_thread() is threading.main_thread()
+            old_term = signal.signal(signal.SIGTERM, terminated) if main else None
             try:
                 namespace = runpy.run_path(str(path), run_name="__main__")
             except SystemExit as exc:
@@ -199,12 +208,13 @@ def simulate_script(script: str | os.PathLike, args: Sequence[str] = (), capacit
                 if status:
                     error = f"SystemExit({exc.code})"
             except _ProcessExit as exc:
-                status, snapshot = exc.status, exc.snapshot
-                error = None if exc.status == 0 else f"os._exit({exc.status})"
+                status, snapshot, error = exc.status, exc.snapshot, exc.cause
             except Exception as exc:  # the script's own failure is part of the answer
                 error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             finally:
                 os._exit = real_exit
+                if main:
+                    signal.signal(signal.SIGTERM, old_term)
                 sys.argv, sys.path[:] = saved[0], saved[1]
             if snapshot is None:
                 for thread in list(sim.threads):  # as the interpreter waits for them before it exits

@@ -81,6 +81,29 @@ def test_os_exit_from_python_stops_the_script_there_and_keeps_its_status(tmp_pat
     assert blocks(sim.snapshot) == [4 * 2**20] and sim.snapshot_path.is_file()
 
 
+def test_a_sigterm_the_script_gets_ends_it_there_with_status_143_and_the_snapshot(tmp_path):
+    """It had ended the run with no snapshot, no summary and no message."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    sim = simulate_source("import os, signal, torch\nx = torch.empty(2**20, device='cuda')\n"
+                          "os.kill(os.getpid(), signal.SIGTERM)\ny = torch.empty(2**21, device='cuda')\n",
+                          name="killed", out=tmp_path)
+    assert sim.status == 143 and sim.error == "terminated by SIGTERM"
+    assert blocks(sim.snapshot) == [4 * 2**20] and sim.snapshot_path.is_file()
+    assert signal.getsignal(signal.SIGTERM) is before  # the runner's own handler is back
+
+
+def test_a_sigterm_on_the_command_line_prints_the_summary_and_exits_143(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal, torch\nx = torch.empty(3 * 2**20, device='cuda')\n"
+                      "os.kill(os.getpid(), signal.SIGTERM)\nprint('after the signal')\n")
+    done = cli("--out", tmp_path / "out", script)
+    assert done.returncode == 143, done.stderr
+    assert "after the signal" not in done.stdout and "memory_viz" in done.stdout
+    assert (tmp_path / "out" / "killed_snapshot.pickle").is_file()
+
+
 def test_sys_exit_status_is_the_runs_status(tmp_path):
     assert simulate_source("import sys\nsys.exit(4)\n", out=tmp_path).status == 4
     assert simulate_source("import sys\nsys.exit()\n", out=tmp_path).status == 0

@@ -707,9 +707,9 @@ class BorrowScope(_SlotScope):
         s._routing = routing
 
     def __exit__(self, kind, error, trace) -> bool:
-        left = super().__exit__(kind, error, trace)
-        if isinstance(error, self.state.backend.OutOfMemoryError) and hasattr(error, "add_note"):  # Python 3.11+
-            _note_full_borrow_pool(error, self.state, self.user)
+        left = _SlotScope.__exit__(self, kind, error, trace)
+        if error is not None and isinstance(error, self.state.backend.OutOfMemoryError) and hasattr(error, "add_note"):
+            _note_full_borrow_pool(error, self.state, self.user)  # add_note: Python 3.11+
         return left
 
 

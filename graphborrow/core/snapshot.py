@@ -412,10 +412,11 @@ def _check_traces(snapshot: dict, required: bool) -> None:
                 if _integer(entry[key], f"{where} ({entry['action']})", key) < 0:
                     raise SnapshotFormatError(f"{where} ({entry['action']}) has {key} {entry[key]}; addresses, "
                                               "sizes and streams in a trace are never negative")
-            if "addr" in keys and "size" in keys and int(entry["addr"]) + int(entry["size"]) >= ADDRESS_LIMIT:
+            entry = _as_ints(entry, keys)
+            if "addr" in keys and "size" in keys and entry["addr"] + entry["size"] >= ADDRESS_LIMIT:
                 raise SnapshotFormatError(
-                    f"{where} ({entry['action']}): [{int(entry['addr']):#x}, +{int(entry['size'])}) runs past the end "
+                    f"{where} ({entry['action']}): [{entry['addr']:#x}, +{entry['size']}) runs past the end "
                     "of the 64-bit address space; no device address lies there")
-            out.append(_as_ints(entry, keys))
+            out.append(entry)
         checked.append(out)
     snapshot["device_traces"] = checked

@@ -128,17 +128,7 @@ def _origin(sims) -> str | None:
     return None
 
 
-# A simulated tensor's torch storage is the wrapper's empty one, never its device memory: a tensor
-# set onto it would read memory that does not exist (the interpreter crashed).
-_STORAGE_SOURCES = {_aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset}
-
-
 def dispatch(func, args, kwargs):
-    if func in _STORAGE_SOURCES:
-        raise NotImplementedError(
-            "set_(storage) onto a simulated CUDA tensor is not simulated: the simulated device's tensors have no "
-            "torch storage (untyped_storage() is an empty placeholder). Share memory with a view or "
-            "set_(other_tensor) instead")
     sims: list[SimTensor] = []
     inner_args = _unwrap(args, sims)
     inner_kwargs = {k: _unwrap(v, sims) for k, v in kwargs.items()} if kwargs else kwargs

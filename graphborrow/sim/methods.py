@@ -16,7 +16,7 @@ import copy
 import torch
 
 from . import host
-from .tensor import SimTensor, check_index, is_cuda_device, register_function
+from .tensor import SimTensor, check_index, is_cuda_device, register_cuda_model, register_function
 from .torch_function import torch_functions_off
 
 __all__ = ["DLPACK_REFUSED", "to_dlpack"]
@@ -189,6 +189,16 @@ def _deepcopy(self, memo):
         new.grad = copy.deepcopy(self.grad, memo)
     memo[id(self)] = new
     return new
+
+
+@register_cuda_model(torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset)
+def _set_storage(func, args, kwargs):
+    """A simulated tensor's torch storage is the wrapper's empty one, never its device memory: a tensor
+    set onto it would read memory that does not exist (the interpreter crashed)."""
+    raise NotImplementedError(
+        "set_(storage) onto a simulated CUDA tensor is not simulated: the simulated device's tensors have no "
+        "torch storage (untyped_storage() is an empty placeholder). Share memory with a view or "
+        "set_(other_tensor) instead")
 
 
 DLPACK_REFUSED = ("a simulated CUDA tensor has no device memory another library could read through DLPack "
